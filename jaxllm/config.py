@@ -1,0 +1,149 @@
+"""EngineArgs (the user's flags, vLLM's names) -> one validated Config."""
+import dataclasses
+import importlib.resources
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.models.config import ModelArchConfig
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+
+def bundled_model_configs() -> list[str]:
+    """Names of the model configs shipped in jaxllm.models.configs (for load_format="dummy")."""
+    files = importlib.resources.files("jaxllm.models.configs").iterdir()
+    return sorted(f.name.removesuffix(".json") for f in files if f.name.endswith(".json"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    path: str            # HF folder, .gguf file, or bundled config name
+    format: str          # "hf" | "gguf" | "bundled"
+    hf_config: dict
+    arch: ModelArchConfig
+    dtype: object        # a jnp dtype
+    max_model_len: int
+    load_format: str     # "auto" | "dummy"
+    skip_tokenizer_init: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    gpu_memory_utilization: float
+    num_gpu_blocks_override: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    attention_backend: str
+    seed: int
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    model: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    seed: int = 0
+    load_format: str = "auto"
+    attention_backend: str | None = None
+    tensor_parallel_size: int = 1
+    skip_tokenizer_init: bool = False
+
+    def create_config(self) -> Config:
+        _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _check(self.block_size in (16, 32, 64, 128), f"block_size must be 16, 32, 64 or 128, got {self.block_size}")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0,
+               f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
+               f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        _check(self.load_format in ("auto", "dummy"), f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        _check(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        _check(self.tensor_parallel_size <= jax.device_count(),
+               f"tensor_parallel_size={self.tensor_parallel_size} exceeds the {jax.device_count()} visible device(s)")
+        backends = ("reference", "pallas", "triton")
+        _check(self.attention_backend in (None, *backends),
+               f"attention_backend must be one of {backends}, got {self.attention_backend!r}")
+
+        path, fmt, hf_config = _resolve_model(self.model, self.load_format)
+        arch = ModelArchConfig.from_hf_config(hf_config)
+        max_len = self.max_model_len or arch.max_position_embeddings
+        _check(1 <= max_len <= arch.max_position_embeddings,
+               f"max_model_len must be in [1, {arch.max_position_embeddings}] (the model's "
+               f"max_position_embeddings), got {max_len}")
+        batched = self.max_num_batched_tokens or min(2048, max(max_len, self.max_num_seqs))
+        _check(batched >= self.max_num_seqs,
+               f"max_num_batched_tokens ({batched}) must be >= max_num_seqs ({self.max_num_seqs})")
+        from jaxllm.kernels.attention import default_backend
+        return Config(
+            model=ModelConfig(path=path, format=fmt, hf_config=hf_config, arch=arch,
+                              dtype=_resolve_dtype(self.dtype, hf_config), max_model_len=max_len,
+                              load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init),
+            cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.num_gpu_blocks_override),
+            scheduler=SchedulerConfig(self.max_num_seqs, batched, max_len),
+            parallel=ParallelConfig(self.tensor_parallel_size),
+            attention_backend=self.attention_backend or default_backend(),
+            seed=self.seed,
+        )
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _resolve_model(model: str | None, load_format: str) -> tuple[str, str, dict]:
+    from jaxllm.models import gguf
+    if model is None:
+        model = gguf.find_default_model()
+    if os.path.isfile(model) and model.endswith(".gguf"):
+        return model, "gguf", gguf.load_gguf_config(model)
+    if os.path.isdir(model):
+        config_path = os.path.join(model, "config.json")
+        _check(os.path.isfile(config_path), f"model folder {model!r} has no config.json")
+        with open(config_path) as f:
+            return model, "hf", json.load(f)
+    if model in bundled_model_configs():
+        _check(load_format == "dummy",
+               f"model {model!r} is a bundled config without weights: use load_format='dummy'")
+        text = importlib.resources.files("jaxllm.models.configs").joinpath(f"{model}.json").read_text()
+        return model, "bundled", json.loads(text)
+    raise ValueError(f"model {model!r} not found: pass an HF folder with config.json, a .gguf file, "
+                     f"or with load_format='dummy' one of {bundled_model_configs()}")
+
+
+def _resolve_dtype(dtype: str, hf_config: dict):
+    name = _DTYPE_ALIASES.get(dtype, dtype)
+    if name == "auto":
+        if jax.default_backend() == "cpu":
+            return jnp.float32  # XLA's CPU matmuls are slow and inexact in half precision
+        name = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16")
+        name = "bfloat16" if name == "float32" else name  # serve fp32 checkpoints in bf16, as on GPU engines
+    _check(name in _DTYPES, f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[name]

@@ -1,0 +1,142 @@
+"""Scheduler: which requests run this step, and with how many new tokens.
+
+vLLM v1's policy: running requests first (decodes and unfinished prefill chunks),
+then waiting ones in arrival order, all under one token budget
+(`max_num_batched_tokens`) and `max_num_seqs`. A request's new tokens are simply
+`num_tokens - num_computed_tokens`, so prefill chunks, decodes and recomputation
+after preemption are one case. When blocks run out, the newest running request
+is preempted (its blocks freed, its progress reset) back to the head of waiting.
+"""
+import collections
+import dataclasses
+
+from jaxllm.config import SchedulerConfig
+from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.request import FINISH_REASONS, Request, RequestStatus
+
+
+@dataclasses.dataclass
+class ScheduledRequest:
+    request: Request
+    num_computed_tokens: int  # before this step
+    num_new_tokens: int
+    block_ids: list[int]
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    requests: list[ScheduledRequest]
+    num_scheduled_tokens: int
+    num_preempted: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclasses.dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted = 0
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted += 1
+                if victim is request:
+                    break
+            else:
+                scheduled.append((request, num_new))
+                budget -= num_new
+                i += 1
+
+        # Admit waiting requests only in a step that preempted nothing: blocks are short.
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(request, num_new):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+
+        out = []
+        for request, num_new in scheduled:
+            out.append(ScheduledRequest(request, request.num_computed_tokens, num_new,
+                                        self.kv.block_ids(request.request_id)))
+            request.num_computed_tokens += num_new
+        self.num_preemptions += preempted
+        return SchedulerOutput(out, self.config.max_num_batched_tokens - budget, preempted)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids) -> list[EngineCoreOutput]:
+        """Append each request's sampled token (for those whose step reached the
+        end of their tokens) and finish the ones that stop."""
+        outputs = []
+        for i, sched in enumerate(scheduler_output.requests):
+            request = sched.request
+            if request.is_finished or request.num_computed_tokens < request.num_tokens:
+                continue  # aborted meanwhile, or a prefill chunk short of the prompt's end
+            request.append_token(int(sampled_token_ids[i]))
+            finished = request.check_stop(self.config.max_model_len)
+            if finished:
+                self._free(request)
+            outputs.append(EngineCoreOutput(request.request_id, [request.output_token_ids[-1]],
+                                            FINISH_REASONS.get(request.status), request.stop_reason))
+        return outputs
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> None:
+        """End requests from outside the step (abort, stop string): free their blocks."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request in self.waiting:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+
+    def _free(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        self.kv.free(request)
+        del self.requests[request.request_id]

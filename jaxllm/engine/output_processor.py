@@ -1,0 +1,88 @@
+"""OutputProcessor: incremental detokenization, stop strings, RequestOutputs."""
+from tokenizers.decoders import DecodeStream
+
+from jaxllm.core.scheduler import EngineCoreOutput
+from jaxllm.outputs import CompletionOutput, RequestOutput
+from jaxllm.sampling_params import SamplingParams
+
+_PROMPT_CONTEXT_TOKENS = 6  # enough prompt context for the first output token's spacing
+
+
+class RequestState:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, tokenizer):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self._tokenizer = tokenizer
+        self._stream = None
+        if tokenizer is not None:
+            self._stream = DecodeStream(ids=prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:],
+                                        skip_special_tokens=params.skip_special_tokens)
+
+    def append(self, token_ids: list[int]) -> bool:
+        """Add new tokens; True if a stop string ended the request."""
+        self.token_ids.extend(token_ids)
+        if self._stream is None:
+            return False
+        start = len(self.text)
+        for t in token_ids:
+            piece = self._stream.step(self._tokenizer._tokenizer, t)
+            if piece:
+                self.text += piece
+        return bool(self.params.stop) and self._check_stop_strings(start)
+
+    def _check_stop_strings(self, new_text_start: int) -> bool:
+        longest = max(len(s) for s in self.params.stop)
+        search_from = max(0, new_text_start - longest + 1)
+        for stop in self.params.stop:
+            at = self.text.find(stop, search_from)
+            if at >= 0:
+                end = at + len(stop) if self.params.include_stop_str_in_output else at
+                self.text = self.text[:end]
+                self.finish_reason, self.stop_reason = "stop", stop
+                return True
+        return False
+
+    def output(self) -> RequestOutput:
+        completion = CompletionOutput(0, self.text, list(self.token_ids),
+                                      finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
+                             finished=self.finish_reason is not None, error=self.error)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+        self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
+
+    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """RequestOutputs of the updated requests, and the ids a stop string finished
+        (the engine core must abort those)."""
+        outputs, stopped = [], []
+        for co in core_outputs:
+            state = self.states.get(co.request_id)
+            if state is None:
+                continue
+            if co.new_token_ids and state.append(co.new_token_ids):
+                stopped.append(co.request_id)
+            elif co.finish_reason is not None:
+                state.finish_reason, state.stop_reason, state.error = co.finish_reason, co.stop_reason, co.error
+            outputs.append(state.output())
+            if state.finish_reason is not None:
+                del self.states[co.request_id]
+        return outputs, stopped
+
+    def abort(self, request_ids) -> None:
+        for request_id in request_ids:
+            self.states.pop(request_id, None)

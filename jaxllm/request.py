@@ -1,0 +1,93 @@
+"""The engine core's view of one request: tokens, progress, and KV blocks."""
+import enum
+
+from jaxllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self.value >= RequestStatus.FINISHED_STOPPED.value
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_ids: tuple[int, ...], seed: int, arrival_s: float = 0.0):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.eos_token_ids = () if sampling_params.ignore_eos else tuple(eos_token_ids)
+        self.seed = seed  # sampling key of this request; its samples do not depend on the batch
+        self.arrival_s = arrival_s
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.max_tokens = sampling_params.max_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without copying the whole history."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Set a finished status if the last token ends the request (EOS, a stop
+        token id, max_tokens, or the model length). Stop strings are checked by
+        the OutputProcessor, which aborts the request through the engine."""
+        n_out = self.num_output_tokens
+        last = self.output_token_ids[-1]
+        if last in self.eos_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in self.sampling_params.stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = last
+            return True
+        if (self.max_tokens is not None and n_out >= self.max_tokens) or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

@@ -1,0 +1,58 @@
+"""On-device sampling, inside the jitted step.
+
+Per request: temperature (0 = greedy), top-k (<= 0 disables), top-p, min-p, and a
+stateless key `fold_in(key(seed), position)`, so a request's samples depend only
+on its own seed and position, never on what else is in the batch.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingMetadata:
+    temperature: jax.Array  # [num_reqs] float32, 0 for greedy
+    top_k: jax.Array        # [num_reqs] int32, <= 0 disables
+    top_p: jax.Array        # [num_reqs] float32, 1 disables
+    min_p: jax.Array        # [num_reqs] float32, 0 disables
+    seeds: jax.Array        # [num_reqs] uint32
+    positions: jax.Array    # [num_reqs] int32: position of the token being sampled
+
+
+def sample(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """logits [num_reqs, vocab] float32 -> token ids [num_reqs] int32."""
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    all_greedy = jnp.all(md.temperature == 0.0)
+    return jax.lax.cond(all_greedy, lambda: greedy_tokens,
+                        lambda: jnp.where(md.temperature == 0.0, greedy_tokens, _random_sample(logits, md)))
+
+
+def _random_sample(logits, md):
+    temperature = jnp.where(md.temperature == 0.0, 1.0, md.temperature)
+    logits = logits / temperature[:, None]
+    needs_filter = jnp.any((md.top_k > 0) | (md.top_p < 1.0) | (md.min_p > 0.0))
+    logits = jax.lax.cond(needs_filter, _filter, lambda x, _: x, logits, md)
+    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(md.seeds, md.positions)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:], jnp.float32))(keys)
+    return jnp.argmax(logits + gumbel, axis=-1).astype(jnp.int32)
+
+
+def _filter(logits, md):
+    """Mask to -inf every token outside top-k, outside the top-p nucleus, or under min-p."""
+    vocab = logits.shape[-1]
+    sorted_logits = -jnp.sort(-logits, axis=-1)  # descending
+    k = jnp.where(md.top_k > 0, jnp.minimum(md.top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    probs = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], probs, 0.0)
+    probs = probs / probs.sum(-1, keepdims=True)
+    # Keep the smallest prefix whose mass reaches top_p: a token stays while the mass before it is < top_p.
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = (mass_before < md.top_p[:, None]) & (probs >= md.min_p[:, None] * probs[:, :1])
+    keep = keep.at[:, 0].set(True)
+    num_kept = keep.sum(-1)
+    threshold = jnp.take_along_axis(sorted_logits, (num_kept - 1)[:, None], axis=-1)
+    threshold = jnp.maximum(threshold, kth)
+    return jnp.where(logits >= threshold, logits, -jnp.inf)

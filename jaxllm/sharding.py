@@ -1,0 +1,52 @@
+"""Where every weight and cache lives: a ("data", "model") mesh and one table of
+logical-axis rules.
+
+Model params carry logical axis names as NNX metadata (`out_sharding`, e.g.
+("embed", "q_heads")); the rules below map each name to a mesh axis. Tensor
+parallelism is the "model" axis: column-parallel q/k/v/gate/up shard their output
+axis, row-parallel o/down their input axis, embedding and head their vocab axis,
+and XLA inserts the collectives. Changing the parallelism changes the mesh (and
+at most this table), never the model.
+"""
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
+    ("vocab", "model"),     # embedding rows, head columns
+    ("embed", None),        # the residual stream: replicated
+    ("q_heads", "model"),   # q_proj out / o_proj in: num_heads * head_dim
+    ("kv_heads", "model"),  # k_proj, v_proj out: num_kv_heads * head_dim
+    ("mlp", "model"),       # gate/up out, down in
+    ("norm", None),         # RMSNorm scales
+)
+_RULES = dict(LOGICAL_AXIS_RULES)
+
+
+def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1) -> Mesh:
+    """A [data, model] mesh over the first dp * tp local devices. Axes are Auto, so
+    XLA propagates shardings through the model from the weights' placements."""
+    n = tensor_parallel_size * data_parallel_size
+    devices = jax.devices()
+    if n < 1 or n > len(devices):
+        raise ValueError(f"tensor_parallel_size * data_parallel_size = {n} must be in "
+                         f"[1, {len(devices)}] (the number of {jax.default_backend()} devices)")
+    grid = np.array(devices[:n]).reshape(data_parallel_size, tensor_parallel_size)
+    return Mesh(grid, ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def logical_to_spec(logical_axes: tuple[str | None, ...]) -> PartitionSpec:
+    """PartitionSpec of an array whose dimensions have these logical names."""
+    for a in logical_axes:
+        if a is not None and a not in _RULES:
+            raise ValueError(f"logical axis {a!r} has no rule; known: {sorted(_RULES)}")
+    return PartitionSpec(*(None if a is None else _RULES[a] for a in logical_axes))
+
+
+def named_sharding(mesh: Mesh, logical_axes: tuple[str | None, ...]) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(logical_axes))
+
+
+def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+    """[num_blocks, block_size, num_kv_heads, head_dim] caches shard over KV heads."""
+    return NamedSharding(mesh, PartitionSpec(None, None, _RULES["kv_heads"], None))

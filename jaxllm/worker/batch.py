@@ -1,0 +1,89 @@
+"""Packing a SchedulerOutput into the static-shape batch of one jitted step.
+
+Shapes depend only on the token bucket T (a power of two up to
+max_num_batched_tokens): per-request arrays are padded to R = min(T, max_num_seqs),
+so each bucket is one executable. All arrays are built with numpy in one pass.
+"""
+import dataclasses
+import itertools
+
+import jax
+import numpy as np
+
+from jaxllm.core.scheduler import SchedulerOutput
+from jaxllm.kernels.attention import AttentionMetadata
+from jaxllm.sample.sampler import SamplingMetadata
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    input_ids: np.ndarray       # [T] int32
+    positions: np.ndarray       # [T] int32
+    logits_indices: np.ndarray  # [R] int32: last scheduled token of each request
+    attention: AttentionMetadata
+    sampling: SamplingMetadata
+
+
+def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
+    buckets, b = [], smallest
+    while b < max_num_batched_tokens:
+        buckets.append(b)
+        b *= 2
+    return buckets + [max_num_batched_tokens]
+
+
+def request_bucket(token_bucket: int, max_num_seqs: int) -> int:
+    return min(token_bucket, max_num_seqs)
+
+
+def empty_batch(num_tokens: int, num_reqs: int, max_blocks_per_seq: int) -> StepBatch:
+    """An all-padding batch of the given bucket (warm-up compiles with these)."""
+    i32 = lambda *shape: np.zeros(shape, np.int32)
+    return StepBatch(
+        input_ids=i32(num_tokens), positions=i32(num_tokens), logits_indices=i32(num_reqs),
+        attention=AttentionMetadata(slot_mapping=np.full(num_tokens, -1, np.int32),
+                                    query_start_loc=i32(num_reqs + 1), seq_lens=i32(num_reqs),
+                                    block_tables=i32(num_reqs, max_blocks_per_seq), num_seqs=i32(1)),
+        sampling=SamplingMetadata(temperature=np.zeros(num_reqs, np.float32), top_k=i32(num_reqs),
+                                  top_p=np.ones(num_reqs, np.float32), min_p=np.zeros(num_reqs, np.float32),
+                                  seeds=np.zeros(num_reqs, np.uint32), positions=i32(num_reqs)))
+
+
+def pack(sched: SchedulerOutput, num_tokens: int, num_reqs: int, block_size: int,
+         max_blocks_per_seq: int) -> StepBatch:
+    """Fill an empty batch of bucket (num_tokens, num_reqs) with the scheduled requests."""
+    batch = empty_batch(num_tokens, num_reqs, max_blocks_per_seq)
+    reqs = sched.requests
+    n = len(reqs)
+    counts = np.fromiter((s.num_new_tokens for s in reqs), np.int32, n)
+    starts = np.fromiter((s.num_computed_tokens for s in reqs), np.int32, n)
+    total = int(counts.sum())
+    attn, smp = batch.attention, batch.sampling
+
+    qsl = attn.query_start_loc
+    np.cumsum(counts, out=qsl[1:n + 1])
+    qsl[n + 1:] = total
+    attn.seq_lens[:n] = starts + counts
+    attn.num_seqs[0] = n
+    for i, s in enumerate(reqs):
+        attn.block_tables[i, :len(s.block_ids)] = s.block_ids
+    batch.input_ids[:total] = np.fromiter(itertools.chain.from_iterable(
+        s.request.token_ids(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens) for s in reqs),
+        np.int32, total)
+
+    req_of_token = np.repeat(np.arange(n), counts)
+    pos = np.arange(total, dtype=np.int32) - qsl[req_of_token] + starts[req_of_token]
+    batch.positions[:total] = pos
+    attn.slot_mapping[:total] = attn.block_tables[req_of_token, pos // block_size] * block_size + pos % block_size
+    batch.logits_indices[:n] = qsl[1:n + 1] - 1
+
+    for i, s in enumerate(reqs):
+        p = s.request.sampling_params
+        smp.temperature[i] = p.temperature
+        smp.top_k[i] = p.top_k
+        smp.top_p[i] = p.top_p
+        smp.min_p[i] = p.min_p
+        smp.seeds[i] = s.request.seed
+    smp.positions[:n] = attn.seq_lens[:n]
+    return batch

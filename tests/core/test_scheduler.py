@@ -1,0 +1,113 @@
+"""Scheduler and KV cache manager behaviour, without a model."""
+import pytest
+
+from jaxllm.config import SchedulerConfig
+from jaxllm.core.block_pool import BlockPool
+from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.core.scheduler import Scheduler
+from jaxllm.request import Request, RequestStatus
+from jaxllm.sampling_params import SamplingParams
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=64):
+    kv = KVCacheManager(num_blocks, block_size)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), kv)
+
+
+def make_request(i, prompt_len, max_tokens=4):
+    return Request(str(i), list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, temperature=0),
+                   eos_token_ids=(), seed=i)
+
+
+def run_step(scheduler, token=7):
+    out = scheduler.schedule()
+    return out, scheduler.update_from_output(out, [token] * len(out.requests))
+
+
+def test_long_prompt_is_chunked_under_the_token_budget():
+    s = make_scheduler(budget=16)
+    s.add_request(make_request(0, 40))
+    sizes = [run_step(s)[0].requests[0].num_new_tokens for _ in range(3)]
+    assert sizes == [16, 16, 8]
+    assert s.running[0].output_token_ids == [7]  # a token only once the prompt is done
+
+
+def test_decodes_and_prefill_chunks_share_a_step():
+    s = make_scheduler(budget=16)
+    s.add_request(make_request(0, 3))
+    run_step(s)
+    s.add_request(make_request(1, 30))
+    out, _ = run_step(s)
+    assert [(r.request.request_id, r.num_new_tokens) for r in out.requests] == [("0", 1), ("1", 15)]
+
+
+def test_max_num_seqs_caps_running_requests():
+    s = make_scheduler(max_num_seqs=2)
+    for i in range(4):
+        s.add_request(make_request(i, 2))
+    out, _ = run_step(s)
+    assert len(out.requests) == 2 and len(s.waiting) == 2
+
+
+def test_newest_running_request_is_preempted_when_blocks_run_out():
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64, max_model_len=24)
+    for i in range(3):
+        s.add_request(make_request(i, 8, max_tokens=16))  # two blocks each: the pool is full
+    run_step(s)
+    out, _ = run_step(s)  # each needs a third block: the newest goes back to waiting
+    assert out.num_preempted >= 1
+    assert s.waiting[0].request_id == "2" and s.waiting[0].num_computed_tokens == 0
+    assert s.waiting[0].status == RequestStatus.PREEMPTED
+
+
+def test_preempted_request_recomputes_prompt_and_outputs():
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64, max_model_len=24)
+    for i in range(3):
+        s.add_request(make_request(i, 8, max_tokens=16))
+    recomputed = 0
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        for r in out.requests:
+            if r.num_computed_tokens == 0 and r.request.num_output_tokens > 0:
+                assert r.num_new_tokens == r.request.num_tokens  # prompt + outputs so far, again
+                recomputed += 1
+        s.update_from_output(out, [7] * len(out.requests))
+    assert s.num_preemptions > 0 and recomputed > 0
+
+
+def test_every_block_returns_to_the_pool():
+    s = make_scheduler(num_blocks=10, block_size=4, budget=16, max_model_len=32)
+    for i in range(6):
+        s.add_request(make_request(i, 5 + i, max_tokens=3 + i))
+    while s.has_unfinished_requests():
+        run_step(s)
+    assert s.kv.pool.num_free_blocks == 10 and not s.kv.req_to_blocks
+
+
+def test_aborted_request_frees_its_blocks():
+    s = make_scheduler(num_blocks=10)
+    s.add_request(make_request(0, 9))
+    run_step(s)
+    s.finish_requests(["0"], RequestStatus.FINISHED_ABORTED)
+    assert s.kv.pool.num_free_blocks == 10 and not s.has_unfinished_requests()
+
+
+def test_stop_token_and_length_finish_reasons():
+    s = make_scheduler()
+    r = Request("a", [1, 2], SamplingParams(max_tokens=5, stop_token_ids=[9]), eos_token_ids=(3,), seed=0)
+    s.add_request(r)
+    out, results = run_step(s, token=9)
+    assert results[0].finish_reason == "stop" and results[0].stop_reason == 9
+    r2 = make_request("b", 2, max_tokens=2)
+    s.add_request(r2)
+    run_step(s)
+    _, results = run_step(s)
+    assert results[0].finish_reason == "length" and r2.num_output_tokens == 2
+
+
+def test_block_pool_rejects_double_free():
+    pool = BlockPool(2)
+    blocks = pool.get_new_blocks(1)
+    pool.free_blocks(blocks)
+    with pytest.raises(RuntimeError, match="freed twice"):
+        pool.free_blocks(blocks)

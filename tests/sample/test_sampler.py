@@ -1,0 +1,73 @@
+"""The on-device sampler against its definition."""
+import jax.numpy as jnp
+import numpy as np
+
+import jax
+
+from jaxllm.sample import sampler
+
+sample = jax.jit(sampler.sample)
+SamplingMetadata = sampler.SamplingMetadata
+
+
+def metadata(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None):
+    full = lambda v, dt: jnp.full((n,), v, dt)
+    return SamplingMetadata(full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32),
+                            full(min_p, jnp.float32),
+                            jnp.arange(n, dtype=jnp.uint32) if seeds is None else jnp.asarray(seeds, jnp.uint32),
+                            jnp.zeros(n, jnp.int32) if positions is None else jnp.asarray(positions, jnp.int32))
+
+
+def random_logits(n, vocab=64, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((n, vocab)) * 3, jnp.float32)
+
+
+def test_temperature_zero_is_argmax():
+    logits = random_logits(8)
+    tokens = sample(logits, metadata(8, temperature=0.0))
+    np.testing.assert_array_equal(tokens, np.argmax(logits, -1))
+
+
+def test_top_k_keeps_only_the_k_largest():
+    logits = random_logits(1)
+    top3 = set(np.argsort(-np.asarray(logits[0]))[:3])
+    for pos in range(60):
+        token = int(sample(logits, metadata(1, top_k=3, positions=[pos]))[0])
+        assert token in top3
+
+
+def test_top_p_keeps_the_nucleus():
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]], jnp.float32))
+    seen = {int(sample(logits, metadata(1, top_p=0.7, positions=[p]))[0]) for p in range(200)}
+    assert seen == {0, 1}  # 0.5 < 0.7 so token 1 joins; 0.8 >= 0.7 stops there
+
+
+def test_min_p_drops_unlikely_tokens():
+    logits = jnp.log(jnp.asarray([[0.6, 0.3, 0.1]], jnp.float32))
+    seen = {int(sample(logits, metadata(1, min_p=0.4, positions=[p]))[0]) for p in range(200)}
+    assert seen == {0, 1}
+
+
+def test_samples_follow_the_softmax_distribution():
+    probs = np.array([0.1, 0.2, 0.3, 0.4])
+    logits = jnp.asarray(np.log(probs)[None].repeat(4000, 0), jnp.float32)
+    tokens = np.asarray(sample(logits, metadata(4000, seeds=np.arange(4000))))
+    freq = np.bincount(tokens, minlength=4) / 4000
+    np.testing.assert_allclose(freq, probs, atol=0.03)
+
+
+def test_same_seed_and_position_give_the_same_token_whatever_the_batch():
+    logits = random_logits(1, seed=3)
+    alone = sample(logits, metadata(1, seeds=[42], positions=[5]))
+    batch = jnp.concatenate([random_logits(3, seed=4), logits])
+    together = sample(batch, metadata(4, seeds=[1, 2, 3, 42], positions=[0, 0, 0, 5]))
+    assert int(alone[0]) == int(together[3])
+
+
+def test_greedy_and_random_requests_mix_in_one_batch():
+    logits = random_logits(4)
+    md = metadata(4)
+    md = SamplingMetadata(jnp.asarray([0.0, 1.0, 0.0, 1.0]), md.top_k, md.top_p, md.min_p, md.seeds, md.positions)
+    tokens = np.asarray(sample(logits, md))
+    argmax = np.argmax(logits, -1)
+    assert tokens[0] == argmax[0] and tokens[2] == argmax[2]
