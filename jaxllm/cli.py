@@ -73,10 +73,19 @@ def main(argv=None) -> int:
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    step = bench_sub.add_parser("step", help="engine step time at fixed batch sizes")
+    add_engine_args(step)
+    step.add_argument("--batch-sizes", default="1,64")
+    step.add_argument("--input-len", type=int, default=128)
+    step.add_argument("--output-len", type=int, default=128)
+    step.add_argument("--json", help="also write the results to this file")
     ns = parser.parse_args(argv)
     if ns.command == "generate":
         return cmd_generate(ns)
-    return 1
+    from jaxllm import bench as bench_mod
+    return bench_mod.main(ns, engine_args_from(ns))
 
 
 if __name__ == "__main__":

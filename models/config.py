@@ -1,0 +1,142 @@
+"""The architecture of a decoder model, read from a HF config.json.
+
+One frozen dataclass covers the Llama family, Mistral, Qwen2 and Qwen3: they
+differ only in a few flags (qkv bias, q/k norm, sliding window, rope scaling).
+"""
+import dataclasses
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_KEYS = {"default": (), "linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelArchConfig:
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", ...}; None: plain RoPE
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] | None = None  # layers that slide; None: all (when sliding_window)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        scaling = self.rope_scaling or {}
+        rope_type = scaling.get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {ROPE_TYPES}")
+        missing = [k for k in _ROPE_KEYS[rope_type] if k not in scaling]
+        if missing:
+            raise ValueError(f"rope_scaling of type {rope_type!r} lacks {missing}")
+
+    def __hash__(self):  # rope_scaling is a dict; hash its items so the config can be a static arg
+        fields = dataclasses.astuple(self)
+        return hash(tuple(tuple(sorted(f.items())) if isinstance(f, dict) else f for f in fields))
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Llama/Qwen3's attention_bias also covers o_proj; Qwen2's bias is on q/k/v only."""
+        return self.attention_bias and self.architecture != "qwen2"
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, or None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_layers is None or layer in self.sliding_layers:
+            return self.sliding_window
+        return None
+
+    @classmethod
+    def from_hf_config(cls, d: dict) -> "ModelArchConfig":
+        """Map a HF config.json dict; raises ValueError on an unsupported architecture."""
+        archs = d.get("architectures") or []
+        known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
+        if not known:
+            raise ValueError(f"unsupported model architecture {archs or d.get('model_type')!r}; "
+                             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        arch = SUPPORTED_ARCHITECTURES[known[0]]
+        if d.get("hidden_act", "silu") != "silu" or d.get("mlp_bias", False):
+            raise ValueError(f"unsupported MLP: hidden_act={d.get('hidden_act')!r}, "
+                             f"mlp_bias={d.get('mlp_bias')!r} (only a bias-free SiLU MLP)")
+        num_heads = d["num_attention_heads"]
+        head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
+        num_layers = d["num_hidden_layers"]
+        rope_theta, rope_scaling = _rope_from_hf(d)
+        sliding_window, sliding_layers = _sliding_from_hf(d, arch, num_layers)
+        eos = d.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        return cls(
+            architecture=arch,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=d.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            attention_bias=arch == "qwen2" or d.get("attention_bias", False),
+            qk_norm=arch == "qwen3",
+            sliding_window=sliding_window,
+            sliding_layers=sliding_layers,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _rope_from_hf(d: dict) -> tuple[float, dict | None]:
+    """(theta, scaling) from either the legacy `rope_theta` + `rope_scaling` keys or
+    transformers 5's `rope_parameters` dict."""
+    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    theta = float(d.get("rope_theta") or params.pop("rope_theta", None) or 10000.0)
+    params.pop("rope_theta", None)
+    legacy_type = params.pop("type", None)
+    rope_type = params.pop("rope_type", None) or legacy_type or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {ROPE_TYPES}")
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "llama3":
+        params.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
+    return theta, {"rope_type": rope_type, **params}
+
+
+def _sliding_from_hf(d: dict, arch: str, num_layers: int):
+    """(sliding_window, sliding_layers). Mistral slides every layer when `sliding_window`
+    is set; Qwen only with `use_sliding_window`, and only layers >= max_window_layers
+    (or those `layer_types` names "sliding_attention")."""
+    window = d.get("sliding_window")
+    if arch in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+        window = None
+    if arch == "llama" or window is None:
+        return None, None
+    if d.get("layer_types"):
+        return window, tuple(i for i, t in enumerate(d["layer_types"]) if t == "sliding_attention")
+    if arch in ("qwen2", "qwen3"):
+        return window, tuple(range(d.get("max_window_layers", 0), num_layers))
+    return window, None

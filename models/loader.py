@@ -1,0 +1,135 @@
+"""Build a model whose params live on the mesh: from HF tensors, or random ("dummy").
+
+The module is built abstractly (nnx.eval_shape: shapes, dtypes and logical axes, no
+arrays), then every param is made or loaded straight into its NamedSharding, one
+tensor at a time, so the host never holds the model and no device holds a second copy.
+"""
+import functools
+import json
+import os
+from collections.abc import Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from jaxllm.models.config import ModelArchConfig
+from jaxllm.models.llama import INIT_STD, LlamaForCausalLM
+from jaxllm.sharding import named_sharding
+
+Path = tuple  # a param's path in the module, e.g. ("layers", 0, "self_attn", "q_proj", "kernel")
+
+
+def create_model(config: ModelArchConfig, *, dtype, mesh: jax.sharding.Mesh,
+                 weights: Iterable[tuple[str, np.ndarray]] | None, seed: int = 0) -> LlamaForCausalLM:
+    """The model with params placed on `mesh` by the logical-axis rules.
+
+    weights: (HF name, array) pairs in HF layout (Linear weights [out, in]), streamed;
+    None gives random weights made on device (load_format="dummy").
+    """
+    dtype = jnp.dtype(dtype)
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    params = dict(nnx.to_flat_state(state))
+    shardings = {path: named_sharding(mesh, var.get_metadata()["out_sharding"]) for path, var in params.items()}
+    if weights is None:
+        values = _dummy_params(params, shardings, seed)
+    else:
+        values = _load_params(config, params, shardings, weights)
+    state = nnx.from_flat_state([(path, var.replace(values[path])) for path, var in params.items()])
+    return nnx.merge(graphdef, state)
+
+
+def _dummy_params(params: dict, shardings: dict, seed: int) -> dict:
+    """Normal(0, INIT_STD) weights, ones for norm scales, each made by a jitted function
+    straight into its sharding, with its own key."""
+    base_key = jax.random.key(seed)
+    values = {}
+    for i, (path, var) in enumerate(params.items()):
+        is_norm = var.get_metadata()["out_sharding"] == ("norm",)
+        make = _random_fn(var.shape, var.dtype, shardings[path], is_norm)
+        values[path] = make(jax.random.fold_in(base_key, i))
+    return values
+
+
+@functools.lru_cache(maxsize=None)
+def _random_fn(shape, dtype, sharding, ones):
+    def make(key):
+        return jnp.ones(shape, dtype) if ones else INIT_STD * jax.random.normal(key, shape, dtype)
+    return jax.jit(make, out_shardings=sharding)
+
+
+def _load_params(config: ModelArchConfig, params: dict, shardings: dict,
+                 weights: Iterable[tuple[str, np.ndarray]]) -> dict:
+    values = {}
+    for name, array in weights:
+        if name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight"):
+            continue  # a buffer some checkpoints save; or the head a tied model does not use
+        path, transpose = hf_name_to_path(name)
+        if path not in params:
+            raise ValueError(f"unexpected tensor {name!r} in checkpoint: the {config.architecture} "
+                             f"model has no param {'.'.join(map(str, path))}")
+        if path in values:
+            raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
+        var = params[path]
+        expected = var.shape[::-1] if transpose else var.shape  # in HF layout
+        if tuple(array.shape) != expected:
+            raise ValueError(f"tensor {name!r} has shape {tuple(array.shape)}, expected {expected}")
+        if transpose:
+            array = array.T
+        # Blocking keeps at most one converted tensor alive on the host.
+        values[path] = jax.block_until_ready(jax.device_put(np.asarray(array, dtype=var.dtype), shardings[path]))
+    missing = [path_to_hf_name(p) for p in params if p not in values]
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:8])}"
+                         + (", ..." if len(missing) > 8 else ""))
+    return values
+
+
+def hf_name_to_path(name: str) -> tuple[Path, bool]:
+    """HF tensor name -> (our param path, whether to transpose [out, in] -> [in, out])."""
+    parts = [int(p) if p.isdigit() else p for p in name.removeprefix("model.").split(".")]
+    *module, leaf = parts
+    if module and module[-1] == "embed_tokens":
+        return (*module, "embedding"), False
+    if module and leaf == "weight" and (str(module[-1]).endswith("_proj") or module[-1] == "lm_head"):
+        return (*module, "kernel"), True
+    return tuple(parts), False
+
+
+def path_to_hf_name(path: Path) -> str:
+    name = ".".join(str(p) for p in path)
+    for ours in (".kernel", ".embedding"):
+        if name.endswith(ours):
+            name = name.removesuffix(ours) + ".weight"
+    return name if name.startswith("lm_head") else "model." + name
+
+
+def read_hf_folder(path: str) -> tuple[dict, Iterator[tuple[str, np.ndarray]]]:
+    """(config.json as a dict, a lazy iterator over every tensor of the folder's
+    safetensors files, listed by model.safetensors.index.json when present)."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"no config.json in model folder {path!r}")
+    with open(config_path) as f:
+        config = json.load(f)
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]  # beside it may sit e.g. Mistral's consolidated.safetensors
+    else:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in model folder {path!r}")
+
+    def tensors():
+        for file in files:
+            with safe_open(os.path.join(path, file), framework="np") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    return config, tensors()
