@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 venv: $(VENV)/.installed
 
 run: venv
-	$(VENV)/bin/jaxllm generate --max-tokens 64
+	$(VENV)/bin/jaxllm generate --chat --max-tokens 64 --max-model-len 2048 --max-num-batched-tokens 512
 
 test: venv
 	$(PY) -m pytest -q tests

@@ -6,8 +6,8 @@ from jaxllm.config import ModelConfig
 
 
 def get_tokenizer(mc: ModelConfig):
-    if mc.skip_tokenizer_init:
-        return None
+    if mc.skip_tokenizer_init or mc.format == "bundled":
+        return None  # bundled configs ship no vocabulary: token-id prompts only
     if mc.format == "gguf":
         from jaxllm.models.gguf import load_gguf_tokenizer
         return load_gguf_tokenizer(mc.path)

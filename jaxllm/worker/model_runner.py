@@ -22,7 +22,7 @@ from jaxllm.worker import batch as batching
 
 logger = logging.getLogger(__name__)
 
-_CPU_KV_CACHE_BYTES = 2 << 30  # CPU devices report no memory: cap the cache at 2 GiB
+_CPU_KV_CACHE_BYTES = 512 << 20  # CPU devices report no memory: cap the cache at 512 MiB
 
 
 def iter_weights(mc: ModelConfig):

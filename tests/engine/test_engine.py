@@ -106,3 +106,9 @@ def test_one_bad_request_leaves_the_others_running(llm):
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert sorted(finished) == ["good-1", "good-2"]
     assert all(len(o.outputs[0].token_ids) == 3 for o in finished.values())
+
+
+def test_kv_cache_that_cannot_hold_one_full_request_is_rejected_at_start():
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        LLM(tiny_model("llama"), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN,
+            num_gpu_blocks_override=MAX_MODEL_LEN // 16 - 1, block_size=16, show_progress=False)
