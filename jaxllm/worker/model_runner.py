@@ -46,7 +46,9 @@ class ModelRunner:
 
         weights = None if mc.load_format == "dummy" else iter_weights(mc)
         model = create_model(mc.arch, dtype=mc.dtype, mesh=self.mesh, weights=weights, seed=config.seed)
-        self._graphdef, self._state = nnx.split(model)
+        self._graphdef, state = nnx.split(model)
+        # A flat list of arrays dispatches faster than an nnx.State (0.14 vs 0.7 ms for 8B).
+        self._params, self._params_treedef = jax.tree.flatten(state)
         self._attn_fn = get_attention_fn(config.attention_backend)
 
         self.num_blocks = self._num_blocks()
@@ -95,8 +97,8 @@ class ModelRunner:
         return [(zeros(), zeros()) for _ in range(arch.num_layers)]
 
     # ---- the step ----
-    def _step_fn(self, state, kv_caches, batch: batching.StepBatch):
-        model = nnx.merge(self._graphdef, state)
+    def _step_fn(self, params, kv_caches, batch: batching.StepBatch):
+        model = nnx.merge(self._graphdef, jax.tree.unflatten(self._params_treedef, params))
         hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, batch.attention, self._attn_fn)
         logits = model.compute_logits(hidden[batch.logits_indices])
         return sample(logits, batch.sampling), kv_caches
@@ -106,7 +108,7 @@ class ModelRunner:
         return token_bucket, batching.request_bucket(token_bucket, self.config.scheduler.max_num_seqs)
 
     def _run(self, batch: batching.StepBatch) -> jax.Array:
-        tokens, self.kv_caches = self._step(self._state, self.kv_caches, batch)
+        tokens, self.kv_caches = self._step(self._params, self.kv_caches, batch)
         return tokens
 
     def warm_up(self, show_progress: bool = True) -> None:
