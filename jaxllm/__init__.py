@@ -3,6 +3,6 @@ from jaxllm.config import EngineArgs
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.entrypoints.llm import LLM
 from jaxllm.outputs import CompletionOutput, RequestOutput
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput"]

@@ -1,5 +1,12 @@
 """SamplingParams: how one request is sampled and when it stops (vLLM's fields)."""
 import dataclasses
+import enum
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0  # every step: everything generated so far
+    DELTA = 1       # every step: only what is new
+    FINAL_ONLY = 2  # once, when the request finishes (what LLM.generate uses)
 
 
 @dataclasses.dataclass
@@ -16,6 +23,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         if isinstance(self.stop, str):

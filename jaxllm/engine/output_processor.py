@@ -3,7 +3,7 @@ from tokenizers.decoders import DecodeStream
 
 from jaxllm.core.scheduler import EngineCoreOutput
 from jaxllm.outputs import CompletionOutput, RequestOutput
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 _PROMPT_CONTEXT_TOKENS = 6  # enough prompt context for the first output token's spacing
 
@@ -20,6 +20,7 @@ class RequestState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        self._sent_tokens = self._sent_text = 0  # what DELTA outputs already carried
         self._tokenizer = tokenizer
         self._stream = None
         if tokenizer is not None:
@@ -50,11 +51,20 @@ class RequestState:
                 return True
         return False
 
-    def output(self) -> RequestOutput:
-        completion = CompletionOutput(0, self.text, list(self.token_ids),
+    def output(self) -> RequestOutput | None:
+        """This step's RequestOutput, or None when the output kind has nothing to say."""
+        finished = self.finish_reason is not None
+        kind = self.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        text, token_ids = self.text, self.token_ids
+        if kind == RequestOutputKind.DELTA:
+            text, token_ids = text[self._sent_text:], token_ids[self._sent_tokens:]
+            self._sent_text, self._sent_tokens = len(self.text), len(self.token_ids)
+        completion = CompletionOutput(0, text, list(token_ids),
                                       finish_reason=self.finish_reason, stop_reason=self.stop_reason)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
-                             finished=self.finish_reason is not None, error=self.error)
+                             finished=finished, error=self.error)
 
 
 class OutputProcessor:
@@ -78,7 +88,9 @@ class OutputProcessor:
                 stopped.append(co.request_id)
             elif co.finish_reason is not None:
                 state.finish_reason, state.stop_reason, state.error = co.finish_reason, co.stop_reason, co.error
-            outputs.append(state.output())
+            out = state.output()
+            if out is not None:
+                outputs.append(out)
             if state.finish_reason is not None:
                 del self.states[co.request_id]
         return outputs, stopped

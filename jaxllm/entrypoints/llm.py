@@ -1,4 +1,5 @@
 """LLM: offline batch inference, vLLM's class and method names."""
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -8,7 +9,7 @@ from jaxllm.config import EngineArgs
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.processor import PromptType
 from jaxllm.outputs import RequestOutput
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 Messages = list[dict]
 
@@ -58,13 +59,18 @@ class LLM:
 
     @staticmethod
     def _params_list(sampling_params, n: int) -> list[SamplingParams]:
+        """One SamplingParams per prompt, each asking only for the final output."""
         if sampling_params is None:
-            return [SamplingParams()] * n
+            sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
+            sampling_params = [sampling_params] * n
         if len(sampling_params) != n:
             raise ValueError(f"got {len(sampling_params)} sampling_params for {n} prompts")
-        return list(sampling_params)
+        final = {}  # copy each distinct object once; the caller's stays as it was
+        for p in sampling_params:
+            if id(p) not in final:
+                final[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+        return [final[id(p)] for p in sampling_params]
 
     def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

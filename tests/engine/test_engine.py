@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from jaxllm import LLM, SamplingParams, compilation
+from jaxllm import LLM, RequestOutputKind, SamplingParams, compilation
 from tests.conftest import tiny_model
 
 MAX_MODEL_LEN = 128
@@ -112,3 +112,22 @@ def test_kv_cache_that_cannot_hold_one_full_request_is_rejected_at_start():
     with pytest.raises(ValueError, match="fewer than max_model_len"):
         LLM(tiny_model("llama"), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN,
             num_gpu_blocks_override=MAX_MODEL_LEN // 16 - 1, block_size=16, show_progress=False)
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])
+def test_output_kinds_add_up_to_the_same_tokens(llm, kind):
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, output_kind=kind)
+    engine.add_request(f"kind-{kind.name}", {"prompt_token_ids": [4, 5, 6]}, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    expected = llm.generate({"prompt_token_ids": [4, 5, 6]}, params, use_tqdm=False)[0].outputs[0].token_ids
+    steps = [o.outputs[0].token_ids for o in outs]
+    if kind == RequestOutputKind.DELTA:
+        assert sum(steps, []) == expected and all(len(s) == 1 for s in steps)
+    elif kind == RequestOutputKind.CUMULATIVE:
+        assert steps[-1] == expected and len(steps) == 6
+    else:
+        assert steps == [expected] and outs[0].finished
+    assert params.output_kind == kind  # generate() copied, did not mutate, the caller's params
