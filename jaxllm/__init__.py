@@ -1,5 +1,10 @@
 """jaxllm: vLLM's v1 inference engine on JAX/XLA."""
-from jaxllm.config import EngineArgs
+import os
+
+# jaxllm uses transformers for tokenizers only; its "PyTorch was not found" advice is noise here.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+from jaxllm.config import EngineArgs  # noqa: E402
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.entrypoints.llm import LLM
 from jaxllm.outputs import CompletionOutput, RequestOutput
