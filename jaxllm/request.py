@@ -28,23 +28,17 @@ FINISH_REASONS = {
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 eos_token_ids: tuple[int, ...], seed: int, arrival_s: float = 0.0):
+                 eos_token_ids: tuple[int, ...], seed: int):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params
         self.eos_token_ids = () if sampling_params.ignore_eos else tuple(eos_token_ids)
         self.seed = seed  # sampling key of this request; its samples do not depend on the batch
-        self.arrival_s = arrival_s
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.max_tokens = sampling_params.max_tokens
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -80,14 +74,15 @@ class Request:
         the OutputProcessor, which aborts the request through the engine."""
         n_out = self.num_output_tokens
         last = self.output_token_ids[-1]
+        # Length first, as vLLM: an EOS that is also the last allowed token finishes with "length".
+        if (self.max_tokens is not None and n_out >= self.max_tokens) or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
         if last in self.eos_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
             return True
         if last in self.sampling_params.stop_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
             self.stop_reason = last
-            return True
-        if (self.max_tokens is not None and n_out >= self.max_tokens) or self.num_tokens >= max_model_len:
-            self.status = RequestStatus.FINISHED_LENGTH
             return True
         return False

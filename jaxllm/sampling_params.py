@@ -1,6 +1,7 @@
 """SamplingParams: how one request is sampled and when it stops (vLLM's fields)."""
 import dataclasses
 import enum
+import math
 
 
 class RequestOutputKind(enum.Enum):
@@ -35,6 +36,13 @@ class SamplingParams:
     def _validate(self):
         if self.n != 1:
             raise ValueError(f"n must be 1 (parallel sampling is not supported yet), got {self.n}")
+        for name in ("temperature", "top_p", "min_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if not isinstance(self.top_k, int):
+            raise ValueError(f"top_k must be an int, got {self.top_k!r}")
+        if self.max_tokens is not None and not isinstance(self.max_tokens, int):
+            raise ValueError(f"max_tokens must be an int, got {self.max_tokens!r}")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

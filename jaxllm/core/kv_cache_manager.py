@@ -29,7 +29,3 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
-
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks

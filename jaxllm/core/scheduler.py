@@ -105,7 +105,6 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids) -> list[EngineCoreOutput]:

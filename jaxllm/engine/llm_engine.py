@@ -1,6 +1,5 @@
 """LLMEngine: a thin shell over the engine core: prompts in, RequestOutputs out."""
 import itertools
-import time
 
 from jaxllm.config import Config, EngineArgs
 from jaxllm.engine.core import EngineCore, InprocClient
@@ -10,11 +9,6 @@ from jaxllm.outputs import RequestOutput
 from jaxllm.request import Request
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.tokenizer import generation_eos_ids, get_tokenizer
-
-
-def request_seed(seed: int) -> int:
-    """Fold a 64-bit seed into the 32 bits of a sampling key."""
-    return (seed ^ (seed >> 32)) & 0xFFFFFFFF
 
 
 class LLMEngine:
@@ -39,7 +33,7 @@ class LLMEngine:
         n = next(self._request_counter)
         # Without a seed of its own, a request draws from the engine seed and its arrival number.
         seed = params.seed if params.seed is not None else hash((self.config.seed, n)) & (2**63 - 1)
-        request = Request(request_id, token_ids, params, self.eos_token_ids, request_seed(seed), time.monotonic())
+        request = Request(request_id, token_ids, params, self.eos_token_ids, seed)
         self.output_processor.add_request(request_id, text, token_ids, params)
         self.engine_core.add_request(request)
 

@@ -27,17 +27,19 @@ class RequestState:
             self._stream = DecodeStream(ids=prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:],
                                         skip_special_tokens=params.skip_special_tokens)
 
-    def append(self, token_ids: list[int]) -> bool:
-        """Add new tokens; True if a stop string ended the request."""
+    def append(self, token_ids: list[int], stop_terminated: bool) -> bool:
+        """Add new tokens; True if a stop string ended the request. A token that
+        stopped the request (EOS, a stop token id) stays out of the text, as in vLLM,
+        unless include_stop_str_in_output."""
         self.token_ids.extend(token_ids)
         if self._stream is None:
             return False
+        if stop_terminated and not self.params.include_stop_str_in_output:
+            token_ids = token_ids[:-1]
         start = len(self.text)
-        for t in token_ids:
-            piece = self._stream.step(self._tokenizer._tokenizer, t)
-            if piece:
-                self.text += piece
-        return bool(self.params.stop) and self._check_stop_strings(start)
+        pieces = [self._stream.step(self._tokenizer._tokenizer, t) for t in token_ids]
+        self.text += "".join(p for p in pieces if p)
+        return bool(self.params.stop) and not stop_terminated and self._check_stop_strings(start)
 
     def _check_stop_strings(self, new_text_start: int) -> bool:
         longest = max(len(s) for s in self.params.stop)
@@ -58,9 +60,12 @@ class RequestState:
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         text, token_ids = self.text, self.token_ids
+        if not finished and self.params.stop and not self.params.include_stop_str_in_output:
+            # Hold back what could be the start of a stop string until it is known not to be.
+            text = text[:max(len(text) - max(len(s) for s in self.params.stop) + 1, self._sent_text)]
         if kind == RequestOutputKind.DELTA:
-            text, token_ids = text[self._sent_text:], token_ids[self._sent_tokens:]
-            self._sent_text, self._sent_tokens = len(self.text), len(self.token_ids)
+            self._sent_text, text = len(text), text[self._sent_text:]
+            self._sent_tokens, token_ids = len(token_ids), token_ids[self._sent_tokens:]
         completion = CompletionOutput(0, text, list(token_ids),
                                       finish_reason=self.finish_reason, stop_reason=self.stop_reason)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
@@ -84,7 +89,7 @@ class OutputProcessor:
             state = self.states.get(co.request_id)
             if state is None:
                 continue
-            if co.new_token_ids and state.append(co.new_token_ids):
+            if co.new_token_ids and state.append(co.new_token_ids, stop_terminated=co.finish_reason == "stop"):
                 stopped.append(co.request_id)
             elif co.finish_reason is not None:
                 state.finish_reason, state.stop_reason, state.error = co.finish_reason, co.stop_reason, co.error

@@ -17,7 +17,7 @@ class SamplingMetadata:
     top_k: jax.Array        # [num_reqs] int32, <= 0 disables
     top_p: jax.Array        # [num_reqs] float32, 1 disables
     min_p: jax.Array        # [num_reqs] float32, 0 disables
-    seeds: jax.Array        # [num_reqs] uint32
+    seeds: jax.Array        # [num_reqs, 2] uint32: a 64-bit seed as (high, low) words
     positions: jax.Array    # [num_reqs] int32: position of the token being sampled
 
 
@@ -34,25 +34,30 @@ def _random_sample(logits, md):
     logits = logits / temperature[:, None]
     needs_filter = jnp.any((md.top_k > 0) | (md.top_p < 1.0) | (md.min_p > 0.0))
     logits = jax.lax.cond(needs_filter, _filter, lambda x, _: x, logits, md)
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(md.seeds, md.positions)
+    keys = jax.vmap(_request_key)(md.seeds, md.positions)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:], jnp.float32))(keys)
     return jnp.argmax(logits + gumbel, axis=-1).astype(jnp.int32)
 
 
+def _request_key(seed, position):
+    key = jax.random.fold_in(jax.random.key(seed[0]), seed[1])
+    return jax.random.fold_in(key, position)
+
+
 def _filter(logits, md):
-    """Mask to -inf every token outside top-k, outside the top-p nucleus, or under min-p."""
+    """Mask to -inf every token under min-p, then outside top-k, then outside the
+    top-p nucleus of what is left (vLLM's order). The kept set is always a prefix of
+    the tokens sorted by logit, so one threshold logit per row describes it."""
     vocab = logits.shape[-1]
     sorted_logits = -jnp.sort(-logits, axis=-1)  # descending
-    k = jnp.where(md.top_k > 0, jnp.minimum(md.top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
     probs = jax.nn.softmax(sorted_logits, axis=-1)
-    probs = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], probs, 0.0)
+    k = jnp.where(md.top_k > 0, jnp.minimum(md.top_k, vocab), vocab)
+    keep = (probs >= md.min_p[:, None] * probs[:, :1]) & (jnp.arange(vocab)[None, :] < k[:, None])
+    probs = jnp.where(keep, probs, 0.0)
     probs = probs / probs.sum(-1, keepdims=True)
-    # Keep the smallest prefix whose mass reaches top_p: a token stays while the mass before it is < top_p.
+    # A token stays while the mass before it is < top_p (top_p = 1 keeps all: no float32 cumsum tail).
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = (mass_before < md.top_p[:, None]) & (probs >= md.min_p[:, None] * probs[:, :1])
-    keep = keep.at[:, 0].set(True)
-    num_kept = keep.sum(-1)
+    keep &= (mass_before < md.top_p[:, None]) | (md.top_p[:, None] >= 1.0)
+    num_kept = jnp.maximum(keep.sum(-1), 1)
     threshold = jnp.take_along_axis(sorted_logits, (num_kept - 1)[:, None], axis=-1)
-    threshold = jnp.maximum(threshold, kth)
     return jnp.where(logits >= threshold, logits, -jnp.inf)

@@ -47,7 +47,7 @@ def empty_batch(num_tokens: int, num_reqs: int, max_blocks_per_seq: int) -> Step
                                     block_tables=i32(num_reqs, max_blocks_per_seq), num_seqs=i32(1)),
         sampling=SamplingMetadata(temperature=np.zeros(num_reqs, np.float32), top_k=i32(num_reqs),
                                   top_p=np.ones(num_reqs, np.float32), min_p=np.zeros(num_reqs, np.float32),
-                                  seeds=np.zeros(num_reqs, np.uint32), positions=i32(num_reqs)))
+                                  seeds=np.zeros((num_reqs, 2), np.uint32), positions=i32(num_reqs)))
 
 
 def pack(sched: SchedulerOutput, num_tokens: int, num_reqs: int, block_size: int,
@@ -78,12 +78,12 @@ def pack(sched: SchedulerOutput, num_tokens: int, num_reqs: int, block_size: int
     attn.slot_mapping[:total] = attn.block_tables[req_of_token, pos // block_size] * block_size + pos % block_size
     batch.logits_indices[:n] = qsl[1:n + 1] - 1
 
-    for i, s in enumerate(reqs):
-        p = s.request.sampling_params
-        smp.temperature[i] = p.temperature
-        smp.top_k[i] = p.top_k
-        smp.top_p[i] = p.top_p
-        smp.min_p[i] = p.min_p
-        smp.seeds[i] = s.request.seed
+    params = [s.request.sampling_params for s in reqs]
+    smp.temperature[:n] = [p.temperature for p in params]
+    smp.top_k[:n] = np.minimum([p.top_k for p in params], np.iinfo(np.int32).max)
+    smp.top_p[:n] = [p.top_p for p in params]
+    smp.min_p[:n] = [p.min_p for p in params]
+    seeds = np.array([s.request.seed for s in reqs], np.uint64)
+    smp.seeds[:n, 0], smp.seeds[:n, 1] = seeds >> np.uint64(32), seeds & np.uint64(0xFFFFFFFF)
     smp.positions[:n] = attn.seq_lens[:n]
     return batch

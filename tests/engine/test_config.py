@@ -52,3 +52,14 @@ def test_bundled_config_needs_dummy_weights():
         EngineArgs(model="llama-3.1-8b").create_config()
     config = EngineArgs(model="llama-3.1-8b", load_format="dummy", max_model_len=1024).create_config()
     assert config.model.arch.num_layers == 32
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": float("nan")}, "temperature must be a finite"),
+    ({"top_p": float("inf")}, "top_p must be a finite"),
+    ({"max_tokens": 2.5}, "max_tokens must be an int"),
+    ({"top_k": 1.5}, "top_k must be an int"),
+])
+def test_non_finite_or_non_integer_sampling_params_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)

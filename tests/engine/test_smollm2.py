@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from jaxllm import LLM, SamplingParams
+from jaxllm import LLM, RequestOutputKind, SamplingParams
 from tests.conftest import FIXTURES
 
 with open(os.path.join(FIXTURES, "smollm2_golden.json")) as f:
@@ -62,3 +62,23 @@ def test_stop_string_truncates_and_finishes(llm):
     kept = llm.generate(g["prompt"], greedy(stop=[stop], include_stop_str_in_output=True), use_tqdm=False)[0]
     assert kept.outputs[0].text == full[:full.index(stop) + len(stop)]
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_stop_token_stays_out_of_the_text(llm):
+    g = GOLDEN["generations"][0]
+    newline = llm.get_tokenizer().encode("\n", add_special_tokens=False)[0]
+    out = llm.generate(g["prompt"], greedy(stop_token_ids=[newline]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == newline and out.token_ids[-1] == newline
+    assert out.text == g["output_text"][:g["output_text"].index("\n")]
+
+
+def test_streamed_deltas_never_show_part_of_a_stop_string(llm):
+    g = GOLDEN["generations"][0]
+    full = g["output_text"]
+    stop = full.strip()[3:7]
+    engine = llm.llm_engine
+    engine.add_request("stream", g["prompt"], greedy(stop=[stop], output_kind=RequestOutputKind.DELTA))
+    pieces = []
+    while engine.has_unfinished_requests():
+        pieces += [o.outputs[0].text for o in engine.step()]
+    assert "".join(pieces) == full[:full.index(stop)]

@@ -14,8 +14,13 @@ def metadata(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, posi
     full = lambda v, dt: jnp.full((n,), v, dt)
     return SamplingMetadata(full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32),
                             full(min_p, jnp.float32),
-                            jnp.arange(n, dtype=jnp.uint32) if seeds is None else jnp.asarray(seeds, jnp.uint32),
+                            seed_words(np.arange(n) if seeds is None else seeds),
                             jnp.zeros(n, jnp.int32) if positions is None else jnp.asarray(positions, jnp.int32))
+
+
+def seed_words(seeds):
+    seeds = np.asarray(seeds, np.uint64)
+    return jnp.asarray(np.stack([seeds >> np.uint64(32), seeds & np.uint64(0xFFFFFFFF)], -1).astype(np.uint32))
 
 
 def random_logits(n, vocab=64, seed=0):
@@ -71,3 +76,31 @@ def test_greedy_and_random_requests_mix_in_one_batch():
     tokens = np.asarray(sample(logits, md))
     argmax = np.argmax(logits, -1)
     assert tokens[0] == argmax[0] and tokens[2] == argmax[2]
+
+
+def test_a_row_without_filters_is_unaffected_by_filters_elsewhere_in_the_batch():
+    logits = random_logits(1, vocab=49152, seed=7)
+    alone = [int(sample(logits, metadata(1, seeds=[9], positions=[p]))[0]) for p in range(20)]
+    batch = jnp.concatenate([logits, random_logits(1, vocab=49152, seed=8)])
+    md = metadata(2, seeds=[9, 1])
+    together = []
+    for p in range(20):
+        md = SamplingMetadata(md.temperature, jnp.asarray([0, 5], jnp.int32), jnp.asarray([1.0, 0.5]),
+                              md.min_p, md.seeds, jnp.asarray([p, p], jnp.int32))
+        together.append(int(sample(batch, md)[0]))
+    assert alone == together
+
+
+def test_min_p_applies_before_top_p():
+    # min_p=0.4 leaves {0.5, 0.3} -> renormalised {0.625, 0.375}; top_p=0.6 then keeps token 0 alone
+    # (top-p on the original distribution would keep token 1 too: 0.5 < 0.6).
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]], jnp.float32))
+    seen = {int(sample(logits, metadata(1, min_p=0.4, top_p=0.6, positions=[p]))[0]) for p in range(100)}
+    assert seen == {0}
+
+
+def test_64_bit_seeds_that_share_low_words_give_different_streams():
+    logits = jnp.zeros((2, 1000), jnp.float32)
+    streams = [[int(t) for t in sample(logits, metadata(2, seeds=[5, 5 + 2**32], positions=[p, p]))]
+               for p in range(8)]
+    assert [a for a, _ in streams] != [b for _, b in streams]
