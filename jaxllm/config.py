@@ -87,9 +87,9 @@ class EngineArgs:
         _check(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         _check(self.tensor_parallel_size <= jax.device_count(),
                f"tensor_parallel_size={self.tensor_parallel_size} exceeds the {jax.device_count()} visible device(s)")
-        backends = ("reference", "pallas", "triton")
-        _check(self.attention_backend in (None, *backends),
-               f"attention_backend must be one of {backends}, got {self.attention_backend!r}")
+        from jaxllm.kernels.attention import BACKENDS, default_backend
+        _check(self.attention_backend in (None, *BACKENDS),
+               f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
 
         path, fmt, hf_config = _resolve_model(self.model, self.load_format)
         arch = ModelArchConfig.from_hf_config(hf_config)
@@ -100,7 +100,6 @@ class EngineArgs:
         batched = self.max_num_batched_tokens or min(2048, max(max_len, self.max_num_seqs))
         _check(batched >= self.max_num_seqs,
                f"max_num_batched_tokens ({batched}) must be >= max_num_seqs ({self.max_num_seqs})")
-        from jaxllm.kernels.attention import default_backend
         return Config(
             model=ModelConfig(path=path, format=fmt, hf_config=hf_config, arch=arch,
                               dtype=_resolve_dtype(self.dtype, hf_config), max_model_len=max_len,

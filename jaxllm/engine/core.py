@@ -35,10 +35,13 @@ class EngineCore:
             return []
         try:
             sampled = self.runner.execute(sched)
-        except Exception as e:  # one failed step ends its requests with an error; the engine serves on
+        except Exception as e:
+            # The step may have consumed the donated KV caches: every running request loses
+            # its KV and ends with the error; fresh caches serve the requests still waiting.
             logger.exception("model step failed")
-            ids = [s.request.request_id for s in sched.requests]
+            ids = [r.request_id for r in self.scheduler.running]
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+            self.runner.reset_kv_caches()
             return [EngineCoreOutput(i, [], "error", error=f"{type(e).__name__}: {e}") for i in ids]
         return self.scheduler.update_from_output(sched, sampled)
 

@@ -23,7 +23,7 @@ class Processor:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids hold ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        if (params.stop or not params.skip_special_tokens) and self.tokenizer is None:
+        if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this engine was started with skip_tokenizer_init")
         return text, token_ids
 

@@ -58,7 +58,10 @@ class ModelRunner:
                 f"({mc.max_model_len}): raise gpu_memory_utilization or num_gpu_blocks_override, or lower max_model_len")
         self.kv_caches = self._allocate_kv_caches()
         self.token_buckets = batching.token_buckets(sc.max_num_batched_tokens)
-        self._step = jax.jit(self._step_fn, donate_argnums=(1,))
+        # Pin the caches' sharding on the way out too, so the next step sees the same input.
+        kv_sharding = kv_cache_sharding(self.mesh)
+        self._step = jax.jit(self._step_fn, donate_argnums=(1,),
+                             out_shardings=(None, [(kv_sharding, kv_sharding)] * mc.arch.num_layers))
 
     # ---- memory ----
     def _kv_bytes_per_block(self) -> int:
@@ -87,6 +90,10 @@ class ModelRunner:
                          + 2 * (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim)
         logits = 4 * min(tokens, sc.max_num_seqs) * arch.vocab_size * 4
         return 2 * (tokens * per_token + logits) + (256 << 20)
+
+    def reset_kv_caches(self) -> None:
+        """Fresh caches, after a failed step may have consumed the donated ones."""
+        self.kv_caches = self._allocate_kv_caches()
 
     def _allocate_kv_caches(self):
         arch = self.config.model.arch

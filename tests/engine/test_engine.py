@@ -131,3 +131,18 @@ def test_output_kinds_add_up_to_the_same_tokens(llm, kind):
     else:
         assert steps == [expected] and outs[0].finished
     assert params.output_kind == kind  # generate() copied, did not mutate, the caller's params
+
+
+def test_a_failed_step_ends_running_requests_with_an_error_and_the_engine_serves_on(llm, monkeypatch):
+    engine, runner = llm.llm_engine, llm.llm_engine.engine_core.core.runner
+    engine.add_request("doomed", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=5))
+    real_run = runner._run
+    monkeypatch.setattr(runner, "_run", lambda batch: (_ for _ in ()).throw(RuntimeError("device fell over")))
+    outs = engine.step()
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in outs] == [("doomed", "error")]
+    assert "device fell over" in outs[0].error and not engine.has_unfinished_requests()
+    monkeypatch.setattr(runner, "_run", real_run)
+    out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    scheduler = pool(llm)
+    assert scheduler.kv.pool.num_free_blocks == scheduler.kv.pool.num_blocks
