@@ -28,7 +28,8 @@ def token_positions(query_start_loc, seq_lens, num_seqs, num_tokens):
     is a real token. Each of shape [num_tokens]."""
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     num_reqs = seq_lens.shape[0]
-    req = jnp.searchsorted(query_start_loc[1:], token, side="right").astype(jnp.int32)
+    # compare_all: one fused comparison; the default binary search is a loop of small launches on GPU.
+    req = jnp.searchsorted(query_start_loc[1:], token, side="right", method="compare_all").astype(jnp.int32)
     req = jnp.minimum(req, num_reqs - 1)
     valid = token < query_start_loc[jnp.reshape(num_seqs, ())]
     q_end = query_start_loc[req + 1]
