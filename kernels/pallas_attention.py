@@ -206,19 +206,28 @@ def _attention_kernel(meta_ref, q_ref, k_ref, v_ref, tables_ref, *out_refs, scal
         plgpu.store(lse_ref.at[split, token_1d, head_1d], lse, mask=row_ok)
 
 
+def launch_programs(launch, num_tokens, num_q_heads, num_kv_heads, query_start_loc, seq_lens,
+                    num_seqs):
+    """What every backend derives from a Launch: q heads per KV head and its power-of-two
+    pad, tokens per q block, the number of programs, and their schedule."""
+    group = num_q_heads // num_kv_heads
+    group_pad = _next_pow2(group)
+    block_q = max(1, launch.block_m // group_pad)
+    num_programs = seq_lens.shape[0]
+    if launch.only != "decode":
+        num_programs += num_tokens // block_q
+    meta = schedule(query_start_loc, seq_lens, num_seqs, block_q, num_programs, launch.only)
+    return group, group_pad, block_q, num_programs, meta
+
+
 def _launch(launch, q, k_slots, v_slots, query_start_loc, seq_lens, block_tables, num_seqs,
             out, *, block_size, interpret, **options):
     """One pallas_call for `launch`. When `out` ([num_tokens, q_heads, dim]) is given,
     the call writes its rows into it, in place, and keeps the others."""
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, max_num_reqs = k_slots.shape[1], seq_lens.shape[0]
-    group = num_q_heads // num_kv_heads
-    group_pad = _next_pow2(group)
-    block_q = max(1, launch.block_m // group_pad)
-    num_programs = max_num_reqs
-    if launch.only != "decode":
-        num_programs += num_tokens // block_q
-    meta = schedule(query_start_loc, seq_lens, num_seqs, block_q, num_programs, launch.only)
+    num_kv_heads = k_slots.shape[1]
+    group, group_pad, block_q, num_programs, meta = launch_programs(
+        launch, num_tokens, num_q_heads, num_kv_heads, query_start_loc, seq_lens, num_seqs)
     splits = launch.num_splits
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]

@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxllm.kernels.pallas_attention import _next_pow2, combine_splits, plan, schedule
+from jaxllm.kernels.pallas_attention import combine_splits, launch_programs, plan
 
 
 @functools.cache
@@ -127,14 +127,8 @@ def _launch(launch, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
 
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    max_num_reqs = seq_lens.shape[0]
-    group = num_q_heads // num_kv_heads
-    group_pad = _next_pow2(group)
-    block_q = max(1, launch.block_m // group_pad)
-    num_programs = max_num_reqs
-    if launch.only != "decode":
-        num_programs += num_tokens // block_q
-    meta = schedule(query_start_loc, seq_lens, num_seqs, block_q, num_programs, launch.only)
+    group, group_pad, block_q, num_programs, meta = launch_programs(
+        launch, num_tokens, num_q_heads, num_kv_heads, query_start_loc, seq_lens, num_seqs)
     splits = launch.num_splits
     assert not (out is not None and splits > 1), "only a first launch may split"
     if splits == 1:
