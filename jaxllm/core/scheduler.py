@@ -20,7 +20,7 @@ class ScheduledRequest:
     request: Request
     num_computed_tokens: int  # before this step
     num_new_tokens: int
-    block_ids: list[int]
+    new_block_ids: list[int]  # blocks added this step; all of them when num_computed_tokens == 0
 
 
 @dataclasses.dataclass
@@ -28,6 +28,7 @@ class SchedulerOutput:
     requests: list[ScheduledRequest]
     num_scheduled_tokens: int
     num_preempted: int
+    finished_req_ids: list[str]  # ended since the last step: the runner drops their state
 
     @property
     def is_empty(self) -> bool:
@@ -51,6 +52,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._finished_req_ids: list[str] = []
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -63,21 +65,21 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[tuple[Request, int, list[int]]] = []
         preempted = 0
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
+            while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted += 1
                 if victim is request:
                     break
             else:
-                scheduled.append((request, num_new))
+                scheduled.append((request, num_new, new_blocks))
                 budget -= num_new
                 i += 1
 
@@ -85,21 +87,24 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(request, num_new):
+            new_blocks = self.kv.allocate_slots(request, num_new)
+            if new_blocks is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append((request, num_new))
+            scheduled.append((request, num_new, new_blocks))
             budget -= num_new
 
         out = []
-        for request, num_new in scheduled:
-            out.append(ScheduledRequest(request, request.num_computed_tokens, num_new,
-                                        self.kv.block_ids(request.request_id)))
+        for request, num_new, new_blocks in scheduled:
+            out.append(ScheduledRequest(request, request.num_computed_tokens, num_new, new_blocks))
             request.num_computed_tokens += num_new
         self.num_preemptions += preempted
-        return SchedulerOutput(out, self.config.max_num_batched_tokens - budget, preempted)
+        finished = []
+        if out:  # an empty output never reaches the runner: keep the ids for the next one
+            finished, self._finished_req_ids = self._finished_req_ids, []
+        return SchedulerOutput(out, self.config.max_num_batched_tokens - budget, preempted, finished)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -139,3 +144,4 @@ class Scheduler:
             self.running.remove(request)
         self.kv.free(request)
         del self.requests[request.request_id]
+        self._finished_req_ids.append(request.request_id)

@@ -25,6 +25,32 @@ class StepBatch:
     sampling: SamplingMetadata
 
 
+class BlockTables:
+    """The runner's host copy of each running request's block table. A step writes only
+    the blocks the scheduler added, so packing costs O(new blocks), not O(context)."""
+
+    def __init__(self, max_blocks_per_seq: int):
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self._rows: dict[str, np.ndarray] = {}
+        self._lengths: dict[str, int] = {}
+
+    def update(self, sched: SchedulerOutput) -> None:
+        for request_id in sched.finished_req_ids:
+            self._rows.pop(request_id, None)
+            self._lengths.pop(request_id, None)
+        for s in sched.requests:
+            request_id = s.request.request_id
+            if s.num_computed_tokens == 0:  # new, or recomputing after preemption: fresh blocks
+                self._rows[request_id] = np.zeros(self.max_blocks_per_seq, np.int32)
+                self._lengths[request_id] = 0
+            n = self._lengths[request_id]
+            self._rows[request_id][n:n + len(s.new_block_ids)] = s.new_block_ids
+            self._lengths[request_id] = n + len(s.new_block_ids)
+
+    def rows(self, sched: SchedulerOutput) -> list[np.ndarray]:
+        return [self._rows[s.request.request_id] for s in sched.requests]
+
+
 def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
     buckets, b = [], smallest
     while b < max_num_batched_tokens:
@@ -50,10 +76,11 @@ def empty_batch(num_tokens: int, num_reqs: int, max_blocks_per_seq: int) -> Step
                                   seeds=np.zeros((num_reqs, 2), np.uint32), positions=i32(num_reqs)))
 
 
-def pack(sched: SchedulerOutput, num_tokens: int, num_reqs: int, block_size: int,
-         max_blocks_per_seq: int) -> StepBatch:
-    """Fill an empty batch of bucket (num_tokens, num_reqs) with the scheduled requests."""
-    batch = empty_batch(num_tokens, num_reqs, max_blocks_per_seq)
+def pack(sched: SchedulerOutput, block_tables: BlockTables, num_tokens: int, num_reqs: int,
+         block_size: int) -> StepBatch:
+    """Fill an empty batch of bucket (num_tokens, num_reqs) with the scheduled requests
+    (block_tables already updated for this step)."""
+    batch = empty_batch(num_tokens, num_reqs, block_tables.max_blocks_per_seq)
     reqs = sched.requests
     n = len(reqs)
     counts = np.fromiter((s.num_new_tokens for s in reqs), np.int32, n)
@@ -66,8 +93,8 @@ def pack(sched: SchedulerOutput, num_tokens: int, num_reqs: int, block_size: int
     qsl[n + 1:] = total
     attn.seq_lens[:n] = starts + counts
     attn.num_seqs[0] = n
-    for i, s in enumerate(reqs):
-        attn.block_tables[i, :len(s.block_ids)] = s.block_ids
+    if n:
+        attn.block_tables[:n] = block_tables.rows(sched)
     batch.input_ids[:total] = np.fromiter(itertools.chain.from_iterable(
         s.request.token_ids(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens) for s in reqs),
         np.int32, total)

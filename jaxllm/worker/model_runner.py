@@ -58,6 +58,7 @@ class ModelRunner:
                 f"({mc.max_model_len}): raise gpu_memory_utilization or num_gpu_blocks_override, or lower max_model_len")
         self.kv_caches = self._allocate_kv_caches()
         self.token_buckets = batching.token_buckets(sc.max_num_batched_tokens)
+        self.block_tables = batching.BlockTables(self.max_blocks_per_seq)
         # Pin the caches' sharding on the way out too, so the next step sees the same input.
         kv_sharding = kv_cache_sharding(self.mesh)
         self._step = jax.jit(self._step_fn, donate_argnums=(1,),
@@ -127,7 +128,8 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> np.ndarray:
         """Run one step; returns the sampled token of each scheduled request, in order."""
         num_tokens, num_reqs = self._buckets_for(sched.num_scheduled_tokens)
-        batch = batching.pack(sched, num_tokens, num_reqs, self.block_size, self.max_blocks_per_seq)
+        self.block_tables.update(sched)
+        batch = batching.pack(sched, self.block_tables, num_tokens, num_reqs, self.block_size)
         tokens = self._run(batch)
         return np.asarray(tokens)[:len(sched.requests)]
 

@@ -111,3 +111,14 @@ def test_block_pool_rejects_double_free():
     pool.free_blocks(blocks)
     with pytest.raises(RuntimeError, match="freed twice"):
         pool.free_blocks(blocks)
+
+
+def test_scheduler_output_carries_only_new_blocks_and_finished_ids():
+    s = make_scheduler(block_size=4, budget=16)
+    s.add_request(make_request(0, 6, max_tokens=4))
+    new_blocks = [len(run_step(s)[0].requests[0].new_block_ids) for _ in range(4)]
+    assert new_blocks == [2, 0, 0, 1]  # tokens 1-6, 7, 8, then 9 opens a third block
+    assert not s.has_unfinished_requests()
+    s.add_request(make_request(1, 2))
+    out = s.schedule()
+    assert out.finished_req_ids == ["0"] and s.schedule().finished_req_ids == []
