@@ -20,7 +20,7 @@ class AttentionMetadata:
     num_seqs: jax.Array         # [1] int32
 
 
-BACKENDS = ("reference", "pallas", "triton")
+BACKENDS = ("reference", "pallas", "triton", "mosaic")
 
 
 def get_attention_fn(name: str):
@@ -30,6 +30,9 @@ def get_attention_fn(name: str):
     if name == "pallas":
         from jaxllm.kernels import pallas_attention
         return pallas_attention.ragged_paged_attention
+    if name == "mosaic":
+        from jaxllm.kernels import mosaic_attention
+        return mosaic_attention.ragged_paged_attention
     if name == "triton":
         from jaxllm.kernels import triton_attention
         return triton_attention.ragged_paged_attention
@@ -37,8 +40,12 @@ def get_attention_fn(name: str):
 
 
 def default_backend() -> str:
-    """The backend for the current platform: a GPU kernel on GPU, else the reference."""
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+    """The fastest backend for the current platform (docs/kernels.md): on Hopper,
+    Mosaic GPU prefill with Pallas decode; Pallas on other GPUs; else the reference."""
+    if jax.default_backend() != "gpu":
+        return "reference"
+    from jaxllm.kernels import mosaic_attention
+    return "mosaic" if mosaic_attention.is_hopper() else "pallas"
 
 
 write_kv = reference.write_kv

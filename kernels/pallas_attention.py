@@ -270,20 +270,39 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
     are left unspecified.
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    launches = plan(num_tokens, seq_lens.shape[0], num_q_heads, num_kv_heads, head_dim,
+    launches = plan(num_tokens, seq_lens.shape[0], num_q_heads, k_cache.shape[2], head_dim,
                     q.dtype.itemsize, block_m=block_m, tile=tile, num_splits=num_splits,
                     num_warps=num_warps, num_stages=num_stages)
+    return _run(launches, None, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                num_seqs, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                interpret=interpret)
+
+
+def _run(launches, out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs,
+         *, scale, sliding_window, soft_cap, interpret):
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     # A flat [slot, kv_head, head_dim] view: a slot is block * block_size + offset.
     k_slots = k_cache.reshape(num_blocks * block_size, num_kv_heads, head_dim)
     v_slots = v_cache.reshape(num_blocks * block_size, num_kv_heads, head_dim)
-    out = None
     for launch in launches:
         out = _launch(launch, q, k_slots, v_slots, query_start_loc, seq_lens, block_tables,
                       num_seqs, out, block_size=block_size, interpret=interpret,
                       scale=float(scale), sliding_window=sliding_window,
                       soft_cap=None if soft_cap is None else float(soft_cap))
     return out
+
+
+def decode_into(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs,
+                *, scale, sliding_window=None, soft_cap=None, interpret=False):
+    """Attention of the requests with one new token, written into `out` ([num_tokens,
+    q_heads, dim], from another kernel that served the others) in place."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    [launch, *_] = plan(num_tokens, seq_lens.shape[0], num_q_heads, k_cache.shape[2],
+                        head_dim, q.dtype.itemsize)
+    launch = dataclasses.replace(launch, only="decode", num_splits=1)
+    return _run([launch], out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                num_seqs, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                interpret=interpret)
 
 
 def ragged_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,

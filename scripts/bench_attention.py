@@ -64,7 +64,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm.kernels import pallas_attention, reference, triton_attention  # noqa: E402
+from jaxllm.kernels import (mosaic_attention, pallas_attention, reference,  # noqa: E402
+                            triton_attention)
 
 
 def median_time_s(fn, arg_sets, expect_s, reps=7, min_loop_s=0.02):
@@ -135,14 +136,20 @@ def batch_args(rng, k_cache, v_cache, ctx_lens, q_lens, num_tokens, max_num_reqs
             jnp.asarray([len(ctx_lens)], jnp.int32))
 
 
-MODULES = {"pallas": pallas_attention, "triton": triton_attention}
+MODULES = {"pallas": pallas_attention, "triton": triton_attention, "mosaic": mosaic_attention}
+# Mosaic GPU prefill variants timed alone: (tile, stages).
+MOSAIC_VARIANTS = ((128, 2), (64, 3), (64, 4))
 BROKEN = set()  # kernels that failed to run in check(): left out of the timings
 
 
 def kernels(**launch):
     scale = 1 / math.sqrt(HEAD_DIM)
-    return {name: functools.partial(module.paged_attention, scale=scale, **launch)
-            for name, module in MODULES.items() if name not in BROKEN}
+    # mosaic: Mosaic GPU prefill + Pallas decode, no launch knobs of its own.
+    fns = {name: functools.partial(module.paged_attention, scale=scale, **launch)
+           for name, module in MODULES.items() if name not in BROKEN | {"mosaic"}}
+    if "mosaic" in MODULES and "mosaic" not in BROKEN and not any(launch.values()):
+        fns["mosaic"] = functools.partial(mosaic_attention.paged_attention, scale=scale)
+    return fns
 
 
 def check(rng, k_cache, v_cache):
@@ -158,9 +165,10 @@ def check(rng, k_cache, v_cache):
         n = int(sum(qn))
         ref = np.asarray(reference.ragged_paged_attention(*args, scale=0.088)[:n], np.float32)
         for kname, module in MODULES.items():
-            for splits in (None, 4):
+            for splits in ((None,) if kname == "mosaic" else (None, 4)):
                 try:
-                    out = module.paged_attention(*args, scale=0.088, num_splits=splits)
+                    knobs = {} if splits is None else {"num_splits": splits}
+                    out = module.paged_attention(*args, scale=0.088, **knobs)
                     out = np.asarray(out[:n], np.float32)
                 except Exception as e:  # noqa: BLE001 - report, time the others
                     print(f"check {kname} {name} FAILED: {e!r}"[:3000], flush=True)
@@ -243,6 +251,15 @@ def bench_prefill(rng, k_cache, v_cache, launch):
             for name, fn in fns.items():
                 t = median_time_s(fn, sets, flops / 2e14)
                 row[name] = {"ms": t * 1e3, "TFLOPs": flops / t / 1e12}
+            if "mosaic" not in BROKEN:
+                for tile, stages in MOSAIC_VARIANTS:
+                    fn = functools.partial(mosaic_attention.prefill_attention,
+                                           scale=1 / math.sqrt(HEAD_DIM), tile=tile, stages=stages)
+                    try:
+                        t = median_time_s(fn, sets, flops / 4e14)
+                        row[f"mosaic t{tile} s{stages}"] = {"ms": t * 1e3, "TFLOPs": flops / t / 1e12}
+                    except Exception as e:  # noqa: BLE001
+                        print(f"mosaic t{tile} s{stages} failed: {e!r}"[:2000], flush=True)
             print("prefill", json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -301,17 +318,19 @@ def table(results):
     for batch in DECODE_BATCHES:
         cells = [f"{_rate(r, 'pallas', 'TBps'):.2f}/{_rate(r, 'triton', 'TBps'):.2f}/"
                  f"{_rate(r, 'jax', 'TBps'):.2f}"
-                 for r in results["decode"] if r["batch"] == batch]
+                 for r in results.get("decode", []) if r["batch"] == batch]
         lines.append(f"{batch:5d} " + "".join(f"{c:>20s}" for c in cells))
-    lines.append("prefill: TFLOP/s, pallas / triton / cuDNN causal on the same chunks "
-                 "without context")
-    for r in results["prefill"]:
+    variants = [f"mosaic t{t} s{s}" for t, s in MOSAIC_VARIANTS]
+    lines.append("prefill: TFLOP/s, pallas / triton / mosaic (backend) / cuDNN causal on the "
+                 "same chunks without context | mosaic prefill kernel alone: " + ", ".join(variants))
+    for r in results.get("prefill", []):
         lines.append(f"  chunk {r['chunk']:5d} x{r['reqs']:2d}, ctx {r['ctx']:5d}: "
-                     f"{_rate(r, 'pallas', 'TFLOPs'):6.1f} / {_rate(r, 'triton', 'TFLOPs'):6.1f}"
-                     f" / {r['cudnn_TFLOPs']:6.1f}")
+                     + " / ".join(f"{_rate(r, k, 'TFLOPs'):6.1f}" for k in MODULES)
+                     + f" / {r['cudnn_TFLOPs']:6.1f} | "
+                     + ", ".join(f"{_rate(r, k, 'TFLOPs'):6.1f}" for k in variants))
     lines.append("mixed (4 x 512-token chunks + 200 decodes): us, TB/s of KV read; block_m=None "
                  "is the default two launches, a number one launch of that q block")
-    for r in results["mixed"]:
+    for r in results.get("mixed", []):
         lines.append(f"  {r['kernel']:6s} block_m={str(r['block_m']):4s}: {r['us']:8.1f} us "
                      f"{r['TBps']:5.2f} TB/s")
     return "\n".join(lines)
@@ -321,6 +340,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune", action="store_true", help="also sweep launch shapes")
     parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--sections", default="mixed,prefill,decode",
+                        help="comma-separated: mixed, prefill, decode")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."),
                                                        "bench_attention.json"))
     args = parser.parse_args()
@@ -335,15 +356,21 @@ def main():
         results["check"] = check(rng, k_cache, v_cache)
     if args.tune:
         results["tune"] = tune(rng, k_cache, v_cache)
-    results["mixed"] = bench_mixed(rng, k_cache, v_cache)
-    results["prefill"] = bench_prefill(rng, k_cache, v_cache, {})
-    # JAX's kernel wants [kv_heads, pages, page_size, dim]: its own random cache.
-    jk = random_cache(jax.random.key(12), NUM_KV_HEADS, (num_blocks, BLOCK_SIZE, HEAD_DIM),
-                      chunk=1)
-    jv = random_cache(jax.random.key(13), NUM_KV_HEADS, (num_blocks, BLOCK_SIZE, HEAD_DIM),
-                      chunk=1)
-    results["decode"] = bench_decode(rng, k_cache, v_cache, jk, jv, {})
-    del jk, jv, k_cache, v_cache
+    sections = args.sections.split(",")
+    if "mixed" in sections:
+        results["mixed"] = bench_mixed(rng, k_cache, v_cache)
+    if "prefill" in sections:
+        results["prefill"] = bench_prefill(rng, k_cache, v_cache, {})
+    if "decode" in sections:
+        MODULES.pop("mosaic")  # a decode bucket runs the Pallas kernel
+        # JAX's kernel wants [kv_heads, pages, page_size, dim]: its own random cache.
+        jk = random_cache(jax.random.key(12), NUM_KV_HEADS, (num_blocks, BLOCK_SIZE, HEAD_DIM),
+                          chunk=1)
+        jv = random_cache(jax.random.key(13), NUM_KV_HEADS, (num_blocks, BLOCK_SIZE, HEAD_DIM),
+                          chunk=1)
+        results["decode"] = bench_decode(rng, k_cache, v_cache, jk, jv, {})
+        del jk, jv
+    del k_cache, v_cache
     results["copy_TBps"] = [COPY_BEFORE, torch_copy_tbps()]
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1)

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.kernels import pallas_attention, reference, triton_attention
-from tests.kernels.ragged_batch import make_batch, random_requests, relative_error
+from jaxllm.kernels import mosaic_attention, pallas_attention, reference, triton_attention
+from tests.kernels.ragged_batch import assert_matches, make_batch, random_requests
 
 HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (16, 32, 64, 128)
@@ -48,16 +48,6 @@ def oracle(batch, scale, sliding_window=None, soft_cap=None):
 
 def run_pallas(batch, **kwargs):
     return pallas_attention.paged_attention(*batch.args, interpret=True, **kwargs)
-
-
-def assert_matches(out, ref, batch, dtype):
-    n = batch.num_real_tokens
-    out, ref = np.asarray(out[:n], np.float32), np.asarray(ref[:n], np.float32)
-    assert np.isfinite(out).all(), "unwritten or non-finite rows among real tokens"
-    if dtype == jnp.float32:
-        np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
-    else:
-        assert relative_error(out, ref) < 1.5e-2
 
 
 # -- the reference ---------------------------------------------------------------
@@ -201,6 +191,7 @@ def test_backends_share_the_reference_signature():
     want = inspect.signature(reference.ragged_paged_attention)
     assert inspect.signature(pallas_attention.ragged_paged_attention) == want
     assert inspect.signature(triton_attention.ragged_paged_attention) == want
+    assert inspect.signature(mosaic_attention.ragged_paged_attention) == want
 
 
 # -- on a GPU ----------------------------------------------------------------------
