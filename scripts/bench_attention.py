@@ -137,8 +137,9 @@ def batch_args(rng, k_cache, v_cache, ctx_lens, q_lens, num_tokens, max_num_reqs
 
 
 MODULES = {"pallas": pallas_attention, "triton": triton_attention, "mosaic": mosaic_attention}
-# Mosaic GPU prefill variants timed alone: (tile, stages).
-MOSAIC_VARIANTS = ((128, 2), (64, 3), (64, 4))
+# Mosaic GPU prefill variants timed alone: (tile, stages, CTAs; None: one per SM,
+# 10**6: one work item per CTA).
+MOSAIC_VARIANTS = ((128, 2, None), (128, 2, 10**6), (64, 4, None))
 BROKEN = set()  # kernels that failed to run in check(): left out of the timings
 
 
@@ -252,14 +253,16 @@ def bench_prefill(rng, k_cache, v_cache, launch):
                 t = median_time_s(fn, sets, flops / 2e14)
                 row[name] = {"ms": t * 1e3, "TFLOPs": flops / t / 1e12}
             if "mosaic" not in BROKEN:
-                for tile, stages in MOSAIC_VARIANTS:
+                for tile, stages, ctas in MOSAIC_VARIANTS:
                     fn = functools.partial(mosaic_attention.prefill_attention,
-                                           scale=1 / math.sqrt(HEAD_DIM), tile=tile, stages=stages)
+                                           scale=1 / math.sqrt(HEAD_DIM), tile=tile, stages=stages,
+                                           num_ctas=ctas)
+                    name = f"mosaic t{tile} s{stages} c{ctas}"
                     try:
                         t = median_time_s(fn, sets, flops / 4e14)
-                        row[f"mosaic t{tile} s{stages}"] = {"ms": t * 1e3, "TFLOPs": flops / t / 1e12}
+                        row[name] = {"ms": t * 1e3, "TFLOPs": flops / t / 1e12}
                     except Exception as e:  # noqa: BLE001
-                        print(f"mosaic t{tile} s{stages} failed: {e!r}"[:2000], flush=True)
+                        print(f"{name} failed: {e!r}"[:2000], flush=True)
             print("prefill", json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -320,7 +323,7 @@ def table(results):
                  f"{_rate(r, 'jax', 'TBps'):.2f}"
                  for r in results.get("decode", []) if r["batch"] == batch]
         lines.append(f"{batch:5d} " + "".join(f"{c:>20s}" for c in cells))
-    variants = [f"mosaic t{t} s{s}" for t, s in MOSAIC_VARIANTS]
+    variants = [f"mosaic t{t} s{s} c{c}" for t, s, c in MOSAIC_VARIANTS]
     lines.append("prefill: TFLOP/s, pallas / triton / mosaic (backend) / cuDNN causal on the "
                  "same chunks without context | mosaic prefill kernel alone: " + ", ".join(variants))
     for r in results.get("prefill", []):
