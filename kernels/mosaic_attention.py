@@ -6,8 +6,9 @@ one new token are computed here (`prefill_attention`), and `ragged_paged_attenti
 runs the decode tokens through pallas_attention into the same output.
 
 A work item is one q head x one q block of up to 128 new tokens of one request
-(`pallas_attention.schedule`). The kernel is persistent: one CTA per SM serves items
-cta, cta + num_ctas, ... (longest blocks first), each with three warpgroups:
+(`pallas_attention.schedule`). CTA c serves items c, c + num_ctas, ... (longest
+blocks first); by default one each (persistent CTAs, `num_ctas` = the SM count,
+measured slower: docs/kernels.md). Three warpgroups:
   wg 0, 1  compute: 64 q rows each. Per KV tile: S = Q K^T (wgmma), online
            softmax in exp2, O += P V (wgmma). A rendezvous barrier between the two
            makes one's softmax overlap the other's matmuls (FlashAttention-3's
@@ -267,9 +268,9 @@ def prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tabl
     num_programs = seq_lens.shape[0] + num_tokens // _BLOCK_Q
     meta = pallas_attention.schedule(query_start_loc, seq_lens, num_seqs, _BLOCK_Q,
                                      num_programs, only="prefill")
-    if num_ctas is None:  # one CTA per SM, each serving items until all are done
-        num_ctas = 4 if interpret else getattr(jax.devices()[0], "core_count", 132)
-    num_ctas = min(num_ctas, num_q_heads * num_programs)
+    # Default: one item per CTA, so the hardware hands the next item to the first free
+    # SM (items of unequal length balance better so than by a static split).
+    num_ctas = min(num_ctas or num_q_heads * num_programs, num_q_heads * num_programs)
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     kv = plgpu.SMEM((stages, tile, head_dim), q.dtype, transforms=swizzled)
     kv_loads = tile // min(tile, block_size)  # TMA copies per tile, one arrival each

@@ -51,15 +51,18 @@ def test_interpreted_mosaic_matches_reference_on_mixed_batches(i):
     assert_matches(out, ref, batch, shapes["dtype"])
 
 
-def test_prefill_writes_exactly_the_rows_of_its_chunks():
+@pytest.mark.parametrize("num_ctas", [None, 3])
+def test_prefill_writes_exactly_the_rows_of_its_chunks(num_ctas):
     """Chunks of 1, 63, 65 and 130 tokens packed back to back: the row-exact stores
-    write every chunk row and nothing else (the rest keeps the interpreter's NaN)."""
+    write every chunk row and nothing else (the rest keeps the interpreter's NaN).
+    num_ctas=3: each CTA serves several items, its K/V ring running across them."""
     rng = np.random.default_rng(900)
     batch = make_batch(rng, ctx_lens=[0, 20, 0, 5, 33, 0], q_lens=[1, 63, 1, 65, 130, 2],
                        num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=16,
                        dtype=jnp.bfloat16, extra_tokens=5)
-    out = np.asarray(mosaic_attention.prefill_attention(*batch.args, scale=0.1, interpret=True),
-                     np.float32)
+    out = mosaic_attention.prefill_attention(*batch.args, scale=0.1, num_ctas=num_ctas,
+                                             interpret=True)
+    out = np.asarray(out, np.float32)
     qsl = np.asarray(batch.args[3])
     chunk = np.zeros(out.shape[0], bool)
     for i, n in enumerate(batch.q_lens):
