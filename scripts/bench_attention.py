@@ -286,27 +286,23 @@ def bench_mixed(rng, k_cache, v_cache):
 
 
 def tune(rng, k_cache, v_cache):
-    """Launch shapes of the Pallas kernel around `plan`'s choices."""
+    """Pallas decode launch shapes at batch 32 x 2k context (the one decode cell under
+    target) and batch 8 x 8k, around `plan`'s choice (tile 64, 3 stages, 2 and 8 splits)."""
     results = []
-    for (batch, ctx), splits in [((32, 2048), (1, 2, 4, 8)), ((64, 2048), (1, 2, 4)),
-                                 ((8, 8192), (8, 16, 32)), ((1, 32768), (32, 64, 128))]:
+    for batch, ctx, shapes in [
+            (32, 2048, [(64, 3, 1), (64, 3, 2), (64, 2, 2), (64, 2, 4), (32, 3, 2), (32, 3, 4),
+                        (32, 4, 4), (128, 2, 2)]),
+            (8, 8192, [(64, 3, 8), (32, 3, 16), (32, 4, 8)])]:
         kv_bytes = batch * ctx * NUM_KV_HEADS * HEAD_DIM * 4
         rotations = max(1, min(MAX_ROTATIONS, ROTATE_BYTES // kv_bytes))
         sets = [batch_args(rng, k_cache, v_cache, [ctx - 1] * batch, [1] * batch, batch, batch,
                            MAX_BLOCKS_PER_SEQ) for _ in range(rotations)]
-        for num_splits in splits:
-            t = median_time_s(kernels(num_splits=num_splits)["pallas"], sets, kv_bytes / 3e12)
-            row = {"decode": [batch, ctx], "num_splits": num_splits, "TBps": kv_bytes / t / 1e12}
+        for tile, stages, splits in shapes:
+            config = dict(tile=tile, num_stages=stages, num_splits=splits, num_warps=4)
+            t = median_time_s(kernels(**config)["pallas"], sets, kv_bytes / 3e12)
+            row = {"decode": [batch, ctx], **config, "TBps": kv_bytes / t / 1e12}
             print("tune", json.dumps(row), flush=True)
             results.append(row)
-    sets = [batch_args(rng, k_cache, v_cache, [0] * 4, [2048] * 4, 8192, 4, 128)]
-    for bm, tile, w, s in [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 8, 3), (128, 32, 8, 3),
-                           (16, 64, 4, 3)]:
-        config = dict(block_m=bm, tile=tile, num_warps=w, num_stages=s)
-        t = median_time_s(kernels(**config)["pallas"], sets, causal_flops(0, 2048, 4) / 2e14)
-        row = {"prefill": [4, 2048], **config, "TFLOPs": causal_flops(0, 2048, 4) / t / 1e12}
-        print("tune", json.dumps(row), flush=True)
-        results.append(row)
     return results
 
 
