@@ -93,6 +93,10 @@ class EngineArgs:
 
         path, fmt, hf_config = _resolve_model(self.model, self.load_format)
         arch = ModelArchConfig.from_hf_config(hf_config)
+        tp = self.tensor_parallel_size
+        _check(arch.num_heads % tp == 0 and arch.num_kv_heads % tp == 0,
+               f"tensor_parallel_size={tp} must divide the model's attention heads "
+               f"({arch.num_heads}) and KV heads ({arch.num_kv_heads})")
         max_len = self.max_model_len or arch.max_position_embeddings
         _check(1 <= max_len <= arch.max_position_embeddings,
                f"max_model_len must be in [1, {arch.max_position_embeddings}] (the model's "

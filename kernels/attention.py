@@ -3,8 +3,10 @@
 Every backend is a function with the signature of `reference.ragged_paged_attention`.
 """
 import dataclasses
+import functools
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from jaxllm.kernels import reference
 
@@ -23,8 +25,30 @@ class AttentionMetadata:
 BACKENDS = ("reference", "pallas", "triton", "mosaic")
 
 
-def get_attention_fn(name: str):
-    """The ragged paged attention function of backend `name`."""
+def get_attention_fn(name: str, mesh=None):
+    """The ragged paged attention function of backend `name`. With a mesh whose
+    "model" axis spans several devices, each device runs it on its own q and KV heads
+    (a kernel is one custom call: left to XLA, it would gather every head first)."""
+    fn = _backend(name)
+    if mesh is None or mesh.shape["model"] == 1:
+        return fn
+    return _per_device_heads(fn, mesh)
+
+
+def _per_device_heads(fn, mesh):
+    heads, cache, replicated = P(None, "model", None), P(None, None, "model", None), P()
+
+    def attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs, *,
+                  scale, sliding_window=None, soft_cap=None):
+        local = functools.partial(fn, scale=scale, sliding_window=sliding_window,
+                                  soft_cap=soft_cap)
+        return jax.shard_map(local, mesh=mesh, out_specs=heads, check_vma=False,
+                             in_specs=(heads, cache, cache) + (replicated,) * 4)(
+            q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs)
+    return attention
+
+
+def _backend(name: str):
     if name == "reference":
         return reference.ragged_paged_attention
     if name == "pallas":
