@@ -26,7 +26,12 @@ warpgroups. A block may end mid-tile with the next request's tokens behind it: t
 tile is read whole (rows outside the block are computed and dropped), and the
 output goes out through an untiled buffer by TMA copies of 64, 32, ..., 1 rows, so
 no row outside the block is written.
-Heads 64 and 128, bf16 and fp16, no soft cap (`supports`).
+Heads 64 and 128, bf16 and fp16, no soft cap (`supports`). Like the reference, a
+masked score weighs its V row by exactly 0, so cache slots past a request's end must
+hold finite values (they do unless a model wrote inf/NaN there).
+The interpreter (`interpret=True`, CPU tests) has no wgmma from registers and no
+`run_state`: there, and only there, P goes through shared memory (`p_smem`) and the
+P V product is added to the accumulator rather than accumulated in place.
 """
 import functools
 import math
@@ -281,21 +286,20 @@ def prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tabl
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        scratch_types=(
-            plgpu.SMEM((2, _ROWS, head_dim), q.dtype, transforms=swizzled),
-            # TMA into tiled shared memory wants tile-aligned rows; q blocks start
-            # anywhere, so q tiles land in an untiled buffer first.
-            plgpu.SMEM((2, _ROWS, head_dim), q.dtype),
-            kv, kv,
-            plgpu.SMEM((2, _ROWS, head_dim), q.dtype),
-            plgpu.Barrier(num_barriers=2),
-            plgpu.Barrier(num_arrivals=2),
-            plgpu.Barrier(num_arrivals=kv_loads, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=kv_loads, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=2),
-            *([plgpu.SMEM((2, _ROWS, tile), q.dtype, transforms=swizzled)] if interpret else []),
+        scratch_types=(  # 224 KiB of the 227 KiB a CTA may have, at head dim 128
+            plgpu.SMEM((2, _ROWS, head_dim), q.dtype, transforms=swizzled),  # q_smem
+            plgpu.SMEM((2, _ROWS, head_dim), q.dtype),                       # q_stage
+            kv, kv,                                                          # k_smem, v_smem
+            plgpu.SMEM((2, _ROWS, head_dim), q.dtype),                       # o_smem
+            plgpu.Barrier(num_barriers=2),                                   # q_full
+            plgpu.Barrier(num_arrivals=2),                                   # q_free
+            plgpu.Barrier(num_arrivals=kv_loads, num_barriers=stages),       # k_full
+            plgpu.Barrier(num_arrivals=kv_loads, num_barriers=stages),       # v_full
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),              # k_free
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),              # v_free
+            plgpu.Barrier(num_arrivals=2),                                   # turn
+            *([plgpu.SMEM((2, _ROWS, tile), q.dtype, transforms=swizzled)]   # p_smem
+              if interpret else []),
         ),
         grid=(num_ctas,),
         grid_names=("cta",),
