@@ -261,7 +261,8 @@ def prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tabl
                       *, scale, sliding_window=None, tile=128, stages=2, num_ctas=None,
                       interpret=False):
     """Attention of the tokens of requests with more than one new token (arguments as
-    `reference.ragged_paged_attention`). Rows of other tokens are left unspecified."""
+    `reference.ragged_paged_attention`). Rows of other tokens are left unspecified.
+    interpret: True, or `plgpu.InterpretGPUParams`, runs the Mosaic GPU interpreter."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     if not supports(q.dtype, head_dim, block_size, None):
@@ -306,7 +307,7 @@ def prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tabl
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None),
         kernel_name="mosaic_prefill_attention",
     )(meta, q, k_cache, v_cache, block_tables)
     return out[:num_tokens]

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxllm.kernels import attention, mosaic_attention, reference
 from tests.kernels.ragged_batch import assert_matches, make_batch, random_requests
@@ -71,6 +72,20 @@ def test_prefill_writes_exactly_the_rows_of_its_chunks(num_ctas):
     assert np.isnan(out[~chunk]).all()
     ref = np.asarray(reference.ragged_paged_attention(*batch.args, scale=0.1), np.float32)
     np.testing.assert_allclose(out[chunk], ref[chunk], atol=2e-2, rtol=2e-2)
+
+
+def test_interpreted_kernel_has_no_shared_memory_races():
+    """The interpreter's happens-before race detector over every shared-memory access
+    of the three warpgroups, two CTAs each serving several items."""
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+    rng = np.random.default_rng(902)
+    batch = make_batch(rng, ctx_lens=[0, 20, 40], q_lens=[70, 1, 130], num_q_heads=2,
+                       num_kv_heads=1, head_dim=64, block_size=32, dtype=jnp.bfloat16,
+                       extra_tokens=3)
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    out = mosaic_attention.prefill_attention(*batch.args, scale=0.1, num_ctas=2, interpret=params)
+    jax.block_until_ready(out)
+    assert not get_races().races_found
 
 
 def test_unserved_shapes_fall_back_to_pallas():
