@@ -1,15 +1,10 @@
 #!/usr/bin/env bash
 # The attention kernels on the GPU (one device call; carry .whl, made by
-# scripts/gpu_wheels.sh): installs the wheels the image lacks and jaxllm itself, runs
+# scripts/gpu_wheels.sh): sets up as scripts/gpu_setup.sh does, runs
 # the gpu-marked kernel tests, then scripts/bench_attention.py with the given arguments.
 # Usage on the device: bash scripts/gpu_kernels.sh [bench_attention.py arguments]
 set -eo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+source "$(dirname "$0")/gpu_setup.sh"
 # Time limits: a kernel that deadlocks must not eat the call.
 timeout ${TEST_S:-240} python3 -m pytest -q -x -m gpu tests/kernels/test_mosaic_attention.py \
   tests/kernels/test_attention.py 2>&1 | tail -25 || true

@@ -5,15 +5,12 @@
 # backend given (default: the platform's automatic choice, then pallas).
 # Usage on the device: bash scripts/gpu_prefill.sh [backend ...]
 set -eo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 JAXLLM_COMPILATION_CACHE=off
+source "$(dirname "$0")/gpu_setup.sh"
+export JAXLLM_COMPILATION_CACHE=off
 backends=("$@"); [ ${#backends[@]} -gt 0 ] || backends=(auto pallas)
 for backend in "${backends[@]}"; do
   flag=(); [ "$backend" = auto ] || flag=(--attention-backend "$backend")
-  timeout ${RUN_S:-280} python3 -c "import sys; from jaxllm.cli import main; sys.exit(main())" \
+  timeout ${RUN_S:-280} python3 -m jaxllm.cli \
     bench step --model llama-3.1-8b --load-format dummy --dtype bfloat16 "${flag[@]}" \
     --max-model-len 4096 --max-num-batched-tokens 2048 --batch-sizes 1,16 --input-len 2048 \
     --output-len 32 --json "$OUT/prefill_$backend.json" 2>&1 | grep -v Warning | tail -8

@@ -6,6 +6,9 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+# (num_q_heads, num_kv_heads) the kernel tests cycle through: MHA, GQA 2/3/4, MQA.
+HEADS = ((2, 2), (4, 2), (6, 2), (4, 1), (8, 1))
+
 
 @dataclasses.dataclass
 class Batch:

@@ -15,12 +15,10 @@ import numpy as np
 import pytest
 
 from jaxllm.kernels import mosaic_attention, pallas_attention, reference, triton_attention
-from tests.kernels.ragged_batch import assert_matches, make_batch, random_requests
+from tests.kernels.ragged_batch import HEADS, assert_matches, make_batch, random_requests
 
 HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (16, 32, 64, 128)
-# (num_q_heads, num_kv_heads): MHA, GQA 2/3/4, MQA.
-HEADS = ((2, 2), (4, 2), (6, 2), (4, 1), (8, 1))
 
 
 def oracle(batch, scale, sliding_window=None, soft_cap=None):

@@ -13,9 +13,8 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxllm.kernels import attention, mosaic_attention, reference
-from tests.kernels.ragged_batch import assert_matches, make_batch, random_requests
+from tests.kernels.ragged_batch import HEADS, assert_matches, make_batch, random_requests
 
-HEADS = ((2, 2), (4, 2), (6, 2), (4, 1), (8, 1))
 # A kernel that deadlocks hangs the interpreter's threads: fail fast instead (the
 # thread method dumps every stack and ends the run; the main thread sits in XLA).
 pytestmark = pytest.mark.timeout(600, method="thread")
