@@ -43,6 +43,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    async_scheduling: bool  # schedule step N+1 while step N runs on the device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +76,9 @@ class EngineArgs:
     attention_backend: str | None = None
     tensor_parallel_size: int = 1
     skip_tokenizer_init: bool = False
+    async_scheduling: bool = True
+    # The engine core in its own process (EngineCoreProc); None reads $JAXLLM_ENABLE_MULTIPROCESSING (on unless "0").
+    enable_multiprocessing: bool | None = None
 
     def create_config(self) -> Config:
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -109,7 +113,7 @@ class EngineArgs:
                               dtype=_resolve_dtype(self.dtype, hf_config), max_model_len=max_len,
                               load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init),
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.num_gpu_blocks_override),
-            scheduler=SchedulerConfig(self.max_num_seqs, batched, max_len),
+            scheduler=SchedulerConfig(self.max_num_seqs, batched, max_len, self.async_scheduling),
             parallel=ParallelConfig(self.tensor_parallel_size),
             attention_backend=self.attention_backend or default_backend(),
             seed=self.seed,

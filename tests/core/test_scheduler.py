@@ -11,7 +11,7 @@ from jaxllm.sampling_params import SamplingParams
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=64):
     kv = KVCacheManager(num_blocks, block_size)
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), kv)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, async_scheduling=False), kv)
 
 
 def make_request(i, prompt_len, max_tokens=4):
