@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.models.config import ModelArchConfig
+from jaxllm.typecheck import check_field_types
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -81,12 +82,18 @@ class EngineArgs:
     enable_multiprocessing: bool | None = None
 
     def create_config(self) -> Config:
+        check_field_types(self)
+        _check(self.max_model_len is None or self.max_model_len >= 1,
+               f"max_model_len must be >= 1, got {self.max_model_len}")
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+               f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         _check(self.block_size in (16, 32, 64, 128), f"block_size must be 16, 32, 64 or 128, got {self.block_size}")
         _check(0.0 < self.gpu_memory_utilization <= 1.0,
                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
                f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        _check(0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}")
         _check(self.load_format in ("auto", "dummy"), f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         _check(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         _check(self.tensor_parallel_size <= jax.device_count(),
@@ -95,14 +102,13 @@ class EngineArgs:
         _check(self.attention_backend in (None, *BACKENDS),
                f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
 
-        path, fmt, hf_config = _resolve_model(self.model, self.load_format)
-        arch = ModelArchConfig.from_hf_config(hf_config)
+        path, fmt, hf_config, arch = _resolve_model(self.model, self.load_format)
         tp = self.tensor_parallel_size
         _check(arch.num_heads % tp == 0 and arch.num_kv_heads % tp == 0,
                f"tensor_parallel_size={tp} must divide the model's attention heads "
                f"({arch.num_heads}) and KV heads ({arch.num_kv_heads})")
-        max_len = self.max_model_len or arch.max_position_embeddings
-        _check(1 <= max_len <= arch.max_position_embeddings,
+        max_len = arch.max_position_embeddings if self.max_model_len is None else self.max_model_len
+        _check(max_len <= arch.max_position_embeddings,
                f"max_model_len must be in [1, {arch.max_position_embeddings}] (the model's "
                f"max_position_embeddings), got {max_len}")
         batched = self.max_num_batched_tokens or min(2048, max(max_len, self.max_num_seqs))
@@ -125,24 +131,39 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _resolve_model(model: str | None, load_format: str) -> tuple[str, str, dict]:
+def _resolve_model(model: str | None, load_format: str) -> tuple[str, str, dict, ModelArchConfig]:
+    """(path, format, HF-style config dict, architecture); a file that cannot be read or
+    parsed raises a ValueError naming it."""
     from jaxllm.models import gguf
     if model is None:
         model = gguf.find_default_model()
     if os.path.isfile(model) and model.endswith(".gguf"):
-        return model, "gguf", gguf.load_gguf_config(model)
-    if os.path.isdir(model):
-        config_path = os.path.join(model, "config.json")
-        _check(os.path.isfile(config_path), f"model folder {model!r} has no config.json")
-        with open(config_path) as f:
-            return model, "hf", json.load(f)
-    if model in bundled_model_configs():
+        fmt, source, hf_config = "gguf", model, gguf.load_gguf_config(model)
+    elif os.path.isdir(model):
+        fmt, source = "hf", os.path.join(model, "config.json")
+        _check(os.path.isfile(source), f"model folder {model!r} has no config.json")
+        hf_config = _read_json(source)
+    elif model in bundled_model_configs():
         _check(load_format == "dummy",
                f"model {model!r} is a bundled config without weights: use load_format='dummy'")
+        fmt, source = "bundled", f"bundled config {model!r}"
         text = importlib.resources.files("jaxllm.models.configs").joinpath(f"{model}.json").read_text()
-        return model, "bundled", json.loads(text)
-    raise ValueError(f"model {model!r} not found: pass an HF folder with config.json, a .gguf file, "
-                     f"or with load_format='dummy' one of {bundled_model_configs()}")
+        hf_config = json.loads(text)
+    else:
+        raise ValueError(f"model {model!r} not found: pass an HF folder with config.json, a .gguf file, "
+                         f"or with load_format='dummy' one of {bundled_model_configs()}")
+    try:
+        return model, fmt, hf_config, ModelArchConfig.from_hf_config(hf_config)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from e
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return json.load(f)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
 
 
 def _resolve_dtype(dtype: str, hf_config: dict):

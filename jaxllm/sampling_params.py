@@ -1,7 +1,9 @@
 """SamplingParams: how one request is sampled and when it stops (vLLM's fields)."""
 import dataclasses
 import enum
-import math
+import sys
+
+from jaxllm.typecheck import check_field_types
 
 
 class RequestOutputKind(enum.Enum):
@@ -27,22 +29,20 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self._validate()
+        self.validate()
 
-    def _validate(self):
+    def validate(self) -> None:
+        """Checks every field's type and range, naming the field; normalizes stop and
+        stop_token_ids to lists. The engine calls it again, as params are mutable."""
+        check_field_types(self)
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
         if self.n != 1:
             raise ValueError(f"n must be 1 (parallel sampling is not supported yet), got {self.n}")
         for name in ("temperature", "top_p", "min_p"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
-        if not isinstance(self.top_k, int):
-            raise ValueError(f"top_k must be an int, got {self.top_k!r}")
-        if self.max_tokens is not None and not isinstance(self.max_tokens, int):
-            raise ValueError(f"max_tokens must be an int, got {self.max_tokens!r}")
+            value = getattr(self, name)
+            if not -sys.float_info.max <= value <= sys.float_info.max:  # nan, inf, an int too large for a float
+                raise ValueError(f"{name} must be a finite number, got {value}")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -55,10 +55,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        if not all(self.stop):
+            raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:

@@ -14,6 +14,19 @@ SUPPORTED_ARCHITECTURES = {
 ROPE_TYPES = ("default", "linear", "llama3")
 _ROPE_KEYS = {"default": (), "linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+# The config.json keys read here and their JSON types (a float key takes an int); null or
+# absent takes the default, except for the required keys.
+_HF_KEY_TYPES = {
+    "vocab_size": int, "hidden_size": int, "intermediate_size": int, "num_hidden_layers": int,
+    "num_attention_heads": int, "num_key_value_heads": int, "head_dim": int, "max_position_embeddings": int,
+    "rms_norm_eps": float, "rope_theta": float, "rope_scaling": dict, "rope_parameters": dict,
+    "tie_word_embeddings": bool, "attention_bias": bool, "mlp_bias": bool, "hidden_act": str,
+    "architectures": list, "sliding_window": int, "use_sliding_window": bool, "max_window_layers": int,
+    "layer_types": list,
+}
+_REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_JSON_TYPE_NAMES = {int: "an int", float: "a number", bool: "a bool", str: "a string", dict: "an object",
+                    list: "a list"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +48,6 @@ class ModelArchConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] | None = None  # layers that slide; None: all (when sliding_window)
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -69,12 +80,17 @@ class ModelArchConfig:
 
     @classmethod
     def from_hf_config(cls, d: dict) -> "ModelArchConfig":
-        """Map a HF config.json dict; raises ValueError on an unsupported architecture."""
+        """Map a HF config.json dict; raises ValueError on an unsupported architecture, a
+        missing required key or a value of the wrong type, naming the key."""
+        _check_hf_types(d)
         archs = d.get("architectures") or []
         known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
         if not known:
             raise ValueError(f"unsupported model architecture {archs or d.get('model_type')!r}; "
                              f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        missing = [key for key in _REQUIRED_HF_KEYS if d.get(key) is None]
+        if missing:
+            raise ValueError(f"missing the required key(s) {missing}")
         arch = SUPPORTED_ARCHITECTURES[known[0]]
         if d.get("hidden_act", "silu") != "silu" or d.get("mlp_bias", False):
             raise ValueError(f"unsupported MLP: hidden_act={d.get('hidden_act')!r}, "
@@ -84,8 +100,6 @@ class ModelArchConfig:
         num_layers = d["num_hidden_layers"]
         rope_theta, rope_scaling = _rope_from_hf(d)
         sliding_window, sliding_layers = _sliding_from_hf(d, arch, num_layers)
-        eos = d.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -104,9 +118,17 @@ class ModelArchConfig:
             qk_norm=arch == "qwen3",
             sliding_window=sliding_window,
             sliding_layers=sliding_layers,
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids,
         )
+
+
+def _check_hf_types(d) -> None:
+    if not isinstance(d, dict):
+        raise ValueError(f"must hold a JSON object, got {type(d).__name__}")
+    for key, kind in _HF_KEY_TYPES.items():
+        value = d.get(key)
+        kinds = (int, float) if kind is float else kind
+        if value is not None and (not isinstance(value, kinds) or isinstance(value, bool) and kind is not bool):
+            raise ValueError(f"config key {key!r} must be {_JSON_TYPE_NAMES[kind]}, got {value!r}")
 
 
 def _rope_from_hf(d: dict) -> tuple[float, dict | None]:

@@ -54,6 +54,7 @@ _GLOBAL_TENSORS = {
 }
 # Tensors whose content the config already carries (llama3 rope factors).
 _SKIPPED_TENSORS = {"rope_freqs.weight"}
+_REQUIRED = object()  # load_gguf_config: a metadata key without a default
 
 
 def find_default_model() -> str:
@@ -79,12 +80,19 @@ def find_default_model() -> str:
 def _reader(path: str) -> GGUFReader:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    return GGUFReader(path)
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 - empty, truncated or garbage: the reader fails in many ways
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
 
 
 @lru_cache(maxsize=4)
 def _metadata(path: str) -> dict[str, Any]:
-    return {key: field.contents() for key, field in _reader(path).fields.items()}
+    fields = _reader(path).fields
+    try:
+        return {key: field.contents() for key, field in fields.items()}
+    except ValueError as e:  # a string that is not UTF-8
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
 
 
 def read_gguf_metadata(path: str) -> dict[str, Any]:
@@ -92,29 +100,26 @@ def read_gguf_metadata(path: str) -> dict[str, Any]:
     return dict(_metadata(path))
 
 
-def _architecture(meta: dict[str, Any]) -> str:
-    arch = meta.get("general.architecture")
-    if arch not in _ARCHITECTURES:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCHITECTURES)}"
-        )
-    return arch
-
-
 def load_gguf_config(path: str) -> dict[str, Any]:
     """An HF-style config.json dict for the model in a GGUF file."""
     meta = read_gguf_metadata(path)
-    arch = _architecture(meta)
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCHITECTURES)}")
     model_type, hf_class = _ARCHITECTURES[arch]
     tensor_names = {t.name for t in _reader(path).tensors}
 
-    def get(key: str, default: Any = None) -> Any:
+    def get(key: str, default: Any = _REQUIRED) -> Any:
+        if default is _REQUIRED and f"{arch}.{key}" not in meta:
+            raise ValueError(f"{path}: the GGUF metadata lacks {arch}.{key}")
         return meta.get(f"{arch}.{key}", default)
 
     hidden_size = int(get("embedding_length"))
     num_heads = int(get("attention.head_count"))
-    head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden_size // num_heads
-    vocab_size = get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    head_dim = get("attention.key_length", None) or get("rope.dimension_count", None) or hidden_size // num_heads
+    vocab_size = get("vocab_size", None) or len(meta.get("tokenizer.ggml.tokens", []))
+    if not vocab_size:
+        raise ValueError(f"{path}: the GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
     config = {
         "architectures": [hf_class],
         "model_type": model_type,

@@ -15,6 +15,7 @@ class Processor:
         """Returns (prompt text or None, prompt token ids); raises ValueError naming the problem."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()  # again: the caller may have changed the params since they were made
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt is empty: it must hold at least one token")

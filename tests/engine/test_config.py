@@ -54,12 +54,12 @@ def test_bundled_config_needs_dummy_weights():
     assert config.model.arch.num_layers == 32
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"temperature": float("nan")}, "temperature must be a finite"),
-    ({"top_p": float("inf")}, "top_p must be a finite"),
-    ({"max_tokens": 2.5}, "max_tokens must be an int"),
-    ({"top_k": 1.5}, "top_k must be an int"),
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"temperature": float("nan")}, ValueError, "temperature must be a finite"),
+    ({"top_p": float("inf")}, ValueError, "top_p must be a finite"),
+    ({"max_tokens": 2.5}, TypeError, "max_tokens must be an int"),
+    ({"top_k": 1.5}, TypeError, "top_k must be an int"),
 ])
-def test_non_finite_or_non_integer_sampling_params_raise(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+def test_non_finite_or_non_integer_sampling_params_raise(kwargs, error, message):
+    with pytest.raises(error, match=message):
         SamplingParams(**kwargs)
