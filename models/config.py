@@ -14,8 +14,8 @@ SUPPORTED_ARCHITECTURES = {
 ROPE_TYPES = ("default", "linear", "llama3")
 _ROPE_KEYS = {"default": (), "linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-# The config.json keys read here and their JSON types (a float key takes an int); null or
-# absent takes the default, except for the required keys.
+# The config.json keys read here and their JSON types (a float key takes an int). A null
+# passes (HF configs write null for keys left unset), except for the required keys.
 _HF_KEY_TYPES = {
     "vocab_size": int, "hidden_size": int, "intermediate_size": int, "num_hidden_layers": int,
     "num_attention_heads": int, "num_key_value_heads": int, "head_dim": int, "max_position_embeddings": int,
