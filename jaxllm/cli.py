@@ -40,7 +40,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     start = time.perf_counter()
     args = engine_args_from(ns)
     llm = LLM(**dataclasses.asdict(args))
-    print(f"engine ready in {time.perf_counter() - start:.1f} s: {llm.llm_engine.engine_core.core.runner.describe()}")
+    print(f"engine ready in {time.perf_counter() - start:.1f} s: {llm.llm_engine.engine_core.description}")
     params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, max_tokens=ns.max_tokens,
                             seed=ns.sampling_seed, ignore_eos=ns.ignore_eos)
     prompts = ns.prompt or DEFAULT_PROMPTS

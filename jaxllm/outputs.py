@@ -17,11 +17,21 @@ class CompletionOutput:
 
 
 @dataclasses.dataclass
+class RequestMetrics:
+    """When things happened to a request, in time.monotonic() seconds (one clock for the
+    front end and the engine core: they share a machine)."""
+    arrival_time: float
+    first_token_time: float | None = None  # when the engine core applied the first output token
+    last_token_time: float | None = None   # ... and the newest one
+
+
+@dataclasses.dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    error: str | None = None  # set when the engine rejected the request
+    error: str | None = None  # set when the engine failed the request
     prompt_logprobs: None = None
+    metrics: RequestMetrics | None = None

@@ -1,6 +1,7 @@
 """The engine core's view of one request: tokens, progress, and KV blocks."""
 import enum
 
+from jaxllm.engine import EngineCoreRequest
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -37,8 +38,15 @@ class Request:
         self.seed = seed  # sampling key of this request; its samples do not depend on the batch
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Tokens sampled by a step still on the device: their KV slots are scheduled, their ids not yet known.
+        self.num_output_placeholders = 0
         self.stop_reason: int | str | None = None
         self.max_tokens = sampling_params.max_tokens
+
+    @classmethod
+    def from_engine_core_request(cls, request: EngineCoreRequest) -> "Request":
+        return cls(request.request_id, request.prompt_token_ids, request.sampling_params,
+                   request.eos_token_ids, request.seed)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -50,3 +50,7 @@ def named_sharding(mesh: Mesh, logical_axes: tuple[str | None, ...]) -> NamedSha
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
     """[num_blocks, block_size, num_kv_heads, head_dim] caches shard over KV heads."""
     return NamedSharding(mesh, PartitionSpec(None, None, _RULES["kv_heads"], None))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())

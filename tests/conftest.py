@@ -1,4 +1,6 @@
+import json
 import os
+import shutil
 
 import jax
 import pytest
@@ -21,3 +23,46 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def write_char_tokenizer(folder: str) -> None:
+    """A tokenizer for the tiny models' 256-token vocabulary: ids 0-2 are <unk>, <s>,
+    </s> (the configs' bos 1 / eos 2), every other id one character, so a random
+    model's output is readable text and stop strings can match it."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    chars = [chr(c) for c in range(32, 127)] + [chr(0x100 + i) for i in range(256 - 3 - 95)]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tokenizer.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                   "unk_token": "<unk>"}, f)
+
+
+@pytest.fixture(scope="session")
+def char_llama(tmp_path_factory) -> str:
+    """The tiny Llama with a character tokenizer (text prompts, text outputs, stop strings)."""
+    folder = tmp_path_factory.mktemp("char_llama")
+    for name in os.listdir(tiny_model("llama")):
+        if name != "golden.npz":
+            shutil.copy(os.path.join(tiny_model("llama"), name), folder)
+    write_char_tokenizer(str(folder))
+    return str(folder)
+
+
+def child_pids() -> list[int]:
+    """Live processes whose parent is this one (from /proc)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == os.getpid() and fields[0] != "Z":
+                pids.append(int(entry))
+    return pids

@@ -6,12 +6,21 @@ then waiting ones in arrival order, all under one token budget
 `num_tokens - num_computed_tokens`, so prefill chunks, decodes and recomputation
 after preemption are one case. When blocks run out, the newest running request
 is preempted (its blocks freed, its progress reset) back to the head of waiting.
+
+Asynchronous scheduling: step N+1 is scheduled while step N runs, so a token that
+step N samples is not known yet. It counts as a placeholder
+(`num_output_placeholders`): its KV slot can be scheduled (the runner feeds it
+from step N's sampled ids on the device) and it is appended when step N's
+output lands. A request whose in-flight token will end it by length is not
+scheduled again, so the only waste is one step of a request that an EOS, a stop
+token or a stop string ends.
 """
 import collections
 import dataclasses
 
 from jaxllm.config import SchedulerConfig
 from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.engine import EngineCoreOutput, SchedulerStats
 from jaxllm.request import FINISH_REASONS, Request, RequestStatus
 
 
@@ -21,6 +30,7 @@ class ScheduledRequest:
     num_computed_tokens: int  # before this step
     num_new_tokens: int
     new_block_ids: list[int]  # blocks added this step; all of them when num_computed_tokens == 0
+    samples: bool  # the step reaches the request's last token, so it samples the next one
 
 
 @dataclasses.dataclass
@@ -33,15 +43,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.requests
-
-
-@dataclasses.dataclass
-class EngineCoreOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    error: str | None = None
 
 
 class Scheduler:
@@ -71,7 +72,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._awaits_last_token(request):
+                i += 1
+                continue
+            num_new = min(self._num_pending_tokens(request), budget)
             while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -86,7 +90,7 @@ class Scheduler:
         # Admit waiting requests only in a step that preempted nothing: blocks are short.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self._num_pending_tokens(request), budget)
             new_blocks = self.kv.allocate_slots(request, num_new)
             if new_blocks is None:
                 break
@@ -98,13 +102,28 @@ class Scheduler:
 
         out = []
         for request, num_new, new_blocks in scheduled:
-            out.append(ScheduledRequest(request, request.num_computed_tokens, num_new, new_blocks))
+            samples = num_new == self._num_pending_tokens(request)
+            out.append(ScheduledRequest(request, request.num_computed_tokens, num_new, new_blocks, samples))
             request.num_computed_tokens += num_new
+            request.num_output_placeholders += samples
         self.num_preemptions += preempted
         finished = []
         if out:  # an empty output never reaches the runner: keep the ids for the next one
             finished, self._finished_req_ids = self._finished_req_ids, []
         return SchedulerOutput(out, self.config.max_num_batched_tokens - budget, preempted, finished)
+
+    @staticmethod
+    def _num_pending_tokens(request: Request) -> int:
+        """Tokens whose KV is still to compute, an in-flight one included."""
+        return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+
+    def _awaits_last_token(self, request: Request) -> bool:
+        """True when a token still on the device will end the request by length."""
+        n = request.num_output_placeholders
+        if n == 0:
+            return False
+        out_of_tokens = request.max_tokens is not None and request.num_output_tokens + n >= request.max_tokens
+        return out_of_tokens or request.num_tokens + n >= self.config.max_model_len
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -113,35 +132,42 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids) -> list[EngineCoreOutput]:
-        """Append each request's sampled token (for those whose step reached the
-        end of their tokens) and finish the ones that stop."""
+        """Append the token each sampling request drew and finish the ones that stop.
+        Requests that ended while the step ran (abort, stop, error) drop theirs."""
         outputs = []
         for i, sched in enumerate(scheduler_output.requests):
+            if not sched.samples:
+                continue  # a prefill chunk short of the prompt's end
             request = sched.request
-            if request.is_finished or request.num_computed_tokens < request.num_tokens:
-                continue  # aborted meanwhile, or a prefill chunk short of the prompt's end
+            request.num_output_placeholders -= 1
+            if request.is_finished:
+                continue
             request.append_token(int(sampled_token_ids[i]))
-            finished = request.check_stop(self.config.max_model_len)
-            if finished:
+            if request.check_stop(self.config.max_model_len):
                 self._free(request)
             outputs.append(EngineCoreOutput(request.request_id, [request.output_token_ids[-1]],
                                             FINISH_REASONS.get(request.status), request.stop_reason))
         return outputs
 
     def finish_requests(self, request_ids, status: RequestStatus) -> None:
-        """End requests from outside the step (abort, stop string): free their blocks."""
+        """End requests from outside the step (abort, stop string, error): free their blocks."""
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue
-            if request in self.waiting:
-                self.waiting.remove(request)
             request.status = status
             self._free(request)
+
+    def make_stats(self) -> SchedulerStats:
+        pool = self.kv.pool
+        return SchedulerStats(len(self.running), len(self.waiting),
+                              1.0 - pool.num_free_blocks / pool.num_blocks, self.num_preemptions)
 
     def _free(self, request: Request) -> None:
         if request in self.running:
             self.running.remove(request)
+        elif request in self.waiting:  # preempted, or never scheduled
+            self.waiting.remove(request)
         self.kv.free(request)
         del self.requests[request.request_id]
         self._finished_req_ids.append(request.request_id)

@@ -1,0 +1,56 @@
+"""What crosses between the front end and the engine core: small msgspec structs,
+encoded as msgpack (serial_utils.py). No live Request leaves the core; the core
+builds its own from an EngineCoreRequest."""
+import enum
+from typing import Any
+
+import msgspec
+
+from jaxllm.sampling_params import SamplingParams
+
+
+class EngineCoreRequestType(enum.Enum):
+    """The first frame of each message on the core's input socket."""
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+    SHUTDOWN = b"\x03"
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    seed: int            # the request's sampling seed (the front end derives one if the user gave none)
+    arrival_time: float  # time.monotonic() in the front end
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One request's news from one step."""
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    error: str | None = None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # share of the KV cache's blocks in use
+    num_preemptions: int = 0     # since start-up
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    call_id: int
+    result: Any = None
+    failure: str | None = None  # the exception the call raised, as "Type: message"
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What the core sends after a step (or a utility call)."""
+    outputs: list[EngineCoreOutput] = []
+    timestamp: float = 0.0  # time.monotonic() in the core when the step's tokens were applied
+    scheduler_stats: SchedulerStats | None = None
+    utility_output: UtilityOutput | None = None

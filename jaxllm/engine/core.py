@@ -1,13 +1,37 @@
-"""EngineCore: one step is schedule -> run the model -> update the requests."""
-import logging
+"""EngineCore: one step is schedule -> run the model -> update the requests; and
+EngineCoreProc, the same core in a process of its own behind ZMQ sockets.
 
+With asynchronous scheduling the core keeps two steps in flight: it schedules and
+dispatches step N+1, then waits for step N's sampled ids and applies them, so the
+host's work for one step overlaps the device's work for the other.
+"""
+import collections
+import logging
+import os
+import pickle
+import queue
+import struct
+import sys
+import threading
+import time
+import traceback
+
+import zmq
+
+from jaxllm import compilation
 from jaxllm.config import Config
 from jaxllm.core.kv_cache_manager import KVCacheManager
-from jaxllm.core.scheduler import EngineCoreOutput, Scheduler
+from jaxllm.core.scheduler import Scheduler, SchedulerOutput
+from jaxllm.engine import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType,
+                           UtilityOutput)
+from jaxllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from jaxllm.request import Request, RequestStatus
-from jaxllm.worker.model_runner import ModelRunner
+from jaxllm.worker.model_runner import ModelRunner, StepOutput
 
 logger = logging.getLogger(__name__)
+
+# Messages of the process protocol that are not msgpack structs.
+READY, STARTUP_FAILED, ENGINE_CORE_DEAD = b"READY", b"STARTUP_FAILED", b"ENGINE_CORE_DEAD"
 
 
 class EngineCore:
@@ -17,50 +41,208 @@ class EngineCore:
         self.runner.warm_up(show_progress)
         logger.info(self.runner.describe())
         self.scheduler = Scheduler(config.scheduler, KVCacheManager(self.runner.num_blocks, config.cache.block_size))
+        self.batch_queue_size = 2 if config.scheduler.async_scheduling else 1
+        self.batch_queue: collections.deque[tuple[SchedulerOutput, StepOutput]] = collections.deque()
 
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
-
-    def abort_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        self.scheduler.finish_requests(request_ids, status)
-
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
-
-    def step(self) -> list[EngineCoreOutput]:
-        if not self.scheduler.has_unfinished_requests():
-            return []
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
-        try:
-            sampled = self.runner.execute(sched)
-        except Exception as e:
-            # The step may have consumed the donated KV caches: every running request loses
-            # its KV and ends with the error; fresh caches serve the requests still waiting.
-            logger.exception("model step failed")
-            ids = [r.request_id for r in self.scheduler.running]
-            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
-            self.runner.reset_kv_caches()
-            return [EngineCoreOutput(i, [], "error", error=f"{type(e).__name__}: {e}") for i in ids]
-        return self.scheduler.update_from_output(sched, sampled)
-
-
-class InprocClient:
-    """EngineCoreClient that calls the core in this process (the multiprocess
-    ZMQ client will implement the same four methods)."""
-
-    def __init__(self, core: EngineCore):
-        self.core = core
-
-    def add_request(self, request: Request) -> None:
-        self.core.add_request(request)
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request.from_engine_core_request(request))
 
     def abort_requests(self, request_ids) -> None:
-        self.core.abort_requests(request_ids)
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
-    def get_output(self) -> list[EngineCoreOutput]:
-        return self.core.step()
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
-    def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
+    def step(self) -> EngineCoreOutputs:
+        """Dispatch the next step if there is room for it; then, once the queue is full
+        (or nothing new could be scheduled), wait for the oldest step and apply it."""
+        scheduled = False
+        if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
+            sched = self.scheduler.schedule()
+            if not sched.is_empty:
+                try:
+                    self.batch_queue.append((sched, self.runner.execute_model(sched)))
+                except Exception as e:
+                    return self._fail_steps(e, sched)
+                scheduled = True
+        if not self.batch_queue or (scheduled and len(self.batch_queue) < self.batch_queue_size):
+            return EngineCoreOutputs()
+        sched, step = self.batch_queue.popleft()
+        try:
+            token_ids = step.token_ids()
+        except Exception as e:
+            return self._fail_steps(e, sched)
+        outputs = self.scheduler.update_from_output(sched, token_ids)
+        return EngineCoreOutputs(outputs, time.monotonic(), self.scheduler.make_stats())
+
+    def _fail_steps(self, error: Exception, sched: SchedulerOutput) -> EngineCoreOutputs:
+        """A failed step may have consumed the donated KV caches: every request it or a
+        step still in flight ran loses its KV and ends with the error; fresh caches
+        serve the requests still waiting."""
+        logger.exception("model step failed")
+        requests = {s.request.request_id: s.request for s in sched.requests}
+        requests.update((r.request_id, r) for r in self.scheduler.running)
+        for queued, _ in self.batch_queue:
+            requests.update((s.request.request_id, s.request) for s in queued.requests)
+        self.batch_queue.clear()
+        ids = [i for i, r in requests.items() if not r.is_finished]
+        for r in requests.values():
+            r.num_output_placeholders = 0
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        self.runner.reset_kv_caches()
+        message = f"{type(error).__name__}: {error}"
+        return EngineCoreOutputs([EngineCoreOutput(i, [], "error", error=message) for i in ids],
+                                 time.monotonic(), self.scheduler.make_stats())
+
+    # ---- utility calls (the clients' call_utility) ----
+    def get_stats(self) -> dict:
+        pool = self.scheduler.kv.pool
+        return {"num_blocks": pool.num_blocks, "num_free_blocks": pool.num_free_blocks,
+                "num_requests": len(self.scheduler.requests), "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting), "num_preemptions": self.scheduler.num_preemptions,
+                "num_compilations": compilation.num_compilations()}
+
+    def describe(self) -> str:
+        return self.runner.describe()
+
+    def time_last_step(self, num_iters: int = 20) -> float:
+        if self.has_work():
+            raise RuntimeError("time_last_step needs an idle engine")
+        return self.runner.time_last_step(num_iters)
+
+    def shutdown(self) -> None:
+        self.batch_queue.clear()
+        self.runner.shutdown()
+
+
+class EngineCoreProc:
+    """The engine core's process: a busy loop over EngineCore.step. One thread reads
+    and decodes requests from the input socket, another encodes and sends outputs, so
+    (de)serialization overlaps the step. With nothing to do, the loop sleeps on the
+    input queue."""
+
+    def __init__(self, core: EngineCore, input_address: str, output_address: str, ctx: zmq.Context):
+        self.core = core
+        self.input_queue: queue.Queue = queue.Queue()
+        self.output_queue: queue.Queue = queue.Queue()
+        self._threads = [
+            threading.Thread(target=_read_requests, args=(ctx, input_address, self.input_queue),
+                             name="core-input", daemon=True),
+            threading.Thread(target=_send_outputs, args=(ctx, output_address, self.output_queue),
+                             name="core-output", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def run_busy_loop(self) -> None:
+        while True:
+            if not self._process_input_queue():
+                break
+            if self.core.has_work():
+                outputs = self.core.step()
+                if outputs.outputs:
+                    self.output_queue.put(outputs)
+
+    def _process_input_queue(self) -> bool:
+        """Handle every message waiting (block for one when idle); False on shutdown."""
+        block = not self.core.has_work()
+        while True:
+            try:
+                kind, payload = self.input_queue.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if kind == EngineCoreRequestType.ADD:
+                self.core.add_request(payload)
+            elif kind == EngineCoreRequestType.ABORT:
+                self.core.abort_requests(payload)
+            elif kind == EngineCoreRequestType.UTILITY:
+                self.output_queue.put(EngineCoreOutputs(utility_output=self._call_utility(*payload)))
+            else:  # SHUTDOWN
+                return False
+
+    def _call_utility(self, call_id: int, method: str, args: list) -> UtilityOutput:
+        try:
+            if method.startswith("_"):
+                raise AttributeError(f"{method} is not a utility call")
+            return UtilityOutput(call_id, getattr(self.core, method)(*args))
+        except Exception as e:
+            return UtilityOutput(call_id, failure=f"{type(e).__name__}: {e}")
+
+    def shutdown(self) -> None:
+        self.output_queue.put(None)  # the output thread sends what is queued, then stops
+        self._threads[1].join(timeout=5)
+        self.core.shutdown()
+
+
+def _read_requests(ctx: zmq.Context, address: str, requests: queue.Queue) -> None:
+    add_decoder, abort_decoder = MsgpackDecoder(EngineCoreRequest), MsgpackDecoder(list[str])
+    utility_decoder = MsgpackDecoder(tuple[int, str, list])
+    socket = ctx.socket(zmq.PULL)
+    socket.connect(address)
+    while True:
+        kind, payload = socket.recv_multipart()
+        kind = EngineCoreRequestType(kind)
+        if kind == EngineCoreRequestType.ADD:
+            requests.put((kind, add_decoder.decode(payload)))
+        elif kind == EngineCoreRequestType.ABORT:
+            requests.put((kind, abort_decoder.decode(payload)))
+        elif kind == EngineCoreRequestType.UTILITY:
+            requests.put((kind, utility_decoder.decode(payload)))
+        else:
+            requests.put((kind, None))
+            return
+
+
+def _send_outputs(ctx: zmq.Context, address: str, outputs: queue.Queue) -> None:
+    encoder = MsgpackEncoder()
+    socket = ctx.socket(zmq.PUSH)
+    socket.connect(address)
+    while (item := outputs.get()) is not None:
+        socket.send(ENGINE_CORE_DEAD if isinstance(item, bytes) else encoder.encode(item))
+    socket.close(linger=5000)
+
+
+def _exit_when_parent_dies() -> None:
+    """The parent holds our stdin open; EOF means it is gone, and so must we be."""
+    while os.read(sys.stdin.fileno(), 1 << 16):
+        pass
+    os._exit(1)
+
+
+def run_engine_core(input_address: str, output_address: str) -> int:
+    """The engine core process's main: (EngineArgs, show_progress) come on stdin as a
+    length-prefixed pickle; READY (with the resolved Config) or STARTUP_FAILED (with
+    the exception) goes out first on the output socket, then the busy loop serves
+    until SHUTDOWN."""
+    (size,) = struct.unpack("<Q", sys.stdin.buffer.read(8))
+    engine_args, show_progress = pickle.loads(sys.stdin.buffer.read(size))
+    threading.Thread(target=_exit_when_parent_dies, daemon=True).start()
+    ctx = zmq.Context()
+    handshake = ctx.socket(zmq.PUSH)
+    handshake.connect(output_address)
+    try:
+        config = engine_args.create_config()
+        core = EngineCore(config, show_progress)
+    except BaseException as e:
+        e.add_note(f"in the engine core process:\n{traceback.format_exc()}")
+        try:
+            payload = pickle.dumps(e)
+        except Exception:
+            payload = pickle.dumps(RuntimeError(f"{type(e).__name__}: {e}"))
+        handshake.send_multipart([STARTUP_FAILED, payload])
+        handshake.close(linger=5000)
+        return 1
+    handshake.send_multipart([READY, pickle.dumps((config, core.describe()))])
+    handshake.close(linger=5000)
+
+    proc = EngineCoreProc(core, input_address, output_address, ctx)
+    try:
+        proc.run_busy_loop()
+    except BaseException:
+        logger.exception("the engine core's busy loop failed")
+        proc.output_queue.put(ENGINE_CORE_DEAD)
+        proc.shutdown()
+        return 1
+    proc.shutdown()
+    return 0

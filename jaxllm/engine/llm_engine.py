@@ -1,51 +1,99 @@
-"""LLMEngine: a thin shell over the engine core: prompts in, RequestOutputs out."""
+"""LLMEngine: prompts in, RequestOutputs out. Tokenizing, validation, detokenizing
+and stop strings happen here, in the caller's process; the engine core runs in a
+process of its own (SyncMPClient) or, with enable_multiprocessing=False, in this one."""
 import itertools
+import os
+import time
+from collections.abc import Iterable
 
-from jaxllm.config import Config, EngineArgs
-from jaxllm.engine.core import EngineCore, InprocClient
+from jaxllm.config import EngineArgs
+from jaxllm.engine import EngineCoreRequest
+from jaxllm.engine.core_client import InprocClient, SyncMPClient
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.processor import Processor, PromptType
 from jaxllm.outputs import RequestOutput
-from jaxllm.request import Request
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.tokenizer import generation_eos_ids, get_tokenizer
 
 
-class LLMEngine:
-    def __init__(self, config: Config, show_progress: bool = True):
-        self.config = config
-        self.tokenizer = get_tokenizer(config.model)
-        self.eos_token_ids = generation_eos_ids(config.model, self.tokenizer)
-        self.processor = Processor(config, self.tokenizer)
+def multiprocessing_enabled(args: EngineArgs) -> bool:
+    if args.enable_multiprocessing is not None:
+        return args.enable_multiprocessing
+    return os.environ.get("JAXLLM_ENABLE_MULTIPROCESSING", "1") != "0"
+
+
+class FrontEnd:
+    """What LLMEngine and AsyncLLM share: the tokenizer, the Processor and the
+    OutputProcessor, over an engine core client that has started."""
+
+    def __init__(self, engine_core):
+        self.engine_core = engine_core
+        self.config = engine_core.config
+        try:
+            self.tokenizer = get_tokenizer(self.config.model)
+            self.eos_token_ids = generation_eos_ids(self.config.model, self.tokenizer)
+        except BaseException:
+            engine_core.shutdown()
+            raise
+        self.processor = Processor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = InprocClient(EngineCore(config, show_progress))
-        self._request_counter = itertools.count()
+        self._arrivals = itertools.count()
 
-    @classmethod
-    def from_engine_args(cls, args: EngineArgs, show_progress: bool = True) -> "LLMEngine":
-        return cls(args.create_config(), show_progress)
+    def get_tokenizer(self):
+        return self.tokenizer
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
-        """Validate and queue one request; a bad one raises ValueError and leaves the rest untouched."""
+    def _make_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> EngineCoreRequest:
+        """Validate one request and register it with the output processor; a bad one
+        raises ValueError (or TypeError) here, before it reaches the core."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self.output_processor.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self.processor.process(prompt, params)
-        n = next(self._request_counter)
         # Without a seed of its own, a request draws from the engine seed and its arrival number.
+        n = next(self._arrivals)
         seed = params.seed if params.seed is not None else hash((self.config.seed, n)) & (2**63 - 1)
-        request = Request(request_id, token_ids, params, self.eos_token_ids, seed)
-        self.output_processor.add_request(request_id, text, token_ids, params)
-        self.engine_core.add_request(request)
+        arrival_time = time.monotonic()
+        self.output_processor.add_request(request_id, text, token_ids, params, arrival_time)
+        return EngineCoreRequest(request_id, token_ids, params, self.eos_token_ids, seed, arrival_time)
 
-    def abort_request(self, request_ids: list[str]) -> None:
-        self.engine_core.abort_requests(request_ids)
-        self.output_processor.abort(request_ids)
+    def _forget(self, request_ids) -> list[str]:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.output_processor.abort(ids)
+        return ids
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
+
+class LLMEngine(FrontEnd):
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, show_progress: bool = True) -> "LLMEngine":
+        if multiprocessing_enabled(args):
+            return cls(SyncMPClient(args, show_progress))
+        return cls(InprocClient(args.create_config(), show_progress))
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        """Validate and queue one request; a bad one raises ValueError and leaves the rest untouched."""
+        self.engine_core.add_request(self._make_request(request_id, prompt, params))
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Abort one request id or several."""
+        self.engine_core.abort_requests(self._forget(request_ids))
 
     def step(self) -> list[RequestOutput]:
-        outputs, stopped = self.output_processor.process_outputs(self.engine_core.get_output())
+        """The outputs of the next engine step (it blocks while the core computes)."""
+        if not self.has_unfinished_requests():
+            return []
+        core_outputs = self.engine_core.get_output()
+        outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs, core_outputs.timestamp)
         if stopped:
             self.engine_core.abort_requests(stopped)
         return outputs
 
-    def has_unfinished_requests(self) -> bool:
-        return self.engine_core.has_unfinished_requests()
+    def get_stats(self) -> dict:
+        """The core's counters: KV blocks (total, free), requests, preemptions, compilations."""
+        return self.engine_core.call_utility("get_stats")

@@ -1,8 +1,10 @@
 """OutputProcessor: incremental detokenization, stop strings, RequestOutputs."""
+import dataclasses
+
 from tokenizers.decoders import DecodeStream
 
-from jaxllm.core.scheduler import EngineCoreOutput
-from jaxllm.outputs import CompletionOutput, RequestOutput
+from jaxllm.engine import EngineCoreOutput
+from jaxllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 _PROMPT_CONTEXT_TOKENS = 6  # enough prompt context for the first output token's spacing
@@ -10,8 +12,9 @@ _PROMPT_CONTEXT_TOKENS = 6  # enough prompt context for the first output token's
 
 class RequestState:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, tokenizer):
+                 params: SamplingParams, tokenizer, arrival_time: float):
         self.request_id = request_id
+        self.metrics = RequestMetrics(arrival_time)
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -21,7 +24,7 @@ class RequestState:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self._sent_tokens = self._sent_text = 0  # what DELTA outputs already carried
-        self._tokenizer = tokenizer
+        self._backend = tokenizer.backend_tokenizer if tokenizer is not None else None  # a tokenizers.Tokenizer
         self._stream = None
         if tokenizer is not None:
             self._stream = DecodeStream(ids=prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:],
@@ -37,7 +40,7 @@ class RequestState:
         if stop_terminated and not self.params.include_stop_str_in_output:
             token_ids = token_ids[:-1]
         start = len(self.text)
-        pieces = [self._stream.step(self._tokenizer._tokenizer, t) for t in token_ids]
+        pieces = [self._stream.step(self._backend, t) for t in token_ids]
         self.text += "".join(p for p in pieces if p)
         return bool(self.params.stop) and not stop_terminated and self._check_stop_strings(start)
 
@@ -68,8 +71,9 @@ class RequestState:
             self._sent_tokens, token_ids = len(token_ids), token_ids[self._sent_tokens:]
         completion = CompletionOutput(0, text, list(token_ids),
                                       finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+        metrics = dataclasses.replace(self.metrics)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
-                             finished=finished, error=self.error)
+                             finished=finished, error=self.error, metrics=metrics)
 
 
 class OutputProcessor:
@@ -78,17 +82,26 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
-        self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
+                    params: SamplingParams, arrival_time: float) -> None:
+        self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer,
+                                               arrival_time)
 
-    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)
+
+    def process_outputs(self, core_outputs: list[EngineCoreOutput],
+                        timestamp: float) -> tuple[list[RequestOutput], list[str]]:
         """RequestOutputs of the updated requests, and the ids a stop string finished
-        (the engine core must abort those)."""
+        (the engine core must abort those). `timestamp`: when the core made these."""
         outputs, stopped = [], []
         for co in core_outputs:
             state = self.states.get(co.request_id)
             if state is None:
-                continue
+                continue  # aborted here, or ended by a stop string, while the core ran on
+            if co.new_token_ids:
+                if state.metrics.first_token_time is None:
+                    state.metrics.first_token_time = timestamp
+                state.metrics.last_token_time = timestamp
             if co.new_token_ids and state.append(co.new_token_ids, stop_terminated=co.finish_reason == "stop"):
                 stopped.append(co.request_id)
             elif co.finish_reason is not None:
@@ -100,6 +113,6 @@ class OutputProcessor:
                 del self.states[co.request_id]
         return outputs, stopped
 
-    def abort(self, request_ids) -> None:
+    def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.states.pop(request_id, None)

@@ -1,5 +1,7 @@
 """LLM: offline batch inference, vLLM's class and method names."""
+import collections
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 
@@ -12,6 +14,7 @@ from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 Messages = list[dict]
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -20,12 +23,25 @@ class LLM:
     LLM(model=None) runs the embedded SmolLM2-135M-Instruct; `model` may be an HF
     folder, a .gguf file, or (with load_format="dummy") a bundled config name.
     Every other keyword is an EngineArgs field (max_model_len, max_num_seqs, ...).
+
+    The engine core runs in a process of its own (enable_multiprocessing=False keeps it
+    in this one). `shutdown()`, leaving a `with LLM(...) as llm:` block, `del llm` and
+    interpreter exit all stop it and free its device memory.
     """
 
     def __init__(self, model: str | None = None, **kwargs):
         show_progress = kwargs.pop("show_progress", True)
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs), show_progress)
         self._counter = 0
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -101,4 +117,7 @@ class LLM:
                     bar.set_postfix_str(f"input: {in_tokens / elapsed:.1f} toks/s, output: {out_tokens / elapsed:.1f} toks/s")
                     bar.update(1)
         bar.close()
+        failed = collections.Counter(o.error for o in finished.values() if o.outputs[0].finish_reason == "error")
+        for error, count in failed.items():
+            logger.warning("%d of %d requests failed: %s", count, len(ids), error)
         return [finished[i] for i in ids]

@@ -1,8 +1,14 @@
 """ModelRunner: owns the weights and the paged KV cache on the mesh, and runs one
 jitted step per SchedulerOutput: forward, logits at each request's last token,
 sampling, all in one executable with the KV cache donated (updated in place).
+
+A step is dispatched without waiting for the previous one: its sampled ids stay on
+the device, padded to max_num_seqs, and the next step reads from there a token the
+host does not have yet (asynchronous scheduling).
 """
+import dataclasses
 import logging
+import time
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +23,7 @@ from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.kernels.attention import get_attention_fn
 from jaxllm.models.loader import create_model
 from jaxllm.sample.sampler import sample
-from jaxllm.sharding import kv_cache_sharding, make_mesh
+from jaxllm.sharding import kv_cache_sharding, make_mesh, replicated
 from jaxllm.worker import batch as batching
 
 logger = logging.getLogger(__name__)
@@ -59,10 +65,22 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches()
         self.token_buckets = batching.token_buckets(sc.max_num_batched_tokens)
         self.block_tables = batching.BlockTables(self.max_blocks_per_seq)
-        # Pin the caches' sharding on the way out too, so the next step sees the same input.
+        layouts = [batching.BatchLayout(t, batching.request_bucket(t, sc.max_num_seqs), self.max_blocks_per_seq)
+                   for t in self.token_buckets]
+        self._host_buffers = {}
+        for layout in layouts:
+            buffers = [np.zeros(layout.size, np.int32) for _ in range(2)]
+            self._host_buffers[layout.num_tokens] = [(b, layout.host_views(b)) for b in buffers]
+        self._num_steps = 0
+        self._last_buffer: np.ndarray | None = None
+        self._prev_rows: dict[str, int] = {}  # request id -> its row in the last step's sampled ids
+        self._prev_sampled = self._zero_sampled()
+        step_fn = _make_step_fn(self._graphdef, self._params_treedef, self._attn_fn,
+                                {layout.size: layout for layout in layouts}, sc.max_num_seqs)
+        # Pin the outputs' shardings, so the next step sees the same inputs.
         kv_sharding = kv_cache_sharding(self.mesh)
-        self._step = jax.jit(self._step_fn, donate_argnums=(1,),
-                             out_shardings=(None, [(kv_sharding, kv_sharding)] * mc.arch.num_layers))
+        self._step = jax.jit(step_fn, donate_argnums=(1,),
+                             out_shardings=(replicated(self.mesh), [(kv_sharding, kv_sharding)] * mc.arch.num_layers))
 
     # ---- memory ----
     def _kv_bytes_per_block(self) -> int:
@@ -93,8 +111,14 @@ class ModelRunner:
         return 2 * (tokens * per_token + logits) + (256 << 20)
 
     def reset_kv_caches(self) -> None:
-        """Fresh caches, after a failed step may have consumed the donated ones."""
+        """Fresh caches and no step history, after a failed step may have consumed the donated caches."""
+        for array in jax.tree.leaves(self.kv_caches):
+            if not array.is_deleted():
+                array.delete()
         self.kv_caches = self._allocate_kv_caches()
+        self.block_tables.clear()
+        self._prev_rows = {}
+        self._prev_sampled = self._zero_sampled()
 
     def _allocate_kv_caches(self):
         arch = self.config.model.arch
@@ -104,34 +128,60 @@ class ModelRunner:
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
         return [(zeros(), zeros()) for _ in range(arch.num_layers)]
 
+    def _zero_sampled(self) -> jax.Array:
+        return jax.device_put(np.zeros(self.config.scheduler.max_num_seqs, np.int32), replicated(self.mesh))
+
+    def shutdown(self) -> None:
+        """Free the device memory now (weights and KV cache), not when a collector finds it."""
+        for array in jax.tree.leaves((self._params, self.kv_caches, self._prev_sampled)):
+            array.delete()
+        self._params = self.kv_caches = self._prev_sampled = None
+
     # ---- the step ----
-    def _step_fn(self, params, kv_caches, batch: batching.StepBatch):
-        model = nnx.merge(self._graphdef, jax.tree.unflatten(self._params_treedef, params))
-        hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, batch.attention, self._attn_fn)
-        logits = model.compute_logits(hidden[batch.logits_indices])
-        return sample(logits, batch.sampling), kv_caches
+    def _token_bucket(self, num_tokens: int) -> int:
+        return next(b for b in self.token_buckets if b >= num_tokens)
 
-    def _buckets_for(self, num_tokens: int) -> tuple[int, int]:
-        token_bucket = next(b for b in self.token_buckets if b >= num_tokens)
-        return token_bucket, batching.request_bucket(token_bucket, self.config.scheduler.max_num_seqs)
+    def _next_host_buffer(self, token_bucket: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The bucket's two host buffers in turn: with two steps in flight, a buffer
+        is rewritten only once the step that read it has finished."""
+        self._num_steps += 1
+        return self._host_buffers[token_bucket][self._num_steps % 2]
 
-    def _run(self, batch: batching.StepBatch) -> jax.Array:
-        tokens, self.kv_caches = self._step(self._params, self.kv_caches, batch)
-        return tokens
+    def _dispatch(self, buffer: np.ndarray) -> jax.Array:
+        sampled, self.kv_caches = self._step(self._params, self.kv_caches, self._prev_sampled, buffer)
+        self._prev_sampled = sampled
+        return sampled
 
     def warm_up(self, show_progress: bool = True) -> None:
         """Compile every token bucket now, so serving never compiles."""
         for token_bucket in tqdm(self.token_buckets, desc="Compiling buckets", disable=not show_progress):
-            num_reqs = batching.request_bucket(token_bucket, self.config.scheduler.max_num_seqs)
-            self._run(batching.empty_batch(token_bucket, num_reqs, self.max_blocks_per_seq)).block_until_ready()
+            buffer, views = self._next_host_buffer(token_bucket)
+            batching.fill_padding(views)
+            self._dispatch(buffer).block_until_ready()
 
-    def execute(self, sched: SchedulerOutput) -> np.ndarray:
-        """Run one step; returns the sampled token of each scheduled request, in order."""
-        num_tokens, num_reqs = self._buckets_for(sched.num_scheduled_tokens)
+    def execute_model(self, sched: SchedulerOutput) -> "StepOutput":
+        """Dispatch one step and return at once; its sampled ids land later."""
         self.block_tables.update(sched)
-        batch = batching.pack(sched, self.block_tables, num_tokens, num_reqs, self.block_size)
-        tokens = self._run(batch)
-        return np.asarray(tokens)[:len(sched.requests)]
+        buffer, views = self._next_host_buffer(self._token_bucket(sched.num_scheduled_tokens))
+        batching.pack(sched, self.block_tables, self._prev_rows, views, self.block_size)
+        sampled = self._dispatch(buffer)
+        sampled.copy_to_host_async()
+        self._last_buffer = buffer
+        self._prev_rows = {s.request.request_id: i for i, s in enumerate(sched.requests) if s.samples}
+        return StepOutput(sampled, len(sched.requests))
+
+    def time_last_step(self, num_iters: int) -> float:
+        """Seconds per step of the last step's inputs replayed back to back: the
+        device's time for it with no host work in between (for benchmarks, on an idle
+        engine: the replay rewrites the KV slots of that step's finished requests)."""
+        if self._last_buffer is None:
+            raise RuntimeError("no step has run yet")
+        self._dispatch(self._last_buffer).block_until_ready()
+        start = time.perf_counter()
+        for _ in range(num_iters):
+            sampled = self._dispatch(self._last_buffer)
+        sampled.block_until_ready()
+        return (time.perf_counter() - start) / num_iters
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -144,3 +194,29 @@ class ModelRunner:
                 f"attention backend {self.config.attention_backend}")
 
 
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """A dispatched step: its sampled ids are on their way to the host."""
+    sampled: jax.Array  # [max_num_seqs] int32, on the device
+    num_reqs: int
+
+    def token_ids(self) -> np.ndarray:
+        """[num_reqs] int32: blocks until the step has finished."""
+        return np.asarray(self.sampled)[:self.num_reqs]
+
+
+def _make_step_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout], max_num_seqs: int):
+    """The jitted step's function (a closure, not a method: the runner is not kept alive by its executables)."""
+    def step(params, kv_caches, prev_sampled, buffer):
+        """params: flat weights; kv_caches: per layer (K, V) [num_blocks, block_size, kv_heads, head_dim];
+        prev_sampled [max_num_seqs] int32: the previous step's ids; buffer [size] int32: this step's inputs.
+        Returns (sampled ids [max_num_seqs] int32, kv_caches)."""
+        batch = layouts[buffer.shape[0]].unpack(buffer)
+        input_ids = jnp.where(batch.prev_rows >= 0, prev_sampled[jnp.maximum(batch.prev_rows, 0)], batch.input_ids)
+        model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, params))
+        hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attention, attn_fn)
+        tokens = sample(model.compute_logits(hidden[batch.logits_indices]), batch.sampling)
+        return jnp.pad(tokens, (0, max_num_seqs - tokens.shape[0])), kv_caches
+    return step

@@ -11,8 +11,11 @@ MAX_MODEL_LEN = 128
 @pytest.fixture(scope="module")
 def llm():
     # 40 blocks of 16 tokens: 640 tokens, far fewer than 64 requests need at once.
-    return LLM(tiny_model("llama"), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, max_num_seqs=32,
-               max_num_batched_tokens=128, num_gpu_blocks_override=40, block_size=16, show_progress=False)
+    # In this process (the tests below look inside the core), asynchronous scheduling on.
+    with LLM(tiny_model("llama"), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, max_num_seqs=32,
+             max_num_batched_tokens=128, num_gpu_blocks_override=40, block_size=16, show_progress=False,
+             enable_multiprocessing=False) as llm:
+        yield llm
 
 
 def workload(n, seed, max_prompt=60, max_out=40):
@@ -23,15 +26,15 @@ def workload(n, seed, max_prompt=60, max_out=40):
     return prompts, params
 
 
-def pool(llm):
-    return llm.llm_engine.engine_core.core.scheduler
+def stats(llm) -> dict:
+    return llm.llm_engine.get_stats()
 
 
 def test_batched_outputs_equal_each_request_run_alone_despite_preemption(llm):
     prompts, params = workload(64, seed=0)
-    before = pool(llm).num_preemptions
+    before = stats(llm)["num_preemptions"]
     batched = llm.generate(prompts, params, use_tqdm=False)
-    assert pool(llm).num_preemptions > before
+    assert stats(llm)["num_preemptions"] > before
     for prompt, p, out in zip(prompts, params, batched):
         alone = llm.generate([prompt], p, use_tqdm=False)[0]
         assert out.outputs[0].token_ids == alone.outputs[0].token_ids
@@ -61,9 +64,9 @@ def test_no_compilation_after_warm_up(llm):
 def test_every_block_returns_to_the_pool(llm):
     prompts, params = workload(40, seed=6)
     llm.generate(prompts, params, use_tqdm=False)
-    scheduler = pool(llm)
-    assert scheduler.kv.pool.num_free_blocks == scheduler.kv.pool.num_blocks
-    assert not scheduler.kv.req_to_blocks and not scheduler.requests
+    s = stats(llm)
+    assert s["num_free_blocks"] == s["num_blocks"] and s["num_requests"] == 0
+    assert not llm.llm_engine.engine_core.core.scheduler.kv.req_to_blocks
 
 
 def test_stop_token_ids_end_a_request(llm):
@@ -92,7 +95,7 @@ def test_prompt_filling_max_model_len_finishes_with_length(llm):
 def test_bad_prompt_raises_naming_the_problem(llm, prompt, message):
     with pytest.raises(ValueError, match=message):
         llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
-    assert not pool(llm).has_unfinished_requests()
+    assert stats(llm)["num_requests"] == 0 and not llm.llm_engine.has_unfinished_requests()
 
 
 def test_one_bad_request_leaves_the_others_running(llm):
@@ -136,13 +139,12 @@ def test_output_kinds_add_up_to_the_same_tokens(llm, kind):
 def test_a_failed_step_ends_running_requests_with_an_error_and_the_engine_serves_on(llm, monkeypatch):
     engine, runner = llm.llm_engine, llm.llm_engine.engine_core.core.runner
     engine.add_request("doomed", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=5))
-    real_run = runner._run
-    monkeypatch.setattr(runner, "_run", lambda batch: (_ for _ in ()).throw(RuntimeError("device fell over")))
+    monkeypatch.setattr(runner, "_dispatch", lambda buffer: (_ for _ in ()).throw(RuntimeError("device fell over")))
     outs = engine.step()
     assert [(o.request_id, o.outputs[0].finish_reason) for o in outs] == [("doomed", "error")]
     assert "device fell over" in outs[0].error and not engine.has_unfinished_requests()
-    monkeypatch.setattr(runner, "_run", real_run)
+    monkeypatch.undo()
     out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
-    scheduler = pool(llm)
-    assert scheduler.kv.pool.num_free_blocks == scheduler.kv.pool.num_blocks
+    s = stats(llm)
+    assert s["num_free_blocks"] == s["num_blocks"]

@@ -1,0 +1,155 @@
+"""AsyncLLM: the engine for asyncio code (and the server): `async for out in
+llm.generate(prompt, params, request_id)`.
+
+The engine core runs in its own process (AsyncMPClient). One output-handler task
+reads the core's outputs, detokenizes them and hands each request's RequestOutput
+to that request's collector, which its `generate` awaits. Leaving `generate` early
+(break, cancellation of the consuming task) aborts the request in the core.
+"""
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+
+from jaxllm.config import EngineArgs
+from jaxllm.engine.core_client import AsyncMPClient
+from jaxllm.engine.exceptions import EngineDeadError
+from jaxllm.engine.llm_engine import FrontEnd
+from jaxllm.engine.processor import PromptType
+from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RequestOutputCollector:
+    """The newest output of one request, until its consumer takes it. A DELTA output
+    not yet taken absorbs the next one, so a slow consumer gets fewer, larger deltas
+    and loses nothing; other kinds keep only the newest."""
+
+    def __init__(self, output_kind: RequestOutputKind):
+        self.output_kind = output_kind
+        self._pending: RequestOutput | Exception | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        pending = self._pending
+        if (isinstance(pending, RequestOutput) and isinstance(item, RequestOutput)
+                and self.output_kind == RequestOutputKind.DELTA):
+            old, new = pending.outputs[0], item.outputs[0]
+            old.text += new.text
+            old.token_ids.extend(new.token_ids)
+            old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+            pending.finished, pending.error, pending.metrics = item.finished, item.error, item.metrics
+        elif not isinstance(pending, Exception):
+            self._pending = item
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        while self._pending is None:
+            await self._ready.wait()
+        item, self._pending = self._pending, None
+        self._ready.clear()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+
+class AsyncLLM(FrontEnd):
+    def __init__(self, engine_core: AsyncMPClient):
+        super().__init__(engine_core)
+        self._collectors: dict[str, RequestOutputCollector] = {}
+        self._output_handler: asyncio.Task | None = None
+        self._dead: EngineDeadError | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, show_progress: bool = True) -> "AsyncLLM":
+        """Start the engine core process (always a process of its own, whatever
+        enable_multiprocessing says); blocks until it has warmed up."""
+        return cls(AsyncMPClient(args, show_progress))
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
+                       request_id: str) -> AsyncGenerator[RequestOutput, None]:
+        """This request's outputs as the engine makes them, per `sampling_params.output_kind`
+        (FINAL_ONLY: one). A bad request raises ValueError or TypeError before any output."""
+        collector = self._add_request(request_id, prompt, sampling_params)
+        finished = False
+        try:
+            while not finished:
+                out = await collector.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished and not self.errored:
+                self._abort([request_id])
+
+    def _add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> RequestOutputCollector:
+        if self._dead is not None:
+            raise self._dead
+        request = self._make_request(request_id, prompt, params)
+        collector = self._collectors[request_id] = RequestOutputCollector(params.output_kind)
+        try:
+            self.engine_core.add_request(request)
+        except EngineDeadError:
+            self._forget([request_id])
+            del self._collectors[request_id]
+            raise
+        if self._output_handler is None:
+            self._output_handler = asyncio.get_running_loop().create_task(self._handle_outputs())
+        return collector
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        """Abort one request id or several; their generate calls end without a final output."""
+        self._abort(request_id)
+
+    def _abort(self, request_ids) -> None:
+        ids = self._forget(request_ids)
+        for request_id in ids:
+            self._collectors.pop(request_id, None)
+        try:
+            self.engine_core.abort_requests(ids)
+        except EngineDeadError:
+            pass  # nothing left to abort
+
+    async def _handle_outputs(self) -> None:
+        """The one task that moves the core's outputs to the requests' collectors."""
+        try:
+            while True:
+                core_outputs = await self.engine_core.get_output_async()
+                outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs,
+                                                                         core_outputs.timestamp)
+                for out in outputs:
+                    collector = self._collectors.get(out.request_id)
+                    if collector is not None:
+                        collector.put(out)
+                    if out.finished:
+                        self._collectors.pop(out.request_id, None)
+                if stopped:
+                    self.engine_core.abort_requests(stopped)
+        except Exception as e:
+            if not isinstance(e, EngineDeadError):
+                logger.exception("AsyncLLM's output handler failed")
+            self._dead = e if isinstance(e, EngineDeadError) else EngineDeadError(f"output handler failed: {e}")
+            for collector in self._collectors.values():
+                collector.put(self._dead)
+            self._collectors.clear()
+
+    async def get_stats(self) -> dict:
+        """The core's counters: KV blocks (total, free), requests, preemptions, compilations."""
+        if self._dead is not None:
+            raise self._dead
+        return await self.engine_core.call_utility_async("get_stats")
+
+    def shutdown(self) -> None:
+        if self._output_handler is not None and not self._output_handler.get_loop().is_closed():
+            self._output_handler.cancel()
+        super().shutdown()
+
+    def __enter__(self) -> "AsyncLLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
