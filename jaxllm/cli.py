@@ -22,10 +22,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for field in dataclasses.fields(EngineArgs):
         flag = "--" + field.name.replace("_", "-")
         kind = hints[field.name]
-        if kind is bool:
-            parser.add_argument(flag, action="store_true", default=field.default)
-            continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+        if base is bool:  # --flag / --no-flag
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+            continue
         parser.add_argument(flag, type=base, default=field.default)
 
 

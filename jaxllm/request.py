@@ -1,11 +1,13 @@
 """The engine core's view of one request: tokens, progress, and KV blocks."""
 import enum
 
+import numpy as np
+
 from jaxllm.engine import EngineCoreRequest
 from jaxllm.sampling_params import SamplingParams
 
 
-class RequestStatus(enum.Enum):
+class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
@@ -16,7 +18,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value >= RequestStatus.FINISHED_STOPPED.value
+        return self >= RequestStatus.FINISHED_STOPPED
 
 
 FINISH_REASONS = {
@@ -33,6 +35,7 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        self.num_tokens = len(self.prompt_token_ids)  # prompt + output; kept, not derived: the step loop reads it often
         self.sampling_params = sampling_params
         self.eos_token_ids = () if sampling_params.ignore_eos else tuple(eos_token_ids)
         self.seed = seed  # sampling key of this request; its samples do not depend on the batch
@@ -42,6 +45,7 @@ class Request:
         self.num_output_placeholders = 0
         self.stop_reason: int | str | None = None
         self.max_tokens = sampling_params.max_tokens
+        self.sampling_row = _sampling_row(sampling_params, seed)
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> "Request":
@@ -51,10 +55,6 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -75,6 +75,7 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+        self.num_tokens += 1
 
     def check_stop(self, max_model_len: int) -> bool:
         """Set a finished status if the last token ends the request (EOS, a stop
@@ -94,3 +95,12 @@ class Request:
             self.stop_reason = last
             return True
         return False
+
+
+def _sampling_row(params: SamplingParams, seed: int) -> tuple[int, ...]:
+    """The request's row of the runner's sampling inputs, as int32 words (floats as their
+    bits): temperature, top_k, top_p, min_p, seed high, seed low. Made once per request."""
+    floats = np.array([params.temperature, params.top_p, params.min_p], np.float32).view(np.int32).tolist()
+    top_k = min(params.top_k, np.iinfo(np.int32).max)
+    seed_words = np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32).view(np.int32).tolist()
+    return (floats[0], top_k, floats[1], floats[2], *seed_words)

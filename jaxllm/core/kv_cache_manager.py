@@ -16,12 +16,14 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens of `request`: the ids of the blocks
         this adds (often none), or None if the pool is short."""
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(blocks)
-        if needed > self.pool.num_free_blocks:
-            return None
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is None:
+            blocks = self.req_to_blocks[request.request_id] = []
+        needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(blocks)
         if needed <= 0:
             return []
+        if needed > self.pool.num_free_blocks:
+            return None
         new = self.pool.get_new_blocks(needed)
         blocks.extend(new)
         return [b.block_id for b in new]

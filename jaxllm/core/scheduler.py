@@ -24,7 +24,7 @@ from jaxllm.engine import EngineCoreOutput, SchedulerStats
 from jaxllm.request import FINISH_REASONS, Request, RequestStatus
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_computed_tokens: int  # before this step
@@ -66,13 +66,13 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Request, int, list[int]]] = []
+        out: list[ScheduledRequest] = []
         preempted = 0
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if self._awaits_last_token(request):
+            if request.num_output_placeholders and self._awaits_last_token(request):
                 i += 1
                 continue
             num_new = min(self._num_pending_tokens(request), budget)
@@ -83,7 +83,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append((request, num_new, new_blocks))
+                out.append(self._schedule(request, num_new, new_blocks))
                 budget -= num_new
                 i += 1
 
@@ -97,20 +97,22 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append((request, num_new, new_blocks))
+            out.append(self._schedule(request, num_new, new_blocks))
             budget -= num_new
 
-        out = []
-        for request, num_new, new_blocks in scheduled:
-            samples = num_new == self._num_pending_tokens(request)
-            out.append(ScheduledRequest(request, request.num_computed_tokens, num_new, new_blocks, samples))
-            request.num_computed_tokens += num_new
-            request.num_output_placeholders += samples
         self.num_preemptions += preempted
         finished = []
         if out:  # an empty output never reaches the runner: keep the ids for the next one
             finished, self._finished_req_ids = self._finished_req_ids, []
         return SchedulerOutput(out, self.config.max_num_batched_tokens - budget, preempted, finished)
+
+    @staticmethod
+    def _schedule(request: Request, num_new: int, new_blocks: list[int]) -> ScheduledRequest:
+        samples = num_new == request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+        scheduled = ScheduledRequest(request, request.num_computed_tokens, num_new, new_blocks, samples)
+        request.num_computed_tokens += num_new
+        request.num_output_placeholders += samples
+        return scheduled
 
     @staticmethod
     def _num_pending_tokens(request: Request) -> int:
@@ -120,9 +122,7 @@ class Scheduler:
     def _awaits_last_token(self, request: Request) -> bool:
         """True when a token still on the device will end the request by length."""
         n = request.num_output_placeholders
-        if n == 0:
-            return False
-        out_of_tokens = request.max_tokens is not None and request.num_output_tokens + n >= request.max_tokens
+        out_of_tokens = request.max_tokens is not None and len(request.output_token_ids) + n >= request.max_tokens
         return out_of_tokens or request.num_tokens + n >= self.config.max_model_len
 
     def _preempt(self, request: Request) -> None:
@@ -131,22 +131,26 @@ class Scheduler:
         request.num_computed_tokens = 0
         self.waiting.appendleft(request)
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids) -> list[EngineCoreOutput]:
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled_token_ids: list[int]) -> list[EngineCoreOutput]:
         """Append the token each sampling request drew and finish the ones that stop.
         Requests that ended while the step ran (abort, stop, error) drop theirs."""
         outputs = []
-        for i, sched in enumerate(scheduler_output.requests):
+        max_model_len = self.config.max_model_len
+        for sched, token_id in zip(scheduler_output.requests, sampled_token_ids):
             if not sched.samples:
                 continue  # a prefill chunk short of the prompt's end
             request = sched.request
             request.num_output_placeholders -= 1
             if request.is_finished:
                 continue
-            request.append_token(int(sampled_token_ids[i]))
-            if request.check_stop(self.config.max_model_len):
+            request.append_token(token_id)
+            if request.check_stop(max_model_len):
                 self._free(request)
-            outputs.append(EngineCoreOutput(request.request_id, [request.output_token_ids[-1]],
-                                            FINISH_REASONS.get(request.status), request.stop_reason))
+                outputs.append(EngineCoreOutput(request.request_id, [token_id], FINISH_REASONS[request.status],
+                                                request.stop_reason))
+            else:
+                outputs.append(EngineCoreOutput(request.request_id, [token_id]))
         return outputs
 
     def finish_requests(self, request_ids, status: RequestStatus) -> None:

@@ -1,6 +1,4 @@
 """OutputProcessor: incremental detokenization, stop strings, RequestOutputs."""
-import dataclasses
-
 from tokenizers.decoders import DecodeStream
 
 from jaxllm.engine import EngineCoreOutput
@@ -71,7 +69,8 @@ class RequestState:
             self._sent_tokens, token_ids = len(token_ids), token_ids[self._sent_tokens:]
         completion = CompletionOutput(0, text, list(token_ids),
                                       finish_reason=self.finish_reason, stop_reason=self.stop_reason)
-        metrics = dataclasses.replace(self.metrics)
+        m = self.metrics
+        metrics = RequestMetrics(m.arrival_time, m.first_token_time, m.last_token_time)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
                              finished=finished, error=self.error, metrics=metrics)
 

@@ -18,8 +18,6 @@ from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.kernels.attention import AttentionMetadata
 from jaxllm.sample.sampler import SamplingMetadata
 
-_FLOAT32_FIELDS = ("temperature", "top_p", "min_p")
-_UINT32_FIELDS = ("seeds",)
 
 
 @jax.tree_util.register_dataclass
@@ -41,7 +39,7 @@ class BatchLayout:
         shapes = {
             "input_ids": (T,), "prev_rows": (T,), "positions": (T,), "slot_mapping": (T,),
             "logits_indices": (R,), "query_start_loc": (R + 1,), "seq_lens": (R,), "num_seqs": (1,),
-            "temperature": (R,), "top_k": (R,), "top_p": (R,), "min_p": (R,), "seeds": (R, 2),
+            "sampling": (R, 6),  # Request.sampling_row: temperature, top_k, top_p, min_p, seed high, seed low
             "sample_positions": (R,), "block_tables": (R, max_blocks_per_seq),
         }
         self.num_tokens, self.num_reqs = T, R
@@ -53,66 +51,77 @@ class BatchLayout:
         self.size = offset
 
     def host_views(self, buffer: np.ndarray) -> dict[str, np.ndarray]:
-        """numpy views of `buffer` [size] int32, one per field, in the field's dtype."""
-        views = {}
-        for name, (offset, shape) in self.fields.items():
-            view = buffer[offset:offset + math.prod(shape)].reshape(shape)
-            if name in _FLOAT32_FIELDS:
-                view = view.view(np.float32)
-            elif name in _UINT32_FIELDS:
-                view = view.view(np.uint32)
-            views[name] = view
-        return views
+        """numpy views of `buffer` [size] int32, one per field."""
+        return {name: buffer[offset:offset + math.prod(shape)].reshape(shape)
+                for name, (offset, shape) in self.fields.items()}
 
     def unpack(self, buffer: jax.Array) -> StepBatch:
         """Inside the jitted step: the StepBatch that `buffer` [size] int32 holds."""
         def field(name):
             offset, shape = self.fields[name]
-            x = buffer[offset:offset + math.prod(shape)].reshape(shape)
-            if name in _FLOAT32_FIELDS:
-                return jax.lax.bitcast_convert_type(x, jnp.float32)
-            if name in _UINT32_FIELDS:
-                return jax.lax.bitcast_convert_type(x, jnp.uint32)
-            return x
+            return buffer[offset:offset + math.prod(shape)].reshape(shape)
 
+        sampling = field("sampling")
+        as_f32 = lambda column: jax.lax.bitcast_convert_type(sampling[:, column], jnp.float32)
         return StepBatch(
             input_ids=field("input_ids"), prev_rows=field("prev_rows"), positions=field("positions"),
             logits_indices=field("logits_indices"),
             attention=AttentionMetadata(slot_mapping=field("slot_mapping"), query_start_loc=field("query_start_loc"),
                                         seq_lens=field("seq_lens"), block_tables=field("block_tables"),
                                         num_seqs=field("num_seqs")),
-            sampling=SamplingMetadata(temperature=field("temperature"), top_k=field("top_k"), top_p=field("top_p"),
-                                      min_p=field("min_p"), seeds=field("seeds"), positions=field("sample_positions")))
+            sampling=SamplingMetadata(temperature=as_f32(0), top_k=sampling[:, 1], top_p=as_f32(2), min_p=as_f32(3),
+                                      seeds=jax.lax.bitcast_convert_type(sampling[:, 4:6], jnp.uint32),
+                                      positions=field("sample_positions")))
 
 
-class BlockTables:
-    """The runner's host copy of each running request's block table. A step writes only
-    the blocks the scheduler added, so packing costs O(new blocks), not O(context)."""
+class RequestRows:
+    """The runner's persistent host state, one row per request that holds KV blocks: its
+    block table, its sampling inputs (Request.sampling_row) and its row in the last
+    step's sampled ids. A step gathers its requests' rows in one copy each and writes
+    only the blocks the scheduler added: packing costs O(new blocks), not O(context)."""
 
-    def __init__(self, max_blocks_per_seq: int):
-        self.max_blocks_per_seq = max_blocks_per_seq
-        self._rows: dict[str, np.ndarray] = {}
-        self._lengths: dict[str, int] = {}
+    def __init__(self, max_blocks_per_seq: int, num_rows: int):
+        self.block_table = np.zeros((num_rows, max_blocks_per_seq), np.int32)
+        self.sampling = np.zeros((num_rows, 6), np.int32)
+        self.prev_sampled_row = np.full(num_rows, -1, np.int32)
+        self._num_blocks = [0] * num_rows
+        self._rows: dict[str, int] = {}  # request id -> its row
+        self._free_rows = list(range(num_rows - 1, -1, -1))
 
-    def update(self, sched: SchedulerOutput) -> None:
+    def update(self, sched: SchedulerOutput) -> np.ndarray:
+        """Apply the step's new requests and blocks; returns each scheduled request's row."""
         for request_id in sched.finished_req_ids:
-            self._rows.pop(request_id, None)
-            self._lengths.pop(request_id, None)
+            row = self._rows.pop(request_id, None)
+            if row is not None:
+                self._free_rows.append(row)
+        rows = []
         for s in sched.requests:
-            request_id = s.request.request_id
+            row = self._rows.get(s.request.request_id)
+            if row is None:
+                row = self._rows[s.request.request_id] = self._new_row()
+                self.sampling[row] = s.request.sampling_row
             if s.num_computed_tokens == 0:  # new, or recomputing after preemption: fresh blocks
-                self._rows[request_id] = np.zeros(self.max_blocks_per_seq, np.int32)
-                self._lengths[request_id] = 0
-            n = self._lengths[request_id]
-            self._rows[request_id][n:n + len(s.new_block_ids)] = s.new_block_ids
-            self._lengths[request_id] = n + len(s.new_block_ids)
+                self._num_blocks[row] = 0
+            if s.new_block_ids:
+                n = self._num_blocks[row]
+                self.block_table[row, n:n + len(s.new_block_ids)] = s.new_block_ids
+                self._num_blocks[row] = n + len(s.new_block_ids)
+            rows.append(row)
+        return np.array(rows, np.int32)
 
-    def rows(self, sched: SchedulerOutput) -> list[np.ndarray]:
-        return [self._rows[s.request.request_id] for s in sched.requests]
+    def _new_row(self) -> int:
+        if not self._free_rows:  # preempted requests keep their rows: grow
+            n = len(self.block_table)
+            self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
+            self.sampling = np.concatenate([self.sampling, np.zeros_like(self.sampling)])
+            self.prev_sampled_row = np.concatenate([self.prev_sampled_row, np.full(n, -1, np.int32)])
+            self._num_blocks += [0] * n
+            self._free_rows = list(range(2 * n - 1, n - 1, -1))
+        return self._free_rows.pop()
 
     def clear(self) -> None:
         self._rows.clear()
-        self._lengths.clear()
+        self._free_rows = list(range(len(self.block_table) - 1, -1, -1))
 
 
 def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
@@ -133,20 +142,18 @@ def fill_padding(v: dict[str, np.ndarray]) -> None:
         view[...] = 0
     v["slot_mapping"][:] = -1
     v["prev_rows"][:] = -1
-    v["top_p"][:] = 1.0
 
 
-def pack(sched: SchedulerOutput, block_tables: BlockTables, prev_rows: dict[str, int],
-         v: dict[str, np.ndarray], block_size: int) -> None:
-    """Write the scheduled requests into a bucket's host views `v` (block_tables already
-    updated for this step). A request's last token may be one the previous step is
-    still sampling on the device: `prev_rows` maps such a request to its row there,
-    and the step reads the token from the device instead of the host."""
+def pack(sched: SchedulerOutput, rows: np.ndarray, state: RequestRows, v: dict[str, np.ndarray],
+         block_size: int) -> None:
+    """Write the scheduled requests (at `rows` of `state`) into a bucket's host views `v`.
+    A request's last token may be one the previous step is still sampling on the
+    device: the step then reads it from there (`prev_rows`) instead of the host."""
     reqs = sched.requests
     n = len(reqs)
-    counts = np.fromiter((s.num_new_tokens for s in reqs), np.int32, n)
-    starts = np.fromiter((s.num_computed_tokens for s in reqs), np.int32, n)
-    known = np.fromiter((s.request.num_tokens for s in reqs), np.int32, n)  # tokens whose ids the host has
+    counts = np.array([s.num_new_tokens for s in reqs], np.int32)
+    starts = np.array([s.num_computed_tokens for s in reqs], np.int32)
+    known = np.array([s.request.num_tokens for s in reqs], np.int32)  # tokens whose ids the host has
     ends = starts + counts
     total = int(counts.sum())
 
@@ -157,23 +164,25 @@ def pack(sched: SchedulerOutput, block_tables: BlockTables, prev_rows: dict[str,
     v["seq_lens"][:n] = ends
     v["seq_lens"][n:] = 0
     v["num_seqs"][0] = n
-    if n:
-        v["block_tables"][:n] = block_tables.rows(sched)
+    v["block_tables"][:n] = state.block_table[rows]
     last = qsl[1:n + 1] - 1
     v["logits_indices"][:n] = last
+    v["sampling"][:n] = state.sampling[rows]
+    v["sampling"][n:] = 0  # padding rows: greedy, no filter
+    v["sample_positions"][:n] = ends
 
     # Token ids: from the host, except a last token still on the device.
-    on_device = np.flatnonzero(ends > known)
     prev = v["prev_rows"]
     prev[:] = -1
-    prev[last[on_device]] = [prev_rows[reqs[i].request.request_id] for i in on_device]
-    host_tokens = [t for i in np.flatnonzero(np.minimum(ends, known) > starts)
-                   for t in reqs[i].request.token_ids(int(starts[i]), int(min(ends[i], known[i])))]
-    input_ids = v["input_ids"]
-    if len(on_device):
-        input_ids[:total][prev[:total] < 0] = host_tokens
+    on_device = ends > known
+    prev[last[on_device]] = state.prev_sampled_row[rows[on_device]]
+    from_host = np.flatnonzero(np.minimum(ends, known) > starts).tolist()
+    host_tokens = [t for i in from_host for t in reqs[i].request.token_ids(int(starts[i]), int(min(ends[i], known[i])))]
+    input_ids = v["input_ids"][:total]
+    if len(host_tokens) < total:
+        input_ids[prev[:total] < 0] = host_tokens
     else:
-        input_ids[:total] = host_tokens
+        input_ids[:] = host_tokens
 
     # [2, 3] tokens of requests starting at [5, 0] -> positions [5, 6, 0, 1, 2]
     req_of_token = np.repeat(np.arange(n), counts)
@@ -183,12 +192,7 @@ def pack(sched: SchedulerOutput, block_tables: BlockTables, prev_rows: dict[str,
     slots[:total] = v["block_tables"][req_of_token, pos // block_size] * block_size + pos % block_size
     slots[total:] = -1
 
-    params = [s.request.sampling_params for s in reqs]
-    v["temperature"][:n] = [p.temperature for p in params]
-    v["top_k"][:n] = np.minimum([p.top_k for p in params], np.iinfo(np.int32).max)
-    v["top_p"][:n] = [p.top_p for p in params]
-    v["min_p"][:n] = [p.min_p for p in params]
-    v["temperature"][n:], v["top_k"][n:], v["top_p"][n:], v["min_p"][n:] = 0.0, 0, 1.0, 0.0  # padding: greedy
-    seeds = np.fromiter((s.request.seed for s in reqs), np.uint64, n)
-    v["seeds"][:n, 0], v["seeds"][:n, 1] = seeds >> np.uint64(32), seeds & np.uint64(0xFFFFFFFF)
-    v["sample_positions"][:n] = ends
+    # Where this step's samples land, for the next step.
+    samples = np.array([s.samples for s in reqs], bool)
+    state.prev_sampled_row[rows] = -1
+    state.prev_sampled_row[rows[samples]] = np.flatnonzero(samples)

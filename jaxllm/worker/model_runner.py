@@ -64,7 +64,7 @@ class ModelRunner:
                 f"({mc.max_model_len}): raise gpu_memory_utilization or num_gpu_blocks_override, or lower max_model_len")
         self.kv_caches = self._allocate_kv_caches()
         self.token_buckets = batching.token_buckets(sc.max_num_batched_tokens)
-        self.block_tables = batching.BlockTables(self.max_blocks_per_seq)
+        self.request_rows = batching.RequestRows(self.max_blocks_per_seq, 2 * sc.max_num_seqs)
         layouts = [batching.BatchLayout(t, batching.request_bucket(t, sc.max_num_seqs), self.max_blocks_per_seq)
                    for t in self.token_buckets]
         self._host_buffers = {}
@@ -73,7 +73,6 @@ class ModelRunner:
             self._host_buffers[layout.num_tokens] = [(b, layout.host_views(b)) for b in buffers]
         self._num_steps = 0
         self._last_buffer: np.ndarray | None = None
-        self._prev_rows: dict[str, int] = {}  # request id -> its row in the last step's sampled ids
         self._prev_sampled = self._zero_sampled()
         step_fn = _make_step_fn(self._graphdef, self._params_treedef, self._attn_fn,
                                 {layout.size: layout for layout in layouts}, sc.max_num_seqs)
@@ -116,8 +115,7 @@ class ModelRunner:
             if not array.is_deleted():
                 array.delete()
         self.kv_caches = self._allocate_kv_caches()
-        self.block_tables.clear()
-        self._prev_rows = {}
+        self.request_rows.clear()
         self._prev_sampled = self._zero_sampled()
 
     def _allocate_kv_caches(self):
@@ -161,13 +159,12 @@ class ModelRunner:
 
     def execute_model(self, sched: SchedulerOutput) -> "StepOutput":
         """Dispatch one step and return at once; its sampled ids land later."""
-        self.block_tables.update(sched)
+        rows = self.request_rows.update(sched)
         buffer, views = self._next_host_buffer(self._token_bucket(sched.num_scheduled_tokens))
-        batching.pack(sched, self.block_tables, self._prev_rows, views, self.block_size)
+        batching.pack(sched, rows, self.request_rows, views, self.block_size)
         sampled = self._dispatch(buffer)
         sampled.copy_to_host_async()
         self._last_buffer = buffer
-        self._prev_rows = {s.request.request_id: i for i, s in enumerate(sched.requests) if s.samples}
         return StepOutput(sampled, len(sched.requests))
 
     def time_last_step(self, num_iters: int) -> float:
@@ -202,9 +199,9 @@ class StepOutput:
     sampled: jax.Array  # [max_num_seqs] int32, on the device
     num_reqs: int
 
-    def token_ids(self) -> np.ndarray:
-        """[num_reqs] int32: blocks until the step has finished."""
-        return np.asarray(self.sampled)[:self.num_reqs]
+    def token_ids(self) -> list[int]:
+        """Each scheduled request's sampled id; blocks until the step has finished."""
+        return np.asarray(self.sampled)[:self.num_reqs].tolist()
 
 
 def _make_step_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout], max_num_seqs: int):
