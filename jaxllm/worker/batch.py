@@ -20,6 +20,9 @@ from jaxllm.sample.sampler import SamplingMetadata
 
 
 
+_ALIGN = 64  # int32 words: 256 bytes
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
@@ -47,7 +50,8 @@ class BatchLayout:
         offset = 0
         for name, shape in shapes.items():
             self.fields[name] = (offset, shape)
-            offset += math.prod(shape)
+            # Kernels (Mosaic GPU) take their operands 256-byte aligned: XLA passes slices in place.
+            offset += -(-math.prod(shape) // _ALIGN) * _ALIGN
         self.size = offset
 
     def host_views(self, buffer: np.ndarray) -> dict[str, np.ndarray]:

@@ -72,13 +72,13 @@ class ModelRunner:
             buffers = [np.zeros(layout.size, np.int32) for _ in range(2)]
             self._host_buffers[layout.num_tokens] = [(b, layout.host_views(b)) for b in buffers]
         self._num_steps = 0
-        self._last_buffer: np.ndarray | None = None
+        self._last_step: tuple[int, np.ndarray] | None = None  # (token bucket, host buffer)
         self._prev_sampled = self._zero_sampled()
         step_fn = _make_step_fn(self._graphdef, self._params_treedef, self._attn_fn,
-                                {layout.size: layout for layout in layouts}, sc.max_num_seqs)
+                                {layout.num_tokens: layout for layout in layouts}, sc.max_num_seqs)
         # Pin the outputs' shardings, so the next step sees the same inputs.
         kv_sharding = kv_cache_sharding(self.mesh)
-        self._step = jax.jit(step_fn, donate_argnums=(1,),
+        self._step = jax.jit(step_fn, donate_argnums=(1,), static_argnums=(4,),
                              out_shardings=(replicated(self.mesh), [(kv_sharding, kv_sharding)] * mc.arch.num_layers))
 
     # ---- memory ----
@@ -145,8 +145,8 @@ class ModelRunner:
         self._num_steps += 1
         return self._host_buffers[token_bucket][self._num_steps % 2]
 
-    def _dispatch(self, buffer: np.ndarray) -> jax.Array:
-        sampled, self.kv_caches = self._step(self._params, self.kv_caches, self._prev_sampled, buffer)
+    def _dispatch(self, token_bucket: int, buffer: np.ndarray) -> jax.Array:
+        sampled, self.kv_caches = self._step(self._params, self.kv_caches, self._prev_sampled, buffer, token_bucket)
         self._prev_sampled = sampled
         return sampled
 
@@ -155,28 +155,29 @@ class ModelRunner:
         for token_bucket in tqdm(self.token_buckets, desc="Compiling buckets", disable=not show_progress):
             buffer, views = self._next_host_buffer(token_bucket)
             batching.fill_padding(views)
-            self._dispatch(buffer).block_until_ready()
+            self._dispatch(token_bucket, buffer).block_until_ready()
 
     def execute_model(self, sched: SchedulerOutput) -> "StepOutput":
         """Dispatch one step and return at once; its sampled ids land later."""
         rows = self.request_rows.update(sched)
-        buffer, views = self._next_host_buffer(self._token_bucket(sched.num_scheduled_tokens))
+        token_bucket = self._token_bucket(sched.num_scheduled_tokens)
+        buffer, views = self._next_host_buffer(token_bucket)
         batching.pack(sched, rows, self.request_rows, views, self.block_size)
-        sampled = self._dispatch(buffer)
+        sampled = self._dispatch(token_bucket, buffer)
         sampled.copy_to_host_async()
-        self._last_buffer = buffer
+        self._last_step = (token_bucket, buffer)
         return StepOutput(sampled, len(sched.requests))
 
     def time_last_step(self, num_iters: int) -> float:
         """Seconds per step of the last step's inputs replayed back to back: the
         device's time for it with no host work in between (for benchmarks, on an idle
         engine: the replay rewrites the KV slots of that step's finished requests)."""
-        if self._last_buffer is None:
+        if self._last_step is None:
             raise RuntimeError("no step has run yet")
-        self._dispatch(self._last_buffer).block_until_ready()
+        self._dispatch(*self._last_step).block_until_ready()
         start = time.perf_counter()
         for _ in range(num_iters):
-            sampled = self._dispatch(self._last_buffer)
+            sampled = self._dispatch(*self._last_step)
         sampled.block_until_ready()
         return (time.perf_counter() - start) / num_iters
 
@@ -206,11 +207,11 @@ class StepOutput:
 
 def _make_step_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout], max_num_seqs: int):
     """The jitted step's function (a closure, not a method: the runner is not kept alive by its executables)."""
-    def step(params, kv_caches, prev_sampled, buffer):
+    def step(params, kv_caches, prev_sampled, buffer, token_bucket: int):
         """params: flat weights; kv_caches: per layer (K, V) [num_blocks, block_size, kv_heads, head_dim];
-        prev_sampled [max_num_seqs] int32: the previous step's ids; buffer [size] int32: this step's inputs.
-        Returns (sampled ids [max_num_seqs] int32, kv_caches)."""
-        batch = layouts[buffer.shape[0]].unpack(buffer)
+        prev_sampled [max_num_seqs] int32: the previous step's ids; buffer [size] int32: this step's inputs,
+        laid out as `token_bucket`'s BatchLayout. Returns (sampled ids [max_num_seqs] int32, kv_caches)."""
+        batch = layouts[token_bucket].unpack(buffer)
         input_ids = jnp.where(batch.prev_rows >= 0, prev_sampled[jnp.maximum(batch.prev_rows, 0)], batch.input_ids)
         model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, params))
         hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attention, attn_fn)

@@ -1,0 +1,47 @@
+"""The step's one input buffer: what the host packs is what the jitted step reads."""
+import jax
+import numpy as np
+import pytest
+
+from jaxllm.config import EngineArgs
+from jaxllm.worker import batch as batching
+from jaxllm.worker.model_runner import ModelRunner
+from tests.conftest import tiny_model
+
+
+@pytest.mark.parametrize("num_tokens, num_reqs, max_blocks", [(16, 16, 8), (32, 32, 8), (64, 32, 8), (128, 32, 8),
+                                                              (2048, 256, 128)])
+def test_every_field_unpacks_on_the_device_as_the_host_wrote_it(num_tokens, num_reqs, max_blocks):
+    layout = batching.BatchLayout(num_tokens, num_reqs, max_blocks)
+    buffer = np.zeros(layout.size, np.int32)
+    views = layout.host_views(buffer)
+    rng = np.random.default_rng(num_tokens)
+    for view in views.values():
+        view[...] = rng.integers(0, 2**31 - 1, view.shape)
+    views["sampling"][:, [0, 2, 3]] = np.float32(rng.random((num_reqs, 3))).view(np.int32)
+    batch = jax.jit(layout.unpack)(buffer)
+    np.testing.assert_array_equal(batch.input_ids, views["input_ids"])
+    np.testing.assert_array_equal(batch.prev_rows, views["prev_rows"])
+    np.testing.assert_array_equal(batch.attention.block_tables, views["block_tables"])
+    np.testing.assert_array_equal(batch.attention.slot_mapping, views["slot_mapping"])
+    np.testing.assert_array_equal(batch.attention.query_start_loc, views["query_start_loc"])
+    np.testing.assert_array_equal(batch.sampling.top_p, views["sampling"][:, 2].view(np.float32))
+    np.testing.assert_array_equal(batch.sampling.seeds, views["sampling"][:, 4:6].view(np.uint32))
+    np.testing.assert_array_equal(batch.sampling.positions, views["sample_positions"])
+
+
+def test_fields_start_256_byte_aligned():
+    layout = batching.BatchLayout(48, 24, 5)
+    assert all(offset % 64 == 0 for offset, _ in layout.fields.values())
+
+
+def test_an_all_padding_step_writes_nothing_to_the_kv_cache():
+    config = EngineArgs(model=tiny_model("llama"), skip_tokenizer_init=True, max_model_len=128, max_num_seqs=32,
+                        max_num_batched_tokens=128, num_gpu_blocks_override=40).create_config()
+    runner = ModelRunner(config)
+    for token_bucket in runner.token_buckets:
+        runner.kv_caches = jax.tree.map(jax.numpy.ones_like, runner.kv_caches)  # so a write of anything shows
+        buffer, views = runner._next_host_buffer(token_bucket)
+        batching.fill_padding(views)
+        runner._dispatch(token_bucket, buffer).block_until_ready()
+        assert all(np.all(np.asarray(c) == 1) for c in jax.tree.leaves(runner.kv_caches)), token_bucket
