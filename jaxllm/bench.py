@@ -3,9 +3,9 @@
 For each batch size B: B requests of `input_len` random tokens each generate
 `output_len` tokens (ignore_eos). The step time is the median interval between
 consecutive steps in which all B requests got a token, on the engine core's clock
-(so the front end's own pace does not count). The device time is the last of
-those steps replayed back to back on the device with no host work in between: the
-floor the step time would reach if the host cost nothing. Exits 1 when a request
+(so the front end's own pace does not count). The device time is the first step
+with all B requests replayed back to back on the device with no host work in
+between: the floor the step time would reach if the host cost nothing. Exits 1 when a request
 got the wrong number of tokens or anything compiled after warm-up.
 """
 import dataclasses
@@ -43,7 +43,7 @@ def run_step_bench(engine_args, batch_sizes: list[int], input_len: int, output_l
                 full_steps.append(outs[0].metrics.last_token_time)
         wall_s = time.perf_counter() - start
         step_ms = 1e3 * float(np.median(np.diff(full_steps))) if len(full_steps) > 1 else float("nan")
-        device_ms = 1e3 * engine.engine_core.call_utility("time_last_step", 20)
+        device_ms = 1e3 * engine.engine_core.call_utility("time_widest_step", 20)
         rows.append({
             "batch": batch, "input_len": input_len, "output_len": output_len,
             "decode_step_ms": round(step_ms, 3), "device_step_ms": round(device_ms, 3),

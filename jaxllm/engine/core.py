@@ -105,12 +105,12 @@ class EngineCore:
     def describe(self) -> str:
         return self.runner.describe()
 
-    def time_last_step(self, num_iters: int = 20) -> float:
+    def time_widest_step(self, num_iters: int = 20) -> float:
         if self.scheduler.has_unfinished_requests():
-            raise RuntimeError("time_last_step needs an idle engine")
+            raise RuntimeError("time_widest_step needs an idle engine")
         while self.batch_queue:  # a step of requests that ended meanwhile
             self.step()
-        return self.runner.time_last_step(num_iters)
+        return self.runner.time_widest_step(num_iters)
 
     def shutdown(self) -> None:
         self.batch_queue.clear()

@@ -72,7 +72,7 @@ class ModelRunner:
             buffers = [np.zeros(layout.size, np.int32) for _ in range(2)]
             self._host_buffers[layout.num_tokens] = [(b, layout.host_views(b)) for b in buffers]
         self._num_steps = 0
-        self._last_step: tuple[int, np.ndarray] | None = None  # (token bucket, host buffer)
+        self._widest_step: tuple[int, int, np.ndarray] | None = None  # (requests, token bucket, inputs)
         self._prev_sampled = self._zero_sampled()
         step_fn = _make_step_fn(self._graphdef, self._params_treedef, self._attn_fn,
                                 {layout.num_tokens: layout for layout in layouts}, sc.max_num_seqs)
@@ -165,19 +165,23 @@ class ModelRunner:
         batching.pack(sched, rows, self.request_rows, views, self.block_size)
         sampled = self._dispatch(token_bucket, buffer)
         sampled.copy_to_host_async()
-        self._last_step = (token_bucket, buffer)
+        if self._widest_step is None or len(sched.requests) > self._widest_step[0]:
+            self._widest_step = (len(sched.requests), token_bucket, buffer.copy())
         return StepOutput(sampled, len(sched.requests))
 
-    def time_last_step(self, num_iters: int) -> float:
-        """Seconds per step of the last step's inputs replayed back to back: the
-        device's time for it with no host work in between (for benchmarks, on an idle
-        engine: the replay rewrites the KV slots of that step's finished requests)."""
-        if self._last_step is None:
-            raise RuntimeError("no step has run yet")
-        self._dispatch(*self._last_step).block_until_ready()
+    def time_widest_step(self, num_iters: int) -> float:
+        """Seconds per step of the widest step since the last call (the first with the
+        most requests), its inputs replayed back to back: the device's time for it with
+        no host work in between. For benchmarks, on an idle engine: the replay rewrites
+        the KV slots of that step's finished requests."""
+        if self._widest_step is None:
+            raise RuntimeError("no step has run since the last call")
+        step = self._widest_step[1:]
+        self._widest_step = None
+        self._dispatch(*step).block_until_ready()
         start = time.perf_counter()
         for _ in range(num_iters):
-            sampled = self._dispatch(*self._last_step)
+            sampled = self._dispatch(*step)
         sampled.block_until_ready()
         return (time.perf_counter() - start) / num_iters
 
