@@ -4,7 +4,7 @@ For each batch size B: B requests of `input_len` random tokens each generate
 `output_len` tokens (ignore_eos). The step time is the median interval between
 consecutive steps in which all B requests got a token, on the engine core's clock
 (so the front end's own pace does not count). The device time is the first step
-with all B requests replayed back to back on the device with no host work in
+in which all B requests decode, replayed back to back on the device with no host work in
 between: the floor the step time would reach if the host cost nothing. Exits 1 when a request
 got the wrong number of tokens or anything compiled after warm-up.
 """

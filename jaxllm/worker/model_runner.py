@@ -72,7 +72,7 @@ class ModelRunner:
             buffers = [np.zeros(layout.size, np.int32) for _ in range(2)]
             self._host_buffers[layout.num_tokens] = [(b, layout.host_views(b)) for b in buffers]
         self._num_steps = 0
-        self._widest_step: tuple[int, int, np.ndarray] | None = None  # (requests, token bucket, inputs)
+        self._widest_step: tuple[tuple[int, int], int, np.ndarray] | None = None  # (width, bucket, inputs)
         self._prev_sampled = self._zero_sampled()
         step_fn = _make_step_fn(self._graphdef, self._params_treedef, self._attn_fn,
                                 {layout.num_tokens: layout for layout in layouts}, sc.max_num_seqs)
@@ -165,14 +165,16 @@ class ModelRunner:
         batching.pack(sched, rows, self.request_rows, views, self.block_size)
         sampled = self._dispatch(token_bucket, buffer)
         sampled.copy_to_host_async()
-        if self._widest_step is None or len(sched.requests) > self._widest_step[0]:
-            self._widest_step = (len(sched.requests), token_bucket, buffer.copy())
+        width = (len(sched.requests), -sched.num_scheduled_tokens)  # most requests, then fewest tokens
+        if self._widest_step is None or width > self._widest_step[0]:
+            self._widest_step = (width, token_bucket, buffer.copy())
         return StepOutput(sampled, len(sched.requests))
 
     def time_widest_step(self, num_iters: int) -> float:
         """Seconds per step of the widest step since the last call (the first with the
-        most requests), its inputs replayed back to back: the device's time for it with
-        no host work in between. For benchmarks, on an idle engine: the replay rewrites
+        most requests and, among those, the fewest tokens: in a decode benchmark, the first
+        step where every request decodes), its inputs replayed back to back: the device's
+        time for it with no host work in between. For benchmarks, on an idle engine: the replay rewrites
         the KV slots of that step's finished requests."""
         if self._widest_step is None:
             raise RuntimeError("no step has run since the last call")
