@@ -1,8 +1,12 @@
-"""The `jaxllm` command: `jaxllm generate` runs offline generation.
+"""The `jaxllm` command: `jaxllm generate` runs offline generation, `jaxllm bench step`
+times the engine's steps.
 
-Engine flags are EngineArgs' fields, spelled as in vLLM (--max-model-len, ...).
+Engine flags are EngineArgs' fields, spelled as in vLLM (--max-model-len, ...). A user's
+mistake (a flag's value, a model file, a prompt) prints one line, `jaxllm: error: ...`,
+and exits 2, as argparse does; any other exception is a crash and keeps its traceback.
 """
 import argparse
+import contextlib
 import dataclasses
 import sys
 import time
@@ -29,6 +33,36 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, type=base, default=field.default)
 
 
+class UserError(Exception):
+    """A bad flag value, model file or prompt: main prints it as one line and exits 2."""
+
+
+@contextlib.contextmanager
+def user_errors():
+    """ValueError, TypeError and FileNotFoundError from the boundaries called inside
+    (SamplingParams; the engine's start: EngineArgs.create_config and the model loader;
+    LLM.generate's prompt checks) are the user's. Only those calls are wrapped, so a
+    bug elsewhere keeps its traceback."""
+    try:
+        yield
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        raise UserError(" ".join(str(e).splitlines())) from e
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def batch_sizes(text: str) -> str:
+    """Checks a comma-separated list of positive ints; the text stays as bench.main splits it."""
+    for size in text.split(","):
+        positive_int(size)
+    return text
+
+
 def engine_args_from(ns: argparse.Namespace):
     from jaxllm.config import EngineArgs
     return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
@@ -37,18 +71,20 @@ def engine_args_from(ns: argparse.Namespace):
 def cmd_generate(ns: argparse.Namespace) -> int:
     from jaxllm import LLM, SamplingParams
 
+    with user_errors():  # before the engine: a bad sampling flag fails at once, not after the model loads
+        params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+                                max_tokens=ns.max_tokens, seed=ns.sampling_seed, ignore_eos=ns.ignore_eos)
     start = time.perf_counter()
-    args = engine_args_from(ns)
-    llm = LLM(**dataclasses.asdict(args))
+    with user_errors():
+        llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
     print(f"engine ready in {time.perf_counter() - start:.1f} s: {llm.llm_engine.engine_core.description}")
-    params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, max_tokens=ns.max_tokens,
-                            seed=ns.sampling_seed, ignore_eos=ns.ignore_eos)
     prompts = ns.prompt or DEFAULT_PROMPTS
     start = time.perf_counter()
-    if ns.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
-    else:
-        outputs = llm.generate(prompts, params)
+    with user_errors():
+        if ns.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        else:
+            outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     for prompt, out in zip(prompts, outputs):
         c = out.outputs[0]
@@ -77,15 +113,20 @@ def main(argv=None) -> int:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     step = bench_sub.add_parser("step", help="engine step time at fixed batch sizes")
     add_engine_args(step)
-    step.add_argument("--batch-sizes", default="1,64")
-    step.add_argument("--input-len", type=int, default=128)
-    step.add_argument("--output-len", type=int, default=128)
+    step.add_argument("--batch-sizes", type=batch_sizes, default="1,64")
+    step.add_argument("--input-len", type=positive_int, default=128)
+    step.add_argument("--output-len", type=positive_int, default=128)
     step.add_argument("--json", help="also write the results to this file")
     ns = parser.parse_args(argv)
-    if ns.command == "generate":
-        return cmd_generate(ns)
-    from jaxllm import bench as bench_mod
-    return bench_mod.main(ns, engine_args_from(ns))
+    try:
+        if ns.command == "generate":
+            return cmd_generate(ns)
+        from jaxllm import bench as bench_mod
+        with user_errors():  # the engine's start, and its checks of the bench's requests
+            return bench_mod.main(ns, engine_args_from(ns))
+    except UserError as e:
+        print(f"jaxllm: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

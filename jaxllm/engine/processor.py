@@ -5,6 +5,15 @@ from jaxllm.sampling_params import SamplingParams
 PromptType = str | dict
 
 
+def check_text(text: str, field: str) -> None:
+    """A ValueError naming the field if UTF-8 cannot encode the text: a lone surrogate
+    such as "\\ud800" (or an undecodable byte of sys.argv) fails inside the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{field} is not valid text: {e.reason} (position {e.start}: {text[e.start]!r})") from None
+
+
 class Processor:
     def __init__(self, config: Config, tokenizer):
         self.max_model_len = config.model.max_model_len
@@ -41,6 +50,7 @@ class Processor:
                 raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str or a dict, got {type(prompt).__name__}")
+        check_text(prompt, "prompt")
         if self.tokenizer is None:
             raise ValueError("text prompts need a tokenizer, and this engine was started with "
                              "skip_tokenizer_init: pass {'prompt_token_ids': [...]}")

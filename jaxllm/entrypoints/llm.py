@@ -2,14 +2,17 @@
 import collections
 import dataclasses
 import logging
+import queue
+import threading
 import time
 from collections.abc import Sequence
 
 from tqdm import tqdm
 
 from jaxllm.config import EngineArgs
+from jaxllm.engine.exceptions import EngineDeadError
 from jaxllm.engine.llm_engine import LLMEngine
-from jaxllm.engine.processor import PromptType
+from jaxllm.engine.processor import PromptType, check_text
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -27,12 +30,19 @@ class LLM:
     The engine core runs in a process of its own (enable_multiprocessing=False keeps it
     in this one). `shutdown()`, leaving a `with LLM(...) as llm:` block, `del llm` and
     interpreter exit all stop it and free its device memory.
+
+    Several threads may call generate and chat at once: their requests share the
+    engine's batches, and each call returns its own outputs.
     """
 
     def __init__(self, model: str | None = None, **kwargs):
         show_progress = kwargs.pop("show_progress", True)
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs), show_progress)
         self._counter = 0
+        # One caller at a time adds requests or runs a step. Whichever caller runs the step,
+        # each finished output goes to the inbox of the call that owns the request.
+        self._lock = threading.Lock()
+        self._inboxes: dict[str, queue.SimpleQueue] = {}
 
     def __enter__(self) -> "LLM":
         return self
@@ -49,9 +59,16 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the prompts' order."""
+        """Run every prompt to completion; outputs come back in the prompts' order. A bad
+        prompt raises ValueError or TypeError naming its index ("prompt 2: ...") and
+        leaves none of this call's requests in the engine.
+
+        A request the engine failed (a model step that raised) comes back with
+        finish_reason "error" and its `error` set, and a warning is logged."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}")
         params = self._params_list(sampling_params, len(prompts))
         return self._run(list(prompts), params, use_tqdm)
 
@@ -59,17 +76,22 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the model's chat template."""
+        """Generate replies to one conversation or a list of them, through the model's chat
+        template. A message's content is a str or a list of OpenAI text parts
+        ([{"type": "text", "text": ...}], joined by newlines)."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer, and this engine was started with skip_tokenizer_init")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not isinstance(messages, (list, tuple)):
+            raise TypeError(f"messages must be a list of message dicts or a list of conversations, "
+                            f"got {type(messages).__name__}")
+        if not messages:
+            raise ValueError("messages is empty: a conversation needs at least one message")
+        conversations = list(messages) if isinstance(messages[0], (list, tuple)) else [messages]
         prompts = []
         for i, conversation in enumerate(conversations):
-            if not all(isinstance(m, dict) and "role" in m and "content" in m for m in conversation):
-                raise ValueError(f"conversation {i}: every message needs 'role' and 'content'")
-            text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
+            text = tokenizer.apply_chat_template(_chat_messages(i, conversation), chat_template=chat_template,
+                                                 tokenize=False, add_generation_prompt=add_generation_prompt)
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -80,44 +102,130 @@ class LLM:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * n
+        if not isinstance(sampling_params, (list, tuple)):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, "
+                            f"got {type(sampling_params).__name__}")
         if len(sampling_params) != n:
             raise ValueError(f"got {len(sampling_params)} sampling_params for {n} prompts")
         final = {}  # copy each distinct object once; the caller's stays as it was
-        for p in sampling_params:
+        for i, p in enumerate(sampling_params):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"prompt {i}: sampling_params must be a SamplingParams, got {type(p).__name__}")
             if id(p) not in final:
-                final[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                try:  # replace validates again: the caller may have changed p since it was made
+                    final[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                except (ValueError, TypeError) as e:
+                    raise _prompt_error(i, e) from e
         return [final[id(p)] for p in sampling_params]
 
     def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
-        engine = self.llm_engine
-        ids = []
-        try:
-            for i, (prompt, p) in enumerate(zip(prompts, params)):
-                request_id = str(self._counter)
-                self._counter += 1
-                try:
-                    engine.add_request(request_id, prompt, p)
-                except ValueError as e:
-                    raise ValueError(f"prompt {i}: {e}") from e
-                ids.append(request_id)
-        except Exception:
-            engine.abort_request(ids)
-            raise
+        inbox = queue.SimpleQueue()  # this call's finished outputs, from whichever caller ran the step
+        with self._lock:
+            ids = []
+            try:
+                for i, (prompt, p) in enumerate(zip(prompts, params)):
+                    request_id = str(self._counter)
+                    self._counter += 1
+                    try:
+                        self.llm_engine.add_request(request_id, prompt, p)
+                    except (ValueError, TypeError) as e:
+                        raise _prompt_error(i, e) from e
+                    self._inboxes[request_id] = inbox
+                    ids.append(request_id)
+            except BaseException:
+                self._take_back(ids)
+                raise
 
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         start, in_tokens, out_tokens = time.perf_counter(), 0, 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
+        try:
+            while len(finished) < len(ids):
+                with self._lock:
+                    if inbox.empty():  # else another caller's step finished some of ours
+                        self._step()
+                while not inbox.empty():
+                    out = inbox.get()
                     finished[out.request_id] = out
                     in_tokens += len(out.prompt_token_ids)
                     out_tokens += len(out.outputs[0].token_ids)
                     elapsed = time.perf_counter() - start
-                    bar.set_postfix_str(f"input: {in_tokens / elapsed:.1f} toks/s, output: {out_tokens / elapsed:.1f} toks/s")
+                    bar.set_postfix_str(f"input: {in_tokens / elapsed:.1f} toks/s, "
+                                        f"output: {out_tokens / elapsed:.1f} toks/s")
                     bar.update(1)
-        bar.close()
+        except BaseException:  # an interrupt, a dead engine: leave none of ours running
+            with self._lock:
+                self._take_back([i for i in ids if i not in finished])
+            raise
+        finally:
+            bar.close()
         failed = collections.Counter(o.error for o in finished.values() if o.outputs[0].finish_reason == "error")
         for error, count in failed.items():
             logger.warning("%d of %d requests failed: %s", count, len(ids), error)
         return [finished[i] for i in ids]
+
+    def _step(self) -> None:
+        """One engine step (the lock held); each finished output goes to its owner's inbox."""
+        if not self.llm_engine.has_unfinished_requests():
+            raise RuntimeError("requests of a generate call left the engine without an output "
+                               "(aborted through llm_engine?)")
+        for out in self.llm_engine.step():
+            inbox = self._inboxes.pop(out.request_id, None) if out.finished else None
+            if inbox is not None:  # None: not finished, or added to llm_engine directly
+                inbox.put(out)
+
+    def _take_back(self, request_ids: list[str]) -> None:
+        """Abort a call's unfinished requests (the lock held)."""
+        for request_id in request_ids:
+            self._inboxes.pop(request_id, None)
+        try:
+            self.llm_engine.abort_request(request_ids)
+        except EngineDeadError:
+            pass  # its requests died with the core
+
+
+def _prompt_error(i: int, error: Exception) -> Exception:
+    """The error, as a TypeError or ValueError, with the prompt's index in front."""
+    kind = TypeError if isinstance(error, TypeError) else ValueError
+    return kind(f"prompt {i}: {error}")
+
+
+def _chat_messages(i: int, conversation) -> list[dict]:
+    """Conversation i's messages, each content a str (OpenAI text parts joined); a
+    TypeError or ValueError naming the conversation and message if one is malformed."""
+    if not isinstance(conversation, (list, tuple)):
+        raise TypeError(f"conversation {i} must be a list of message dicts, got {type(conversation).__name__}")
+    if not conversation:
+        raise ValueError(f"conversation {i} is empty: it needs at least one message")
+    messages = []
+    for j, message in enumerate(conversation):
+        where = f"conversation {i}, message {j}"
+        if not isinstance(message, dict):
+            raise TypeError(f"{where} must be a dict with 'role' and 'content', got {type(message).__name__}")
+        if "role" not in message or "content" not in message:
+            raise ValueError(f"{where} needs 'role' and 'content', got keys {list(message)}")
+        if not isinstance(message["role"], str):
+            raise TypeError(f"{where}: role must be a str, got {type(message['role']).__name__}")
+        content = _content_text(where, message["content"])
+        check_text(content, f"{where}: content")
+        messages.append({**message, "content": content})
+    return messages
+
+
+def _content_text(where: str, content) -> str:
+    """A message's content as one str: a str as it is, OpenAI text parts joined by newlines."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, (list, tuple)):
+        raise TypeError(f"{where}: content must be a str or a list of text parts, got {type(content).__name__}")
+    texts = []
+    for k, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise TypeError(f"{where}: content part {k} must be a dict, got {type(part).__name__}")
+        if part.get("type") != "text":
+            raise ValueError(f"{where}: content part {k} has type {part.get('type')!r}; only 'text' parts "
+                             "are supported")
+        if not isinstance(part.get("text"), str):
+            raise TypeError(f"{where}: content part {k}: text must be a str, got {type(part.get('text')).__name__}")
+        texts.append(part["text"])
+    return "\n".join(texts)
