@@ -5,17 +5,22 @@ For each batch size B: B requests of `input_len` random tokens each generate
 consecutive steps in which all B requests got a token, on the engine core's clock
 (so the front end's own pace does not count). The device time is the first step
 in which all B requests decode, replayed back to back on the device with no host work in
-between: the floor the step time would reach if the host cost nothing. Exits 1 when a request
-got the wrong number of tokens or anything compiled after warm-up.
+between: the floor the step time would reach if the host cost nothing. With --profile-dir,
+the core records a jax.profiler trace of `profile_steps` steps in the middle of the decode
+(left out of the step time), and the table adds the device's busy and idle time per step in that trace (jaxllm.profiling):
+idle time is the host on the critical path. Exits 1 when a request got the wrong number of
+tokens or anything compiled after warm-up.
 """
 import dataclasses
 import json
+import os
 import time
 
 import numpy as np
 
 
-def run_step_bench(engine_args, batch_sizes: list[int], input_len: int, output_len: int, seed: int = 0) -> dict:
+def run_step_bench(engine_args, batch_sizes: list[int], input_len: int, output_len: int, seed: int = 0,
+                   profile_dir: str | None = None, profile_steps: int = 32) -> dict:
     from jaxllm import RequestOutputKind, SamplingParams
     from jaxllm.engine.llm_engine import LLMEngine
 
@@ -34,6 +39,12 @@ def run_step_bench(engine_args, batch_sizes: list[int], input_len: int, output_l
                                params)
         tokens: dict[str, list[int]] = {}
         full_steps = []  # core timestamps of the steps that gave every request a token
+        # The trace covers `profile_steps` steps in mid-decode; the step time leaves them out.
+        trace_dir = profile_dir and os.path.join(profile_dir, f"batch{batch}")
+        window = range(max(1, (output_len - profile_steps) // 2), 0)
+        if trace_dir:
+            window = range(window.start, window.start + profile_steps)
+        profiling = False
         start = time.perf_counter()
         while engine.has_unfinished_requests():
             outs = engine.step()
@@ -41,8 +52,19 @@ def run_step_bench(engine_args, batch_sizes: list[int], input_len: int, output_l
                 tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
             if len(outs) == batch:
                 full_steps.append(outs[0].metrics.last_token_time)
+                if trace_dir and len(full_steps) == window.start:
+                    engine.engine_core.call_utility("start_profile", trace_dir)
+                    profiling = True
+                elif profiling and len(full_steps) == window.stop:
+                    engine.engine_core.call_utility("stop_profile")
+                    profiling = False
+        if profiling:  # a staggered batch has fewer steps in which every request decodes
+            engine.engine_core.call_utility("stop_profile")
         wall_s = time.perf_counter() - start
-        step_ms = 1e3 * float(np.median(np.diff(full_steps))) if len(full_steps) > 1 else float("nan")
+        # Interval k runs from full step k to k + 1 (counted from 1); the traced ones are slower.
+        intervals = [b - a for k, (a, b) in enumerate(zip(full_steps, full_steps[1:]), 1)
+                     if not window.start <= k <= window.stop]
+        step_ms = 1e3 * float(np.median(intervals)) if intervals else float("nan")
         device_ms = 1e3 * engine.engine_core.call_utility("time_widest_step", 20)
         rows.append({
             "batch": batch, "input_len": input_len, "output_len": output_len,
@@ -52,6 +74,9 @@ def run_step_bench(engine_args, batch_sizes: list[int], input_len: int, output_l
             "all_lengths_ok": len(tokens) == batch and all(len(t) == output_len for t in tokens.values()),
             "distinct_tokens": len({t for seq in tokens.values() for t in seq}),
         })
+        if trace_dir and len(full_steps) >= window.start:
+            from jaxllm.profiling import latest_trace, summarize_trace
+            rows[-1]["profile"] = summarize_trace(latest_trace(trace_dir))
     result = {"model": engine.config.model.path, "dtype": str(np.dtype(engine.config.model.dtype)),
               "attention_backend": engine.config.attention_backend,
               "async_scheduling": engine.config.scheduler.async_scheduling,
@@ -65,16 +90,23 @@ def print_table(res: dict) -> None:
     print(f"\n{res['model']} ({res['dtype']}, attention={res['attention_backend']}, "
           f"async_scheduling={res['async_scheduling']}), startup {res['startup_s']} s, "
           f"compiles after warm-up: {res['compiles_after_warm_up']}")
-    print(f"{'batch':>6} {'in':>6} {'out':>5} {'step ms':>9} {'device ms':>10} {'tok/s':>9} {'wall s':>8} {'ok':>4}")
+    profiled = any("profile" in r for r in res["rows"])
+    print(f"{'batch':>6} {'in':>6} {'out':>5} {'step ms':>9} {'device ms':>10} {'tok/s':>9} {'wall s':>8} {'ok':>4}"
+          + (f" {'busy ms':>8} {'idle ms':>8}  host ms per phase" if profiled else ""))
     for r in res["rows"]:
-        print(f"{r['batch']:>6} {r['input_len']:>6} {r['output_len']:>5} {r['decode_step_ms']:>9} "
-              f"{r['device_step_ms']:>10} {r['decode_tok_s']!s:>9} {r['wall_s']:>8} {str(r['all_lengths_ok']):>4}")
+        line = (f"{r['batch']:>6} {r['input_len']:>6} {r['output_len']:>5} {r['decode_step_ms']:>9} "
+                f"{r['device_step_ms']:>10} {r['decode_tok_s']!s:>9} {r['wall_s']:>8} {str(r['all_lengths_ok']):>4}")
+        if "profile" in r:
+            p = r["profile"]
+            phases = " ".join(f"{name}={ms}" for name, ms in p["host_ms"].items())
+            line += f" {p['device_busy_ms']:>8} {p['device_idle_ms']:>8}  {phases}"
+        print(line)
 
 
 def main(ns, engine_args) -> int:
     batch_sizes = [int(b) for b in ns.batch_sizes.split(",")]
     engine_args = dataclasses.replace(engine_args, max_num_seqs=max(engine_args.max_num_seqs, max(batch_sizes)))
-    result = run_step_bench(engine_args, batch_sizes, ns.input_len, ns.output_len)
+    result = run_step_bench(engine_args, batch_sizes, ns.input_len, ns.output_len, profile_dir=ns.profile_dir)
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(result, f, indent=1)

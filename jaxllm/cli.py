@@ -117,6 +117,7 @@ def main(argv=None) -> int:
     step.add_argument("--input-len", type=positive_int, default=128)
     step.add_argument("--output-len", type=positive_int, default=128)
     step.add_argument("--json", help="also write the results to this file")
+    step.add_argument("--profile-dir", help="record a jax.profiler trace of each batch's decode here, and summarize it")
     ns = parser.parse_args(argv)
     try:
         if ns.command == "generate":

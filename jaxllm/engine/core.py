@@ -6,6 +6,7 @@ dispatches step N+1, then waits for step N's sampled ids and applies them, so th
 host's work for one step overlaps the device's work for the other.
 """
 import collections
+import gc
 import logging
 import os
 import pickle
@@ -16,7 +17,9 @@ import threading
 import time
 import traceback
 
+import jax
 import zmq
+from jax.profiler import TraceAnnotation
 
 from jaxllm import compilation
 from jaxllm.config import Config
@@ -58,10 +61,12 @@ class EngineCore:
         (or nothing new could be scheduled), wait for the oldest step and apply it."""
         scheduled = False
         if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
-            sched = self.scheduler.schedule()
+            with TraceAnnotation("schedule"):
+                sched = self.scheduler.schedule()
             if not sched.is_empty:
                 try:
-                    self.batch_queue.append((sched, self.runner.execute_model(sched)))
+                    with TraceAnnotation("execute_model"):
+                        self.batch_queue.append((sched, self.runner.execute_model(sched)))
                 except Exception as e:
                     return self._fail_steps(e, sched)
                 scheduled = True
@@ -69,11 +74,13 @@ class EngineCore:
             return EngineCoreOutputs()
         sched, step = self.batch_queue.popleft()
         try:
-            token_ids = step.token_ids()
+            with TraceAnnotation("wait"):
+                token_ids = step.token_ids()
         except Exception as e:
             return self._fail_steps(e, sched)
-        outputs = self.scheduler.update_from_output(sched, token_ids)
-        return EngineCoreOutputs(outputs, time.monotonic(), self.scheduler.make_stats())
+        with TraceAnnotation("update"):
+            outputs = self.scheduler.update_from_output(sched, token_ids)
+            return EngineCoreOutputs(outputs, time.monotonic(), self.scheduler.make_stats())
 
     def _fail_steps(self, error: Exception, sched: SchedulerOutput) -> EngineCoreOutputs:
         """A failed step may have consumed the donated KV caches: every request it or a
@@ -111,6 +118,13 @@ class EngineCore:
         while self.batch_queue:  # a step of requests that ended meanwhile
             self.step()
         return self.runner.time_widest_step(num_iters)
+
+    def start_profile(self, log_dir: str) -> None:
+        """Record a jax.profiler trace of this process into `log_dir` (see jaxllm.profiling)."""
+        jax.profiler.start_trace(log_dir)
+
+    def stop_profile(self) -> None:
+        jax.profiler.stop_trace()
 
     def shutdown(self) -> None:
         self.batch_queue.clear()
@@ -235,6 +249,9 @@ def run_engine_core(input_address: str, output_address: str) -> int:
         handshake.send_multipart([STARTUP_FAILED, payload])
         handshake.close(linger=5000)
         return 1
+    # What start-up made lives as long as the process: keep the collector from walking it every few steps.
+    gc.collect()
+    gc.freeze()
     handshake.send_multipart([READY, pickle.dumps((config, core.describe()))])
     handshake.close(linger=5000)
 

@@ -1,0 +1,51 @@
+"""The engine core's profile: a jax.profiler trace of its steps, read back per step."""
+import pytest
+
+from jaxllm import EngineArgs, SamplingParams
+from jaxllm.engine.core import EngineCore
+from jaxllm.profiling import _union_ns, latest_trace, summarize_trace
+from tests.conftest import tiny_model
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_union_counts_overlapping_intervals_once():
+    assert _union_ns([(10, 11), (0, 5), (3, 8), (4, 6)]) == 9
+    assert _union_ns([(0, 4), (4, 6)]) == 6
+
+
+def test_a_profiled_run_reports_every_step_and_host_phase(tmp_path):
+    from jaxllm.engine import EngineCoreRequest
+    config = EngineArgs(model=tiny_model("llama"), skip_tokenizer_init=True, max_model_len=64,
+                        max_num_seqs=4).create_config()
+    core = EngineCore(config, show_progress=False)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    for i in range(3):
+        core.add_request(EngineCoreRequest(str(i), [1 + i, 2, 3], params, (), i, 0.0))
+    core.start_profile(str(tmp_path))
+    while core.has_work():
+        core.step()
+    core.stop_profile()
+    core.shutdown()
+
+    summary = summarize_trace(latest_trace(str(tmp_path)))
+    assert summary["steps"] == 6  # one prefill step, then one per further token
+    assert set(summary["host_ms"]) == {"PjitFunction(step)", "schedule", "execute_model", "wait", "update"}
+    assert summary["device_busy_ms"] > 0 and summary["device_idle_ms"] >= 0
+    assert summary["kernels_per_step"] >= 1
+
+
+def test_no_trace_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no .*xplane.pb trace"):
+        latest_trace(str(tmp_path))
+
+
+def test_the_step_bench_profiles_the_middle_of_each_decode(tmp_path):
+    from jaxllm.bench import run_step_bench
+    args = EngineArgs(model=tiny_model("llama"), skip_tokenizer_init=True, max_model_len=128, max_num_seqs=4,
+                      enable_multiprocessing=False)
+    result = run_step_bench(args, [1, 4], input_len=8, output_len=24, profile_dir=str(tmp_path), profile_steps=8)
+    for row in result["rows"]:
+        assert row["all_lengths_ok"]
+        assert row["profile"]["steps"] == 8
+    assert result["compiles_after_warm_up"] == 0
