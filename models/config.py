@@ -25,6 +25,8 @@ _HF_KEY_TYPES = {
     "layer_types": list,
 }
 _REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# Sizes and counts: 0 or less would divide by zero or build an empty model.
+_POSITIVE_HF_KEYS = (*_REQUIRED_HF_KEYS, "num_key_value_heads", "head_dim", "max_position_embeddings")
 _JSON_TYPE_NAMES = {int: "an int", float: "a number", bool: "a bool", str: "a string", dict: "an object",
                     list: "a list"}
 
@@ -82,7 +84,7 @@ class ModelArchConfig:
     def from_hf_config(cls, d: dict) -> "ModelArchConfig":
         """Map a HF config.json dict; raises ValueError on an unsupported architecture, a
         missing required key or a value of the wrong type, naming the key."""
-        _check_hf_types(d)
+        _check_hf_values(d)
         archs = d.get("architectures") or []
         known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
         if not known:
@@ -96,6 +98,10 @@ class ModelArchConfig:
             raise ValueError(f"unsupported MLP: hidden_act={d.get('hidden_act')!r}, "
                              f"mlp_bias={d.get('mlp_bias')!r} (only a bias-free SiLU MLP)")
         num_heads = d["num_attention_heads"]
+        num_kv_heads = d.get("num_key_value_heads") or num_heads  # unset: multi-head attention
+        if num_heads % num_kv_heads:
+            raise ValueError(f"config key 'num_attention_heads' ({num_heads}) must be a multiple of "
+                             f"'num_key_value_heads' ({num_kv_heads})")
         head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
         num_layers = d["num_hidden_layers"]
         rope_theta, rope_scaling = _rope_from_hf(d)
@@ -107,7 +113,7 @@ class ModelArchConfig:
             intermediate_size=d["intermediate_size"],
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=d.get("num_key_value_heads") or num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
@@ -121,7 +127,7 @@ class ModelArchConfig:
         )
 
 
-def _check_hf_types(d) -> None:
+def _check_hf_values(d) -> None:
     if not isinstance(d, dict):
         raise ValueError(f"must hold a JSON object, got {type(d).__name__}")
     for key, kind in _HF_KEY_TYPES.items():
@@ -129,6 +135,9 @@ def _check_hf_types(d) -> None:
         kinds = (int, float) if kind is float else kind
         if value is not None and (not isinstance(value, kinds) or isinstance(value, bool) and kind is not bool):
             raise ValueError(f"config key {key!r} must be {_JSON_TYPE_NAMES[kind]}, got {value!r}")
+    for key in _POSITIVE_HF_KEYS:
+        if d.get(key) is not None and d[key] < 1:
+            raise ValueError(f"config key {key!r} must be >= 1, got {d[key]!r}")
 
 
 def _rope_from_hf(d: dict) -> tuple[float, dict | None]:

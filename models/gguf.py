@@ -116,6 +116,8 @@ def load_gguf_config(path: str) -> dict[str, Any]:
 
     hidden_size = int(get("embedding_length"))
     num_heads = int(get("attention.head_count"))
+    if num_heads < 1:  # the head_dim fallback below divides by it
+        raise ValueError(f"{path}: {arch}.attention.head_count must be >= 1, got {num_heads}")
     head_dim = get("attention.key_length", None) or get("rope.dimension_count", None) or hidden_size // num_heads
     vocab_size = get("vocab_size", None) or len(meta.get("tokenizer.ggml.tokens", []))
     if not vocab_size:
@@ -242,13 +244,6 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, np.ndarray]]:
         elif permute_qk and ".self_attn.k_proj." in name:
             weight = reverse_permute_qk(weight, config["num_key_value_heads"])
         yield name, weight
-
-
-def generation_eos_ids(path: str) -> list[int]:
-    """Token ids that end generation: EOS plus end-of-turn / end-of-message if declared."""
-    meta = read_gguf_metadata(path)
-    ids = [meta.get(f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
-    return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
 def load_gguf_tokenizer(path: str):

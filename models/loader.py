@@ -107,14 +107,9 @@ def path_to_hf_name(path: Path) -> str:
     return name if name.startswith("lm_head") else "model." + name
 
 
-def read_hf_folder(path: str) -> tuple[dict, Iterator[tuple[str, np.ndarray]]]:
-    """(config.json as a dict, a lazy iterator over every tensor of the folder's
-    safetensors files, listed by model.safetensors.index.json when present)."""
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"no config.json in model folder {path!r}")
-    with open(config_path) as f:
-        config = json.load(f)
+def iter_hf_weights(path: str) -> Iterator[tuple[str, np.ndarray]]:
+    """A lazy iterator over every tensor of the HF folder's safetensors files, listed by
+    model.safetensors.index.json when present. (config.json is jaxllm.config's to read.)"""
     index_path = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index_path):
         with open(index_path) as f:
@@ -132,4 +127,10 @@ def read_hf_folder(path: str) -> tuple[dict, Iterator[tuple[str, np.ndarray]]]:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
 
-    return config, tensors()
+    return tensors()
+
+
+def read_hf_folder(path: str) -> tuple[None, Iterator[tuple[str, np.ndarray]]]:
+    """(None, iter_hf_weights(path)): kept until jaxllm/worker/model_runner.iter_weights calls
+    iter_hf_weights itself. The config is ModelConfig.hf_config, read once by jaxllm.config."""
+    return None, iter_hf_weights(path)

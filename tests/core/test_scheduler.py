@@ -60,6 +60,40 @@ def test_newest_running_request_is_preempted_when_blocks_run_out():
     assert s.waiting[0].status == RequestStatus.PREEMPTED
 
 
+def preempting_scheduler():
+    """Requests 0 and 1 fill the 4 blocks with 8 tokens each; 2 waits (max_num_seqs). The next
+    step, 0 needs a third block and takes 1's: 1 is preempted."""
+    s = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=2, budget=64)
+    for i, prompt_len in enumerate([8, 8, 4]):
+        s.add_request(make_request(i, prompt_len, max_tokens=16))
+    run_step(s)
+    return s
+
+
+def test_preempted_request_goes_back_ahead_of_the_requests_that_never_ran():
+    s = preempting_scheduler()
+    run_step(s)
+    assert [r.request_id for r in s.waiting] == ["1", "2"]
+
+
+def test_preemption_frees_every_block_of_the_preempted_request():
+    s = preempting_scheduler()
+    run_step(s)
+    assert list(s.kv.req_to_blocks) == ["0"] and s.kv.pool.num_free_blocks == 1  # 0 holds the other 3
+
+
+def test_a_step_that_preempts_admits_no_waiting_request():
+    # Budget 5: 0 prefills 4 tokens and 1 a chunk of 1. Next step 0's decode takes the last block,
+    # 1's chunk of 4 finds none and 1 is preempted; the block 1 frees would hold that chunk again.
+    s = make_scheduler(num_blocks=3, block_size=4, max_num_seqs=2, budget=5)
+    s.add_request(make_request(0, 4, max_tokens=16))
+    s.add_request(make_request(1, 8, max_tokens=16))
+    run_step(s)
+    out, _ = run_step(s)
+    assert out.num_preempted == 1
+    assert [r.request.request_id for r in out.requests] == ["0"] and [r.request_id for r in s.waiting] == ["1"]
+
+
 def test_preempted_request_recomputes_prompt_and_outputs():
     s = make_scheduler(num_blocks=6, block_size=4, budget=64, max_model_len=24)
     for i in range(3):
@@ -73,6 +107,32 @@ def test_preempted_request_recomputes_prompt_and_outputs():
                 recomputed += 1
         s.update_from_output(out, [7] * len(out.requests))
     assert s.num_preemptions > 0 and recomputed > 0
+
+
+def test_waiting_requests_are_admitted_in_arrival_order():
+    s = make_scheduler(max_num_seqs=2)
+    for i in range(4):
+        s.add_request(make_request(i, 2))
+    out, _ = run_step(s)
+    assert [r.request.request_id for r in out.requests] == ["0", "1"]
+
+
+def test_a_decode_is_scheduled_while_the_previous_steps_token_is_in_flight():
+    s = make_scheduler()
+    s.add_request(make_request(0, 3, max_tokens=8))
+    s.schedule()
+    decode = s.schedule().requests[0]  # asynchronous scheduling: the prefill's token is not back yet
+    assert (decode.num_computed_tokens, decode.num_new_tokens, decode.samples) == (3, 1, True)
+
+
+@pytest.mark.parametrize("max_tokens, max_model_len", [(2, 64), (16, 5)])
+def test_a_request_whose_in_flight_tokens_end_it_by_length_is_not_scheduled_again(max_tokens, max_model_len):
+    s = make_scheduler(max_model_len=max_model_len)
+    s.add_request(make_request(0, 3, max_tokens=max_tokens))
+    in_flight = [s.schedule(), s.schedule()]  # they will sample the 4th and 5th tokens: the last allowed
+    assert s.schedule().is_empty
+    results = [s.update_from_output(out, [7]) for out in in_flight]
+    assert results[-1][0].finish_reason == "length" and s.kv.pool.num_free_blocks == 64
 
 
 def test_every_block_returns_to_the_pool():

@@ -1,5 +1,6 @@
 """Bad engine arguments and bad sampling parameters fail at the boundary, naming the field."""
 import json
+import re
 
 import pytest
 
@@ -20,6 +21,16 @@ from tests.conftest import tiny_model
 def test_invalid_sampling_params_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("top_k", [0, -1])
+def test_top_k_zero_and_minus_one_are_accepted(top_k):
+    assert SamplingParams(top_k=top_k).top_k == top_k  # vLLM's values for "all tokens"
+
+
+def test_top_k_error_names_every_accepted_value():
+    with pytest.raises(ValueError, match=re.escape("top_k must be 0 or -1 (disabled) or >= 1, got -2")):
+        SamplingParams(top_k=-2)
 
 
 def test_unknown_model_path_raises():

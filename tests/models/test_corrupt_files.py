@@ -45,15 +45,28 @@ def test_corrupt_gguf_raises_naming_the_file(tmp_path, name):
         EngineArgs(model=str(path)).create_config()
 
 
-def test_gguf_without_a_required_key_raises_naming_it(tmp_path):
-    path = tmp_path / "no_layers.gguf"
+def write_gguf_metadata(path, uint32_keys: dict[str, int]) -> None:
+    """A llama GGUF file with these metadata keys and no tensors."""
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_uint32("llama.embedding_length", 64)
+    for key, value in uint32_keys.items():
+        writer.add_uint32(key, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def test_gguf_without_a_required_key_raises_naming_it(tmp_path):
+    path = tmp_path / "no_layers.gguf"
+    write_gguf_metadata(path, {"llama.embedding_length": 64})
     with pytest.raises(ValueError, match=f"{re.escape(str(path))}: the GGUF metadata lacks llama.attention.head_count"):
+        load_gguf_config(str(path))
+
+
+def test_gguf_with_zero_attention_heads_raises_naming_the_key(tmp_path):
+    path = tmp_path / "no_heads.gguf"
+    write_gguf_metadata(path, {"llama.embedding_length": 64, "llama.attention.head_count": 0})
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))}: llama.attention.head_count must be >= 1, got 0"):
         load_gguf_config(str(path))
 
 
@@ -82,6 +95,11 @@ CORRUPT_CONFIGS = {
     "a string rms_norm_eps": ({**tiny_config(), "rms_norm_eps": "1e-5"}, "'rms_norm_eps' must be a number"),
     "a string tie_word_embeddings": ({**tiny_config(), "tie_word_embeddings": "false"}, "'tie_word_embeddings' must be a bool"),
     "a string rope_parameters": ({**tiny_config(), "rope_parameters": "llama3"}, "'rope_parameters' must be an object"),
+    "no KV heads": ({**tiny_config(), "num_key_value_heads": 0}, "config key 'num_key_value_heads' must be >= 1, got 0"),
+    "no heads, no head_dim": ({**without("head_dim"), "num_attention_heads": 0},
+                              "config key 'num_attention_heads' must be >= 1, got 0"),
+    "heads not a multiple of KV heads": ({**tiny_config(), "num_key_value_heads": 3},
+                                         r"'num_attention_heads' \(4\) must be a multiple of 'num_key_value_heads' \(3\)"),
 }
 
 

@@ -13,14 +13,15 @@ import pytest
 from gguf import GGMLQuantizationType
 from safetensors.numpy import load_file
 
+from jaxllm import EngineArgs
 from jaxllm.models import gguf as gguf_loader
 from jaxllm.models.gguf import (
     find_default_model,
-    generation_eos_ids,
     iter_gguf_weights,
     load_gguf_config,
     load_gguf_tokenizer,
 )
+from jaxllm.tokenizer import generation_eos_ids
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
 with open(os.path.join(FIXTURES, "smollm2_golden.json")) as f:
@@ -99,7 +100,8 @@ def test_generation_prompts_tokenize_like_transformers(tokenizer, gen):
 
 def test_special_tokens_come_from_metadata(tokenizer, path):
     assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.unk_token) == ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
-    assert tokenizer.eos_token_id == 2 and generation_eos_ids(path) == [2]
+    assert tokenizer.eos_token_id == 2
+    assert generation_eos_ids(EngineArgs(model=path).create_config().model, tokenizer) == (2,)  # the engine's
     assert len(tokenizer) == 49152
 
 

@@ -21,7 +21,7 @@ from jaxllm.kernels import reference
 from jaxllm.kernels.attention import AttentionMetadata
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.llama import LlamaForCausalLM, rope_inv_freq
-from jaxllm.models.loader import create_model, path_to_hf_name, read_hf_folder
+from jaxllm.models.loader import create_model, iter_hf_weights, path_to_hf_name
 from jaxllm.sharding import make_mesh, named_sharding
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "tiny")
@@ -74,11 +74,15 @@ def run_prompt(step, config: ModelArchConfig, token_ids, chunks, cache_sharding=
     return np.concatenate(logits)
 
 
+def fixture_config(name) -> ModelArchConfig:
+    with open(os.path.join(FIXTURES, name, "config.json")) as f:
+        return ModelArchConfig.from_hf_config(json.load(f))
+
+
 def load_fixture(name):
     folder = os.path.join(FIXTURES, name)
-    hf_config, weights = read_hf_folder(folder)
-    config = ModelArchConfig.from_hf_config(hf_config)
-    model = create_model(config, dtype=jnp.float32, mesh=make_mesh(), weights=weights)
+    config = fixture_config(name)
+    model = create_model(config, dtype=jnp.float32, mesh=make_mesh(), weights=iter_hf_weights(folder))
     return config, model, np.load(os.path.join(folder, "golden.npz"))
 
 
@@ -130,7 +134,7 @@ def test_sliding_window_reaches_attention_of_the_sliding_layers():
     d.pop("layer_types")
     d.update(use_sliding_window=True, sliding_window=8, max_window_layers=1)  # Qwen: layers >= 1 slide
     config = ModelArchConfig.from_hf_config(d)
-    _, weights = read_hf_folder(os.path.join(FIXTURES, "qwen2"))
+    weights = iter_hf_weights(os.path.join(FIXTURES, "qwen2"))
     model = create_model(config, dtype=jnp.float32, mesh=make_mesh(), weights=weights)
     windows = []
 
@@ -235,16 +239,15 @@ _TP_CHECK = """
 import numpy as np, jax, jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import test_llama as T
-from jaxllm.models.config import ModelArchConfig
-from jaxllm.models.loader import create_model, read_hf_folder
+from jaxllm.models.loader import create_model, iter_hf_weights
 from jaxllm.kernels import attention
 from jaxllm.kernels.attention import get_attention_fn
 from jaxllm.sharding import kv_cache_sharding, make_mesh
 
 mesh = make_mesh(tensor_parallel_size=2)
 assert get_attention_fn("reference", mesh) is not get_attention_fn("reference")
-hf_config, weights = read_hf_folder(T.os.path.join(T.FIXTURES, "llama"))
-config = ModelArchConfig.from_hf_config(hf_config)
+config = T.fixture_config("llama")
+weights = iter_hf_weights(T.os.path.join(T.FIXTURES, "llama"))
 model = create_model(config, dtype=jnp.float32, mesh=mesh, weights=weights)
 layer = model.layers[0]
 assert model.embed_tokens.embedding[...].sharding.spec == P("model", None)

@@ -1,6 +1,7 @@
 """The on-device sampler against its definition."""
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jax
 
@@ -33,32 +34,48 @@ def test_temperature_zero_is_argmax():
     np.testing.assert_array_equal(tokens, np.argmax(logits, -1))
 
 
-def test_top_k_keeps_only_the_k_largest():
-    logits = random_logits(1)
-    top3 = set(np.argsort(-np.asarray(logits[0]))[:3])
-    for pos in range(60):
-        token = int(sample(logits, metadata(1, top_k=3, positions=[pos]))[0])
-        assert token in top3
+def sampled_tokens(probs, num_draws=200, **filters) -> set[int]:
+    """The tokens that one request draws from `probs` over `num_draws` positions."""
+    logits = jnp.log(jnp.asarray([probs], jnp.float32))
+    return {int(sample(logits, metadata(1, positions=[p], **filters))[0]) for p in range(num_draws)}
+
+
+def test_top_k_keeps_exactly_k_tokens():
+    assert sampled_tokens([0.3, 0.25, 0.2, 0.15, 0.1], top_k=3) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("top_k", [-1, 0])
+def test_top_k_minus_one_and_zero_keep_every_token(top_k):
+    # top_p < 1: the filter, which reads top_k, runs whatever shortcut the sampler takes without one.
+    assert sampled_tokens([0.3, 0.25, 0.2, 0.15, 0.1], top_k=top_k, top_p=0.99) == {0, 1, 2, 3, 4}
+
+
+def test_top_p_stops_at_the_token_whose_mass_before_reaches_it():
+    # Powers of two, exact in float32: the mass before token 2 is 0.75 = top_p, so it goes (as in vLLM).
+    assert sampled_tokens([0.5, 0.25, 0.125, 0.125], top_p=0.75) == {0, 1}
+
+
+def test_min_p_keeps_a_token_at_exactly_min_p_times_the_top_probability():
+    assert sampled_tokens([0.5, 0.25, 0.125, 0.125], min_p=0.5) == {0, 1}  # 0.25 = 0.5 * 0.5 stays (vLLM)
 
 
 def test_top_p_keeps_the_nucleus():
-    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]], jnp.float32))
-    seen = {int(sample(logits, metadata(1, top_p=0.7, positions=[p]))[0]) for p in range(200)}
-    assert seen == {0, 1}  # 0.5 < 0.7 so token 1 joins; 0.8 >= 0.7 stops there
+    assert sampled_tokens([0.5, 0.3, 0.15, 0.05], top_p=0.7) == {0, 1}  # 0.5 < 0.7: token 1 joins; 0.8 >= 0.7 stops
 
 
 def test_min_p_drops_unlikely_tokens():
-    logits = jnp.log(jnp.asarray([[0.6, 0.3, 0.1]], jnp.float32))
-    seen = {int(sample(logits, metadata(1, min_p=0.4, positions=[p]))[0]) for p in range(200)}
-    assert seen == {0, 1}
+    assert sampled_tokens([0.6, 0.3, 0.1], min_p=0.4) == {0, 1}
 
 
-def test_samples_follow_the_softmax_distribution():
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_samples_follow_the_softmax_of_the_logits_over_the_temperature(temperature):
+    # The three expected distributions lie 0.075 or more apart in some token.
     probs = np.array([0.1, 0.2, 0.3, 0.4])
-    logits = jnp.asarray(np.log(probs)[None].repeat(4000, 0), jnp.float32)
-    tokens = np.asarray(sample(logits, metadata(4000, seeds=np.arange(4000))))
-    freq = np.bincount(tokens, minlength=4) / 4000
-    np.testing.assert_allclose(freq, probs, atol=0.03)
+    expected = probs ** (1 / temperature) / (probs ** (1 / temperature)).sum()  # softmax(log(probs) / temperature)
+    n = 20000  # a frequency's standard deviation is then <= 0.0036
+    logits = jnp.asarray(np.log(probs)[None].repeat(n, 0), jnp.float32)
+    tokens = np.asarray(sample(logits, metadata(n, temperature=temperature, seeds=np.arange(n))))
+    np.testing.assert_allclose(np.bincount(tokens, minlength=4) / n, expected, atol=0.015)
 
 
 def test_same_seed_and_position_give_the_same_token_whatever_the_batch():
@@ -70,12 +87,15 @@ def test_same_seed_and_position_give_the_same_token_whatever_the_batch():
 
 
 def test_greedy_and_random_requests_mix_in_one_batch():
-    logits = random_logits(4)
-    md = metadata(4)
-    md = SamplingMetadata(jnp.asarray([0.0, 1.0, 0.0, 1.0]), md.top_k, md.top_p, md.min_p, md.seeds, md.positions)
-    tokens = np.asarray(sample(logits, md))
+    logits = random_logits(8) / 3  # flat enough that a sampled token is rarely the argmax
+    sampled = metadata(8)
+    mixed = SamplingMetadata(jnp.asarray([0.0, 1.0] * 4), sampled.top_k, sampled.top_p, sampled.min_p,
+                             sampled.seeds, sampled.positions)
+    tokens, random_tokens = np.asarray(sample(logits, mixed)), np.asarray(sample(logits, sampled))
     argmax = np.argmax(logits, -1)
-    assert tokens[0] == argmax[0] and tokens[2] == argmax[2]
+    assert (random_tokens[1::2] != argmax[1::2]).any()  # else this batch cannot tell sampling from argmax
+    np.testing.assert_array_equal(tokens[0::2], argmax[0::2])
+    np.testing.assert_array_equal(tokens[1::2], random_tokens[1::2])  # sampled as in an all-random batch
 
 
 def test_a_row_without_filters_is_unaffected_by_filters_elsewhere_in_the_batch():
@@ -94,9 +114,7 @@ def test_a_row_without_filters_is_unaffected_by_filters_elsewhere_in_the_batch()
 def test_min_p_applies_before_top_p():
     # min_p=0.4 leaves {0.5, 0.3} -> renormalised {0.625, 0.375}; top_p=0.6 then keeps token 0 alone
     # (top-p on the original distribution would keep token 1 too: 0.5 < 0.6).
-    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]], jnp.float32))
-    seen = {int(sample(logits, metadata(1, min_p=0.4, top_p=0.6, positions=[p]))[0]) for p in range(100)}
-    assert seen == {0}
+    assert sampled_tokens([0.5, 0.3, 0.15, 0.05], min_p=0.4, top_p=0.6) == {0}
 
 
 def test_64_bit_seeds_that_share_low_words_give_different_streams():
