@@ -8,13 +8,10 @@ The core marks its host phases with these annotations.
 """
 import glob
 import os
-import statistics
 
 from jax.profiler import ProfileData
 
-HOST_PHASES = ("schedule", "execute_model", "wait", "update")
-_STEP_DISPATCH = "PjitFunction(step)"  # the host's call into the jitted step
-_DERIVED_LINES = {"XLA Modules", "XLA Ops", "Steps", "Source", "XLA TraceMe", "TensorFlow Ops"}
+HOST_PHASES = ("schedule", "execute_model", "dispatch", "wait", "update")  # dispatch is within execute_model
 
 
 def latest_trace(log_dir: str) -> str:
@@ -40,26 +37,22 @@ def _union_ns(intervals: list[tuple[int, int]]) -> int:
 def summarize_trace(path: str) -> dict:
     """Per dispatched step, in ms: the device's busy time (the union of its kernels)
     and idle time (the rest of the span from the first kernel to the last), the
-    number of kernels, and the mean of each host phase and of the step's dispatch.
+    number of kernels, and the time in each host phase.
     The device is GPU 0; on a machine without one, XLA's CPU runtime (its thunks)."""
     data = ProfileData.from_file(path)
     planes = {plane.name: plane for plane in data.planes}
     kernels, cpu_thunks, host = [], [], {}
     if "/device:GPU:0" in planes:
         kernels = [(e.start_ns, e.start_ns + e.duration_ns)
-                   for line in planes["/device:GPU:0"].lines if line.name not in _DERIVED_LINES
-                   for e in line.events if e.duration_ns > 0]
+                   for line in planes["/device:GPU:0"].lines for e in line.events if e.duration_ns > 0]
     for line in planes["/host:CPU"].lines:
-        ends = {}  # name -> end of its last event: JAX nests one dispatch event in another of the same name
         for e in line.events:
-            if e.name in HOST_PHASES or e.name == _STEP_DISPATCH:
-                if e.start_ns >= ends.get(e.name, -1):
-                    host.setdefault(e.name, []).append(e.duration_ns)
-                    ends[e.name] = e.start_ns + e.duration_ns
+            if e.name in HOST_PHASES:
+                host.setdefault(e.name, []).append(e.duration_ns)
             elif not kernels and line.name.startswith("tf_XLA") and "hlo_module" in dict(e.stats):
                 cpu_thunks.append((e.start_ns, e.start_ns + e.duration_ns))
     kernels = kernels or cpu_thunks
-    steps = len(host.get(_STEP_DISPATCH, []))
+    steps = len(host.get("execute_model", []))
     if not kernels or not steps:
         raise ValueError(f"{path}: no device work or no step dispatches in the trace")
     span_ns = max(end for _, end in kernels) - min(start for start, _ in kernels)
@@ -67,4 +60,4 @@ def summarize_trace(path: str) -> dict:
     ms = lambda ns: round(ns / steps / 1e6, 3)
     return {"steps": steps, "device_busy_ms": ms(busy_ns), "device_idle_ms": ms(span_ns - busy_ns),
             "kernels_per_step": round(len(kernels) / steps, 1),
-            "host_ms": {name: round(statistics.fmean(d) / 1e6, 3) for name, d in sorted(host.items())}}
+            "host_ms": {name: ms(sum(d)) for name, d in sorted(host.items())}}

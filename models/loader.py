@@ -128,9 +128,3 @@ def iter_hf_weights(path: str) -> Iterator[tuple[str, np.ndarray]]:
                     yield name, f.get_tensor(name)
 
     return tensors()
-
-
-def read_hf_folder(path: str) -> tuple[None, Iterator[tuple[str, np.ndarray]]]:
-    """(None, iter_hf_weights(path)): kept until jaxllm/worker/model_runner.iter_weights calls
-    iter_hf_weights itself. The config is ModelConfig.hf_config, read once by jaxllm.config."""
-    return None, iter_hf_weights(path)

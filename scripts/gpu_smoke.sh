@@ -14,7 +14,7 @@ export JAXLLM_COMPILATION_CACHE=/tmp/jaxllm-xla  # the second run of a model reu
 status=0
 for sched in async-scheduling no-async-scheduling; do
   python3 -m jaxllm.cli bench step --model tests/fixtures/tiny/llama --skip-tokenizer-init $BACKEND --$sched \
-    --batch-sizes 1,256 --input-len 128 --output-len 128 --max-model-len 512 --max-num-batched-tokens 8192 --json "$OUT/tiny-$sched.json" --profile-dir /tmp/profile/tiny-$sched || status=1
+    --batch-sizes 1,256 --input-len 128 --output-len 128 --max-model-len 512 --max-num-batched-tokens 8192 --num-gpu-blocks-override 8192 --json "$OUT/tiny-$sched.json" --profile-dir /tmp/profile/tiny-$sched || status=1
 done
 for sched in async-scheduling no-async-scheduling; do
   python3 -m jaxllm.cli bench step --model llama-3.1-8b --load-format dummy --dtype bfloat16 $BACKEND --$sched \

@@ -119,9 +119,12 @@ class EngineCore:
             self.step()
         return self.runner.time_widest_step(num_iters)
 
-    def start_profile(self, log_dir: str) -> None:
-        """Record a jax.profiler trace of this process into `log_dir` (see jaxllm.profiling)."""
-        jax.profiler.start_trace(log_dir)
+    def start_profile(self, log_dir: str, python_tracer: bool = False) -> None:
+        """Record a jax.profiler trace of this process into `log_dir` (see jaxllm.profiling).
+        Python's tracer (every Python call in the trace) slows the host several-fold: off by default."""
+        options = jax.profiler.ProfileOptions()
+        options.python_tracer_level = int(python_tracer)
+        jax.profiler.start_trace(log_dir, profiler_options=options)
 
     def stop_profile(self) -> None:
         jax.profiler.stop_trace()

@@ -1,13 +1,36 @@
-"""On-device sampling, inside the jitted step.
+"""On-device sampling, jitted after the step's forward pass.
 
 Per request: temperature (0 = greedy), top-k (<= 0 disables), top-p, min-p, and a
 stateless key `fold_in(key(seed), position)`, so a request's samples depend only
 on its own seed and position, never on what else is in the batch.
+
+What the batch needs is decided on the host (`SampleMode`, a static argument), not
+with `lax.cond`: XLA on GPU runs a conditional by reading its predicate back to the
+host, which would stall the host until the device reached it, every step.
 """
 import dataclasses
+import enum
 
 import jax
 import jax.numpy as jnp
+
+from jaxllm.sampling_params import SamplingParams
+
+
+class SampleMode(enum.IntEnum):
+    """The least work that samples a batch right: all greedy skips the random draw; no
+    top-k, top-p or min-p skips the sort. A batch's mode is the highest of its requests'."""
+    GREEDY = 0
+    RANDOM = 1
+    FILTERED = 2
+
+
+def sample_mode(params: SamplingParams) -> SampleMode:
+    if params.temperature == 0.0:
+        return SampleMode.GREEDY
+    if params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0:
+        return SampleMode.FILTERED
+    return SampleMode.RANDOM
 
 
 @jax.tree_util.register_dataclass
@@ -21,19 +44,20 @@ class SamplingMetadata:
     positions: jax.Array    # [num_reqs] int32: position of the token being sampled
 
 
-def sample(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
-    """logits [num_reqs, vocab] float32 -> token ids [num_reqs] int32."""
+def sample(logits: jax.Array, md: SamplingMetadata, mode: SampleMode = SampleMode.FILTERED) -> jax.Array:
+    """logits [num_reqs, vocab] float32 -> token ids [num_reqs] int32. `mode` must be at
+    least the batch's (FILTERED samples any batch)."""
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    all_greedy = jnp.all(md.temperature == 0.0)
-    return jax.lax.cond(all_greedy, lambda: greedy_tokens,
-                        lambda: jnp.where(md.temperature == 0.0, greedy_tokens, _random_sample(logits, md)))
+    if mode == SampleMode.GREEDY:
+        return greedy_tokens
+    return jnp.where(md.temperature == 0.0, greedy_tokens, _random_sample(logits, md, mode == SampleMode.FILTERED))
 
 
-def _random_sample(logits, md):
+def _random_sample(logits, md, filtered: bool):
     temperature = jnp.where(md.temperature == 0.0, 1.0, md.temperature)
     logits = logits / temperature[:, None]
-    needs_filter = jnp.any((md.top_k > 0) | (md.top_p < 1.0) | (md.min_p > 0.0))
-    logits = jax.lax.cond(needs_filter, _filter, lambda x, _: x, logits, md)
+    if filtered:
+        logits = _filter(logits, md)
     keys = jax.vmap(_request_key)(md.seeds, md.positions)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:], jnp.float32))(keys)
     return jnp.argmax(logits + gumbel, axis=-1).astype(jnp.int32)

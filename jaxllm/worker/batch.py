@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.kernels.attention import AttentionMetadata
-from jaxllm.sample.sampler import SamplingMetadata
+from jaxllm.sample.sampler import SampleMode, SamplingMetadata, sample_mode
 
 
 
@@ -80,13 +80,14 @@ class BatchLayout:
 
 class RequestRows:
     """The runner's persistent host state, one row per request that holds KV blocks: its
-    block table, its sampling inputs (Request.sampling_row) and its row in the last
-    step's sampled ids. A step gathers its requests' rows in one copy each and writes
-    only the blocks the scheduler added: packing costs O(new blocks), not O(context)."""
+    block table, its sampling inputs (Request.sampling_row) and SampleMode, and its row
+    in the last step's sampled ids. A step gathers its requests' rows in one copy each and
+    writes only the blocks the scheduler added: packing costs O(new blocks), not O(context)."""
 
     def __init__(self, max_blocks_per_seq: int, num_rows: int):
         self.block_table = np.zeros((num_rows, max_blocks_per_seq), np.int32)
         self.sampling = np.zeros((num_rows, 6), np.int32)
+        self.sample_mode = np.zeros(num_rows, np.int8)
         self.prev_sampled_row = np.full(num_rows, -1, np.int32)
         self._num_blocks = [0] * num_rows
         self._rows: dict[str, int] = {}  # request id -> its row
@@ -104,6 +105,7 @@ class RequestRows:
             if row is None:
                 row = self._rows[s.request.request_id] = self._new_row()
                 self.sampling[row] = s.request.sampling_row
+                self.sample_mode[row] = sample_mode(s.request.sampling_params)
             if s.num_computed_tokens == 0:  # new, or recomputing after preemption: fresh blocks
                 self._num_blocks[row] = 0
             if s.new_block_ids:
@@ -118,10 +120,14 @@ class RequestRows:
             n = len(self.block_table)
             self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
             self.sampling = np.concatenate([self.sampling, np.zeros_like(self.sampling)])
+            self.sample_mode = np.concatenate([self.sample_mode, np.zeros_like(self.sample_mode)])
             self.prev_sampled_row = np.concatenate([self.prev_sampled_row, np.full(n, -1, np.int32)])
             self._num_blocks += [0] * n
             self._free_rows = list(range(2 * n - 1, n - 1, -1))
         return self._free_rows.pop()
+
+    def batch_sample_mode(self, rows: np.ndarray) -> SampleMode:
+        return SampleMode(int(self.sample_mode[rows].max()))
 
     def clear(self) -> None:
         self._rows.clear()
@@ -154,24 +160,32 @@ def pack(sched: SchedulerOutput, rows: np.ndarray, state: RequestRows, v: dict[s
     A request's last token may be one the previous step is still sampling on the
     device: the step then reads it from there (`prev_rows`) instead of the host."""
     reqs = sched.requests
-    n = len(reqs)
-    counts = np.array([s.num_new_tokens for s in reqs], np.int32)
-    starts = np.array([s.num_computed_tokens for s in reqs], np.int32)
-    known = np.array([s.request.num_tokens for s in reqs], np.int32)  # tokens whose ids the host has
-    ends = starts + counts
-    total = int(counts.sum())
+    n, total = len(reqs), sched.num_scheduled_tokens
+    # One pass over the requests: their numbers, and the token ids the host has for the step.
+    numbers, host_tokens = [], []
+    for s in reqs:
+        start, end, known = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens, s.request.num_tokens
+        numbers.append((start, end, known, s.samples))
+        if start < known:  # `known`: tokens whose ids the host has
+            host_tokens += s.request.token_ids(start, min(end, known))
+    starts, ends, known, samples = np.array(numbers, np.int32).T
+    decode_only = total == n  # one token per request: the positions are the starts
 
     qsl = v["query_start_loc"]
-    qsl[0] = 0
-    np.cumsum(counts, out=qsl[1:n + 1])
+    if decode_only:
+        qsl[:n + 1] = np.arange(n + 1)
+    else:
+        qsl[0] = 0
+        np.cumsum(ends - starts, out=qsl[1:n + 1])
     qsl[n + 1:] = total
     v["seq_lens"][:n] = ends
     v["seq_lens"][n:] = 0
     v["num_seqs"][0] = n
-    v["block_tables"][:n] = state.block_table[rows]
+    block_tables = v["block_tables"]
+    np.take(state.block_table, rows, axis=0, out=block_tables[:n])
     last = qsl[1:n + 1] - 1
     v["logits_indices"][:n] = last
-    v["sampling"][:n] = state.sampling[rows]
+    np.take(state.sampling, rows, axis=0, out=v["sampling"][:n])
     v["sampling"][n:] = 0  # padding rows: greedy, no filter
     v["sample_positions"][:n] = ends
 
@@ -180,23 +194,22 @@ def pack(sched: SchedulerOutput, rows: np.ndarray, state: RequestRows, v: dict[s
     prev[:] = -1
     on_device = ends > known
     prev[last[on_device]] = state.prev_sampled_row[rows[on_device]]
-    from_host = np.flatnonzero(np.minimum(ends, known) > starts).tolist()
-    host_tokens = [t for i in from_host for t in reqs[i].request.token_ids(int(starts[i]), int(min(ends[i], known[i])))]
     input_ids = v["input_ids"][:total]
     if len(host_tokens) < total:
         input_ids[prev[:total] < 0] = host_tokens
     else:
         input_ids[:] = host_tokens
 
-    # [2, 3] tokens of requests starting at [5, 0] -> positions [5, 6, 0, 1, 2]
-    req_of_token = np.repeat(np.arange(n), counts)
-    pos = np.arange(total, dtype=np.int32) - qsl[req_of_token] + starts[req_of_token]
+    if decode_only:
+        req_of_token, pos = np.arange(n), starts
+    else:  # [2, 3] tokens of requests starting at [5, 0] -> positions [5, 6, 0, 1, 2]
+        req_of_token = np.repeat(np.arange(n), ends - starts)
+        pos = np.arange(total, dtype=np.int32) - qsl[req_of_token] + starts[req_of_token]
     v["positions"][:total] = pos
     slots = v["slot_mapping"]
-    slots[:total] = v["block_tables"][req_of_token, pos // block_size] * block_size + pos % block_size
+    slots[:total] = block_tables[req_of_token, pos // block_size] * block_size + pos % block_size
     slots[total:] = -1
 
     # Where this step's samples land, for the next step.
-    samples = np.array([s.samples for s in reqs], bool)
     state.prev_sampled_row[rows] = -1
-    state.prev_sampled_row[rows[samples]] = np.flatnonzero(samples)
+    state.prev_sampled_row[rows[samples > 0]] = np.flatnonzero(samples)

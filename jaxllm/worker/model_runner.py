@@ -1,19 +1,24 @@
 """ModelRunner: owns the weights and the paged KV cache on the mesh, and runs one
-jitted step per SchedulerOutput: forward, logits at each request's last token,
-sampling, all in one executable with the KV cache donated (updated in place).
+step per SchedulerOutput as two jitted calls: the forward pass to the logits at each
+request's last token (one executable per token bucket, the KV cache donated, so
+updated in place), then sampling (one per request bucket and SampleMode).
 
 A step is dispatched without waiting for the previous one: its sampled ids stay on
 the device, padded to max_num_seqs, and the next step reads from there a token the
 host does not have yet (asynchronous scheduling).
 """
+import concurrent.futures
 import dataclasses
+import functools
 import logging
+import os
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.profiler import TraceAnnotation
 from tqdm import tqdm
 
 from jaxllm import compilation
@@ -22,13 +27,14 @@ from jaxllm.core.kv_cache_manager import cdiv
 from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.kernels.attention import get_attention_fn
 from jaxllm.models.loader import create_model
-from jaxllm.sample.sampler import sample
-from jaxllm.sharding import kv_cache_sharding, make_mesh, replicated
+from jaxllm.sample.sampler import SampleMode, sample
+from jaxllm.sharding import kv_cache_sharding, make_mesh, named_sharding, replicated
 from jaxllm.worker import batch as batching
 
 logger = logging.getLogger(__name__)
 
 _CPU_KV_CACHE_BYTES = 512 << 20  # CPU devices report no memory: cap the cache at 512 MiB
+_COMPILE_THREADS = min(8, os.cpu_count() or 1)
 
 
 def iter_weights(mc: ModelConfig):
@@ -36,8 +42,8 @@ def iter_weights(mc: ModelConfig):
     if mc.format == "gguf":
         from jaxllm.models.gguf import iter_gguf_weights
         return iter_gguf_weights(mc.path)
-    from jaxllm.models.loader import read_hf_folder
-    return read_hf_folder(mc.path)[1]
+    from jaxllm.models.loader import iter_hf_weights
+    return iter_hf_weights(mc.path)
 
 
 class ModelRunner:
@@ -72,14 +78,22 @@ class ModelRunner:
             buffers = [np.zeros(layout.size, np.int32) for _ in range(2)]
             self._host_buffers[layout.num_tokens] = [(b, layout.host_views(b)) for b in buffers]
         self._num_steps = 0
-        self._widest_step: tuple[tuple[int, int], int, np.ndarray] | None = None  # (width, bucket, inputs)
+        # (width, then the step's inputs: bucket, buffer, mode)
+        self._widest_step: tuple[tuple[int, int], int, np.ndarray, SampleMode] | None = None
         self._prev_sampled = self._zero_sampled()
-        step_fn = _make_step_fn(self._graphdef, self._params_treedef, self._attn_fn,
-                                {layout.num_tokens: layout for layout in layouts}, sc.max_num_seqs)
+        forward_fn = _make_forward_fn(self._graphdef, self._params_treedef, self._attn_fn,
+                                      {layout.num_tokens: layout for layout in layouts})
         # Pin the outputs' shardings, so the next step sees the same inputs.
         kv_sharding = kv_cache_sharding(self.mesh)
-        self._step = jax.jit(step_fn, donate_argnums=(1,), static_argnums=(4,),
-                             out_shardings=(replicated(self.mesh), [(kv_sharding, kv_sharding)] * mc.arch.num_layers))
+        self._forward = jax.jit(forward_fn, donate_argnums=(1,), static_argnums=(4,), out_shardings=(
+            named_sharding(self.mesh, (None, "vocab")), replicated(self.mesh),
+            [(kv_sharding, kv_sharding)] * mc.arch.num_layers))
+        self._sample = jax.jit(functools.partial(_sample_padded, max_num_seqs=sc.max_num_seqs),
+                               static_argnums=(2,), out_shardings=replicated(self.mesh))
+        # Compiled executables: the forward per token bucket, the sampler per (request bucket, mode).
+        self._forwards: dict[int, jax.stages.Compiled] = {}
+        self._samplers: dict[tuple[int, SampleMode], jax.stages.Compiled] = {}
+        self.warm_up_s: float | None = None
 
     # ---- memory ----
     def _kv_bytes_per_block(self) -> int:
@@ -145,17 +159,49 @@ class ModelRunner:
         self._num_steps += 1
         return self._host_buffers[token_bucket][self._num_steps % 2]
 
-    def _dispatch(self, token_bucket: int, buffer: np.ndarray) -> jax.Array:
-        sampled, self.kv_caches = self._step(self._params, self.kv_caches, self._prev_sampled, buffer, token_bucket)
-        self._prev_sampled = sampled
-        return sampled
+    def _lower_forward(self, token_bucket: int) -> jax.stages.Lowered:
+        buffer = self._host_buffers[token_bucket][0][0]
+        return self._forward.lower(self._params, self.kv_caches, self._prev_sampled, buffer, token_bucket)
+
+    def _dispatch(self, token_bucket: int, buffer: np.ndarray, mode: SampleMode) -> jax.Array:
+        """Run a step's forward and sampler (compiling them first if warm_up did not)."""
+        if token_bucket not in self._forwards:
+            self._forwards[token_bucket] = self._lower_forward(token_bucket).compile()
+        with TraceAnnotation("dispatch"):
+            logits, sampling, self.kv_caches = self._forwards[token_bucket](self._params, self.kv_caches,
+                                                                            self._prev_sampled, buffer)
+        key = (logits.shape[0], mode)
+        if key not in self._samplers:
+            self._samplers[key] = self._sample.lower(logits, sampling, mode).compile()
+        with TraceAnnotation("dispatch"):
+            self._prev_sampled = self._samplers[key](logits, sampling)
+        return self._prev_sampled
 
     def warm_up(self, show_progress: bool = True) -> None:
-        """Compile every token bucket now, so serving never compiles."""
-        for token_bucket in tqdm(self.token_buckets, desc="Compiling buckets", disable=not show_progress):
+        """Compile the forward of every token bucket and the sampler of every request bucket
+        and mode now, so serving never compiles, then run each once. Tracing holds the GIL
+        and XLA's compilation does not: each bucket is traced here while the ones before it
+        compile in a thread pool."""
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(_COMPILE_THREADS) as pool:
+            forwards, samplers = {}, {}
+            for token_bucket in self.token_buckets:
+                lowered = self._lower_forward(token_bucket)
+                forwards[token_bucket] = pool.submit(lowered.compile)
+                logits, sampling, _ = lowered.out_info
+                for mode in SampleMode:
+                    if (logits.shape[0], mode) not in samplers:
+                        samplers[logits.shape[0], mode] = pool.submit(self._sample.lower(logits, sampling, mode).compile)
+            jobs = [(self._forwards, key, job) for key, job in forwards.items()]
+            jobs += [(self._samplers, key, job) for key, job in samplers.items()]
+            for executables, key, job in tqdm(jobs, desc="Compiling", disable=not show_progress):
+                executables[key] = job.result()
+        for token_bucket in self.token_buckets:
             buffer, views = self._next_host_buffer(token_bucket)
             batching.fill_padding(views)
-            self._dispatch(token_bucket, buffer).block_until_ready()
+            for mode in SampleMode:
+                self._dispatch(token_bucket, buffer, mode).block_until_ready()
+        self.warm_up_s = time.perf_counter() - start
 
     def execute_model(self, sched: SchedulerOutput) -> "StepOutput":
         """Dispatch one step and return at once; its sampled ids land later."""
@@ -163,11 +209,12 @@ class ModelRunner:
         token_bucket = self._token_bucket(sched.num_scheduled_tokens)
         buffer, views = self._next_host_buffer(token_bucket)
         batching.pack(sched, rows, self.request_rows, views, self.block_size)
-        sampled = self._dispatch(token_bucket, buffer)
+        mode = self.request_rows.batch_sample_mode(rows)
+        sampled = self._dispatch(token_bucket, buffer, mode)
         sampled.copy_to_host_async()
         width = (len(sched.requests), -sched.num_scheduled_tokens)  # most requests, then fewest tokens
         if self._widest_step is None or width > self._widest_step[0]:
-            self._widest_step = (width, token_bucket, buffer.copy())
+            self._widest_step = (width, token_bucket, buffer.copy(), mode)
         return StepOutput(sampled, len(sched.requests))
 
     def time_widest_step(self, num_iters: int) -> float:
@@ -193,9 +240,10 @@ class ModelRunner:
 
     def describe(self) -> str:
         gib = self.num_blocks * self._kv_bytes_per_block() / 2**30
+        warm_up = "" if self.warm_up_s is None else f"; compiled and warmed up in {self.warm_up_s:.1f} s"
         return (f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens "
                 f"({self.kv_cache_tokens} tokens, {gib:.2f} GiB); token buckets {self.token_buckets}; "
-                f"attention backend {self.config.attention_backend}")
+                f"attention backend {self.config.attention_backend}{warm_up}")
 
 
 
@@ -211,16 +259,22 @@ class StepOutput:
         return np.asarray(self.sampled)[:self.num_reqs].tolist()
 
 
-def _make_step_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout], max_num_seqs: int):
-    """The jitted step's function (a closure, not a method: the runner is not kept alive by its executables)."""
+def _make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout]):
+    """The jitted forward's function (a closure, not a method: the runner is not kept alive by its executables)."""
     def step(params, kv_caches, prev_sampled, buffer, token_bucket: int):
         """params: flat weights; kv_caches: per layer (K, V) [num_blocks, block_size, kv_heads, head_dim];
         prev_sampled [max_num_seqs] int32: the previous step's ids; buffer [size] int32: this step's inputs,
-        laid out as `token_bucket`'s BatchLayout. Returns (sampled ids [max_num_seqs] int32, kv_caches)."""
+        laid out as `token_bucket`'s BatchLayout. Returns (logits [R, vocab] float32 at each request's last
+        token, the SamplingMetadata of the R requests, kv_caches)."""
         batch = layouts[token_bucket].unpack(buffer)
         input_ids = jnp.where(batch.prev_rows >= 0, prev_sampled[jnp.maximum(batch.prev_rows, 0)], batch.input_ids)
         model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, params))
         hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attention, attn_fn)
-        tokens = sample(model.compute_logits(hidden[batch.logits_indices]), batch.sampling)
-        return jnp.pad(tokens, (0, max_num_seqs - tokens.shape[0])), kv_caches
+        return model.compute_logits(hidden[batch.logits_indices]), batch.sampling, kv_caches
     return step
+
+
+def _sample_padded(logits, sampling, mode: SampleMode, max_num_seqs: int) -> jax.Array:
+    """Sampled ids [max_num_seqs] int32: the R requests' first, then zeros."""
+    tokens = sample(logits, sampling, mode)
+    return jnp.pad(tokens, (0, max_num_seqs - tokens.shape[0]))

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from jaxllm.config import EngineArgs
+from jaxllm.sample.sampler import SampleMode
 from jaxllm.worker import batch as batching
 from jaxllm.worker.model_runner import ModelRunner
 from tests.conftest import tiny_model
@@ -43,5 +44,5 @@ def test_an_all_padding_step_writes_nothing_to_the_kv_cache():
         runner.kv_caches = jax.tree.map(jax.numpy.ones_like, runner.kv_caches)  # so a write of anything shows
         buffer, views = runner._next_host_buffer(token_bucket)
         batching.fill_padding(views)
-        runner._dispatch(token_bucket, buffer).block_until_ready()
+        runner._dispatch(token_bucket, buffer, SampleMode.FILTERED).block_until_ready()
         assert all(np.all(np.asarray(c) == 1) for c in jax.tree.leaves(runner.kv_caches)), token_bucket
