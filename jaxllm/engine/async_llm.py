@@ -143,6 +143,13 @@ class AsyncLLM(FrontEnd):
             raise self._dead
         return await self.engine_core.call_utility_async("get_stats")
 
+    async def start_profile(self, log_dir: str | None = None) -> None:
+        """As LLMEngine.start_profile."""
+        await self.engine_core.call_utility_async("start_profile", self._profile_dir(log_dir))
+
+    async def stop_profile(self) -> None:
+        await self.engine_core.call_utility_async("stop_profile")
+
     def shutdown(self) -> None:
         if self._output_handler is not None and not self._output_handler.get_loop().is_closed():
             self._output_handler.cancel()

@@ -65,6 +65,13 @@ class FrontEnd:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
 
+    @staticmethod
+    def _profile_dir(log_dir: str | None) -> str:
+        log_dir = log_dir or os.environ.get("JAXLLM_PROFILER_DIR")
+        if not log_dir:
+            raise ValueError("start_profile needs a log_dir (or JAXLLM_PROFILER_DIR set)")
+        return os.path.abspath(log_dir)
+
     def shutdown(self) -> None:
         self.engine_core.shutdown()
 
@@ -97,3 +104,11 @@ class LLMEngine(FrontEnd):
     def get_stats(self) -> dict:
         """The core's counters: KV blocks (total, free), requests, preemptions, compilations."""
         return self.engine_core.call_utility("get_stats")
+
+    def start_profile(self, log_dir: str | None = None) -> None:
+        """Record a jax.profiler trace of the engine core into `log_dir` (default
+        $JAXLLM_PROFILER_DIR) until stop_profile; see jaxllm.profiling."""
+        self.engine_core.call_utility("start_profile", self._profile_dir(log_dir))
+
+    def stop_profile(self) -> None:
+        self.engine_core.call_utility("stop_profile")

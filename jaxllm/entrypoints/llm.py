@@ -56,6 +56,14 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def start_profile(self, log_dir: str | None = None) -> None:
+        """Trace the engine core with jax.profiler into `log_dir` (default $JAXLLM_PROFILER_DIR)
+        until stop_profile(); open it in TensorBoard or XProf, or read it with jaxllm.profiling."""
+        self.llm_engine.start_profile(log_dir)
+
+    def stop_profile(self) -> None:
+        self.llm_engine.stop_profile()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -49,3 +49,33 @@ def test_the_step_bench_profiles_the_middle_of_each_decode(tmp_path):
         assert row["all_lengths_ok"]
         assert row["profile"]["steps"] == 8
     assert result["compiles_after_warm_up"] == 0
+
+
+def test_llm_and_async_llm_profile_their_engine_core(tmp_path, monkeypatch):
+    import asyncio
+
+    from jaxllm import LLM, AsyncLLM
+    args = dict(model=tiny_model("llama"), skip_tokenizer_init=True, max_model_len=64, max_num_seqs=4)
+    prompt, params = {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=5, ignore_eos=True)
+    with LLM(**args, show_progress=False) as llm:
+        llm.start_profile(str(tmp_path / "llm"))
+        llm.generate([prompt] * 2, params, use_tqdm=False)
+        llm.stop_profile()
+    assert summarize_trace(latest_trace(str(tmp_path / "llm")))["steps"] >= 5
+
+    async def run():
+        with AsyncLLM.from_engine_args(EngineArgs(**args), show_progress=False) as engine:
+            monkeypatch.setenv("JAXLLM_PROFILER_DIR", str(tmp_path / "async"))
+            await engine.start_profile()
+            async for _ in engine.generate(prompt, params, "r0"):
+                pass
+            await engine.stop_profile()
+    asyncio.run(run())
+    assert summarize_trace(latest_trace(str(tmp_path / "async")))["steps"] >= 5
+
+
+def test_start_profile_without_a_directory_is_a_clear_error(monkeypatch):
+    from jaxllm.engine.llm_engine import FrontEnd
+    monkeypatch.delenv("JAXLLM_PROFILER_DIR", raising=False)
+    with pytest.raises(ValueError, match="start_profile needs a log_dir"):
+        FrontEnd._profile_dir(None)
