@@ -138,7 +138,7 @@ def load_gguf_config(path: str) -> dict[str, Any]:
         # As transformers decides it: no output.weight means the head reuses the embedding.
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "eos_token_id": _end_of_generation_ids(meta),
         "torch_dtype": "float32",
     }
     if arch == "qwen2":
@@ -147,6 +147,14 @@ def load_gguf_config(path: str) -> dict[str, Any]:
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
     return config
+
+
+def _end_of_generation_ids(meta: dict) -> int | list[int] | None:
+    """EOS, end-of-turn and end-of-message ids (llama.cpp ends generation at each), as
+    config.json writes eos_token_id: one id, or a list when there are several."""
+    keys = (f"tokenizer.ggml.{kind}_token_id" for kind in ("eos", "eot", "eom"))
+    ids = list(dict.fromkeys(int(meta[key]) for key in keys if key in meta))
+    return ids[0] if len(ids) == 1 else ids or None
 
 
 def _rope_scaling(meta: dict, arch: str, path: str, config: dict) -> dict | None:

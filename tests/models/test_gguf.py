@@ -120,6 +120,23 @@ def test_config_describes_smollm2_135m(path):
     assert "rope_scaling" not in config
 
 
+def test_generation_ends_at_the_end_of_turn_token_too(tmp_path):
+    # A chat model's GGUF (Llama 3, Gemma 3) has an end-of-turn id besides EOS; both end generation.
+    file = tmp_path / "chat.gguf"
+    writer = gguf.GGUFWriter(str(file), "llama")
+    for key, value in {"embedding_length": 64, "attention.head_count": 4, "feed_forward_length": 128,
+                       "block_count": 2, "context_length": 256, "vocab_size": 300}.items():
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_eos_token_id(2)
+    writer.add_uint32("tokenizer.ggml.eot_token_id", 7)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert load_gguf_config(str(file))["eos_token_id"] == [2, 7]
+
+
 def test_unsupported_architecture_raises(tmp_path):
     file = tmp_path / "mamba.gguf"
     writer = gguf.GGUFWriter(str(file), "mamba")
