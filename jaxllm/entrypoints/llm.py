@@ -12,7 +12,8 @@ from tqdm import tqdm
 from jaxllm.config import EngineArgs
 from jaxllm.engine.exceptions import EngineDeadError
 from jaxllm.engine.llm_engine import LLMEngine
-from jaxllm.engine.processor import PromptType, check_text
+from jaxllm.engine.processor import PromptType
+from jaxllm.entrypoints.chat_utils import chat_messages
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -98,7 +99,7 @@ class LLM:
         conversations = list(messages) if isinstance(messages[0], (list, tuple)) else [messages]
         prompts = []
         for i, conversation in enumerate(conversations):
-            text = tokenizer.apply_chat_template(_chat_messages(i, conversation), chat_template=chat_template,
+            text = tokenizer.apply_chat_template(chat_messages(i, conversation), chat_template=chat_template,
                                                  tokenize=False, add_generation_prompt=add_generation_prompt)
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -196,44 +197,3 @@ def _prompt_error(i: int, error: Exception) -> Exception:
     """The error, as a TypeError or ValueError, with the prompt's index in front."""
     kind = TypeError if isinstance(error, TypeError) else ValueError
     return kind(f"prompt {i}: {error}")
-
-
-def _chat_messages(i: int, conversation) -> list[dict]:
-    """Conversation i's messages, each content a str (OpenAI text parts joined); a
-    TypeError or ValueError naming the conversation and message if one is malformed."""
-    if not isinstance(conversation, (list, tuple)):
-        raise TypeError(f"conversation {i} must be a list of message dicts, got {type(conversation).__name__}")
-    if not conversation:
-        raise ValueError(f"conversation {i} is empty: it needs at least one message")
-    messages = []
-    for j, message in enumerate(conversation):
-        where = f"conversation {i}, message {j}"
-        if not isinstance(message, dict):
-            raise TypeError(f"{where} must be a dict with 'role' and 'content', got {type(message).__name__}")
-        if "role" not in message or "content" not in message:
-            raise ValueError(f"{where} needs 'role' and 'content', got keys {list(message)}")
-        if not isinstance(message["role"], str):
-            raise TypeError(f"{where}: role must be a str, got {type(message['role']).__name__}")
-        content = _content_text(where, message["content"])
-        check_text(content, f"{where}: content")
-        messages.append({**message, "content": content})
-    return messages
-
-
-def _content_text(where: str, content) -> str:
-    """A message's content as one str: a str as it is, OpenAI text parts joined by newlines."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, (list, tuple)):
-        raise TypeError(f"{where}: content must be a str or a list of text parts, got {type(content).__name__}")
-    texts = []
-    for k, part in enumerate(content):
-        if not isinstance(part, dict):
-            raise TypeError(f"{where}: content part {k} must be a dict, got {type(part).__name__}")
-        if part.get("type") != "text":
-            raise ValueError(f"{where}: content part {k} has type {part.get('type')!r}; only 'text' parts "
-                             "are supported")
-        if not isinstance(part.get("text"), str):
-            raise TypeError(f"{where}: content part {k}: text must be a str, got {type(part.get('text')).__name__}")
-        texts.append(part["text"])
-    return "\n".join(texts)
