@@ -1,7 +1,8 @@
 """ModelRunner: owns the weights and the paged KV cache on the mesh, and runs one
-step per SchedulerOutput as two jitted calls: the forward pass to the logits at each
-request's last token (one executable per token bucket, the KV cache donated, so
-updated in place), then sampling (one per request bucket and SampleMode).
+step per SchedulerOutput: the forward pass to the logits at each request's last token
+and their argmax (one executable per token bucket, the KV cache donated, so updated
+in place), then, unless every request is greedy, the sampler (one executable per
+request bucket and SampleMode).
 
 A step is dispatched without waiting for the previous one: its sampled ids stay on
 the device, padded to max_num_seqs, and the next step reads from there a token the
@@ -82,15 +83,16 @@ class ModelRunner:
         self._widest_step: tuple[tuple[int, int], int, np.ndarray, SampleMode] | None = None
         self._prev_sampled = self._zero_sampled()
         forward_fn = _make_forward_fn(self._graphdef, self._params_treedef, self._attn_fn,
-                                      {layout.num_tokens: layout for layout in layouts})
+                                      {layout.num_tokens: layout for layout in layouts}, sc.max_num_seqs)
         # Pin the outputs' shardings, so the next step sees the same inputs.
         kv_sharding = kv_cache_sharding(self.mesh)
         self._forward = jax.jit(forward_fn, donate_argnums=(1,), static_argnums=(4,), out_shardings=(
-            named_sharding(self.mesh, (None, "vocab")), replicated(self.mesh),
+            replicated(self.mesh), named_sharding(self.mesh, (None, "vocab")), replicated(self.mesh),
             [(kv_sharding, kv_sharding)] * mc.arch.num_layers))
         self._sample = jax.jit(functools.partial(_sample_padded, max_num_seqs=sc.max_num_seqs),
                                static_argnums=(2,), out_shardings=replicated(self.mesh))
-        # Compiled executables: the forward per token bucket, the sampler per (request bucket, mode).
+        # Compiled executables: the forward per token bucket, the sampler per (request bucket, mode);
+        # the forward's own argmax samples a greedy batch, with no second call.
         self._forwards: dict[int, jax.stages.Compiled] = {}
         self._samplers: dict[tuple[int, SampleMode], jax.stages.Compiled] = {}
         self.warm_up_s: float | None = None
@@ -164,12 +166,16 @@ class ModelRunner:
         return self._forward.lower(self._params, self.kv_caches, self._prev_sampled, buffer, token_bucket)
 
     def _dispatch(self, token_bucket: int, buffer: np.ndarray, mode: SampleMode) -> jax.Array:
-        """Run a step's forward and sampler (compiling them first if warm_up did not)."""
+        """Run a step's forward and, unless the batch is greedy, its sampler (compiling
+        them first if warm_up did not)."""
         if token_bucket not in self._forwards:
             self._forwards[token_bucket] = self._lower_forward(token_bucket).compile()
         with TraceAnnotation("dispatch"):
-            logits, sampling, self.kv_caches = self._forwards[token_bucket](self._params, self.kv_caches,
-                                                                            self._prev_sampled, buffer)
+            greedy, logits, sampling, self.kv_caches = self._forwards[token_bucket](
+                self._params, self.kv_caches, self._prev_sampled, buffer)
+        if mode == SampleMode.GREEDY:
+            self._prev_sampled = greedy
+            return greedy
         key = (logits.shape[0], mode)
         if key not in self._samplers:
             self._samplers[key] = self._sample.lower(logits, sampling, mode).compile()
@@ -188,8 +194,8 @@ class ModelRunner:
             for token_bucket in self.token_buckets:
                 lowered = self._lower_forward(token_bucket)
                 forwards[token_bucket] = pool.submit(lowered.compile)
-                logits, sampling, _ = lowered.out_info
-                for mode in SampleMode:
+                _, logits, sampling, _ = lowered.out_info
+                for mode in (SampleMode.RANDOM, SampleMode.FILTERED):
                     if (logits.shape[0], mode) not in samplers:
                         samplers[logits.shape[0], mode] = pool.submit(self._sample.lower(logits, sampling, mode).compile)
             jobs = [(self._forwards, key, job) for key, job in forwards.items()]
@@ -259,18 +265,20 @@ class StepOutput:
         return np.asarray(self.sampled)[:self.num_reqs].tolist()
 
 
-def _make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout]):
+def _make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout], max_num_seqs: int):
     """The jitted forward's function (a closure, not a method: the runner is not kept alive by its executables)."""
     def step(params, kv_caches, prev_sampled, buffer, token_bucket: int):
         """params: flat weights; kv_caches: per layer (K, V) [num_blocks, block_size, kv_heads, head_dim];
         prev_sampled [max_num_seqs] int32: the previous step's ids; buffer [size] int32: this step's inputs,
-        laid out as `token_bucket`'s BatchLayout. Returns (logits [R, vocab] float32 at each request's last
-        token, the SamplingMetadata of the R requests, kv_caches)."""
+        laid out as `token_bucket`'s BatchLayout. Returns (the greedy ids [max_num_seqs] int32, the logits
+        [R, vocab] float32 at each request's last token, the SamplingMetadata of the R requests, kv_caches)."""
         batch = layouts[token_bucket].unpack(buffer)
         input_ids = jnp.where(batch.prev_rows >= 0, prev_sampled[jnp.maximum(batch.prev_rows, 0)], batch.input_ids)
         model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, params))
         hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attention, attn_fn)
-        return model.compute_logits(hidden[batch.logits_indices]), batch.sampling, kv_caches
+        logits = model.compute_logits(hidden[batch.logits_indices])
+        greedy = _sample_padded(logits, batch.sampling, SampleMode.GREEDY, max_num_seqs)
+        return greedy, logits, batch.sampling, kv_caches
     return step
 
 

@@ -56,7 +56,7 @@ def test_the_step_holds_no_conditional():
     batching.fill_padding(views)
     forward = runner._forward.lower(runner._params, runner.kv_caches, runner._prev_sampled, buffer, token_bucket)
     texts = [forward.as_text()]
-    logits, sampling, _ = runner._forward.eval_shape(runner._params, runner.kv_caches, runner._prev_sampled,
+    _, logits, sampling, _ = runner._forward.eval_shape(runner._params, runner.kv_caches, runner._prev_sampled,
                                                      buffer, token_bucket)
     texts += [runner._sample.lower(logits, sampling, mode).as_text() for mode in SampleMode]
     for text in texts:
