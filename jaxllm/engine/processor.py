@@ -41,7 +41,7 @@ class Processor:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
+                if not isinstance(ids, (list, tuple)) or not all(type(t) is int for t in ids):  # bool is no id
                     raise ValueError("prompt_token_ids must be a list of ints")
                 return prompt.get("prompt"), list(ids)
             if "prompt" in prompt:

@@ -196,8 +196,9 @@ class ModelRunner:
                 forwards[token_bucket] = pool.submit(lowered.compile)
                 _, logits, sampling, _ = lowered.out_info
                 for mode in (SampleMode.RANDOM, SampleMode.FILTERED):
-                    if (logits.shape[0], mode) not in samplers:
-                        samplers[logits.shape[0], mode] = pool.submit(self._sample.lower(logits, sampling, mode).compile)
+                    key = (logits.shape[0], mode)
+                    if key not in samplers:
+                        samplers[key] = pool.submit(self._sample.lower(logits, sampling, mode).compile)
             jobs = [(self._forwards, key, job) for key, job in forwards.items()]
             jobs += [(self._samplers, key, job) for key, job in samplers.items()]
             for executables, key, job in tqdm(jobs, desc="Compiling", disable=not show_progress):

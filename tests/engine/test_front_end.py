@@ -88,8 +88,9 @@ def test_concurrent_generate_calls_each_get_their_own_outputs(char_llama, llm, m
     ((c for c in "ab"), TypeError, "prompt 1: prompt must be a str or a dict, got generator"),
     ({"text": "The sea"}, ValueError, "prompt 1: a dict prompt needs 'prompt' or 'prompt_token_ids'"),
     ({"prompt": None}, TypeError, "prompt 1: prompt must be a str or a dict, got NoneType"),
+    ({"prompt_token_ids": [5, True]}, ValueError, "prompt 1: prompt_token_ids must be a list of ints"),
 ], ids=["lone surrogate", "undecodable argv byte", "None", "int", "bytes", "generator", "dict without prompt",
-        "dict with a None prompt"])
+        "dict with a None prompt", "a bool token id"])
 def test_a_bad_prompt_raises_naming_its_index(llm, reference_tokens, prompt, error, message):
     with pytest.raises(error) as raised:
         llm.generate(["The sea", prompt], GREEDY, use_tqdm=False)  # prompt 0 is taken back
