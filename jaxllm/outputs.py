@@ -35,3 +35,22 @@ class RequestOutput:
     error: str | None = None  # set when the engine failed the request
     prompt_logprobs: None = None
     metrics: RequestMetrics | None = None
+
+    def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
+        """Merge a later output of this request into this one (vLLM's RequestOutput.add): each
+        of its samples replaces the one with the same index, or with `aggregate` (DELTA
+        outputs) extends it."""
+        self.finished, self.error, self.metrics = next_output.finished, next_output.error, next_output.metrics
+        positions = {o.index: i for i, o in enumerate(self.outputs)}
+        for new in next_output.outputs:
+            i = positions.get(new.index)
+            if i is None:
+                positions[new.index] = len(self.outputs)
+                self.outputs.append(new)
+            elif aggregate:
+                old = self.outputs[i]
+                old.text += new.text
+                old.token_ids.extend(new.token_ids)
+                old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+            else:
+                self.outputs[i] = new

@@ -14,6 +14,7 @@ class RequestOutputKind(enum.Enum):
 
 @dataclasses.dataclass
 class SamplingParams:
+    # n > 1: n samples of the prompt, each its own request in the engine (seeded: seed + i).
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -37,8 +38,8 @@ class SamplingParams:
         check_field_types(self)
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (parallel sampling is not supported yet), got {self.n}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
         for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
             if not -sys.float_info.max <= value <= sys.float_info.max:  # nan, inf, an int too large for a float

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 class RequestOutputCollector:
     """The newest output of one request, until its consumer takes it. A DELTA output
     not yet taken absorbs the next one, so a slow consumer gets fewer, larger deltas
-    and loses nothing; other kinds keep only the newest."""
+    and loses nothing; other kinds keep only the newest of each of the n samples."""
 
     def __init__(self, output_kind: RequestOutputKind):
         self.output_kind = output_kind
@@ -33,13 +33,8 @@ class RequestOutputCollector:
 
     def put(self, item: RequestOutput | Exception) -> None:
         pending = self._pending
-        if (isinstance(pending, RequestOutput) and isinstance(item, RequestOutput)
-                and self.output_kind == RequestOutputKind.DELTA):
-            old, new = pending.outputs[0], item.outputs[0]
-            old.text += new.text
-            old.token_ids.extend(new.token_ids)
-            old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
-            pending.finished, pending.error, pending.metrics = item.finished, item.error, item.metrics
+        if isinstance(pending, RequestOutput) and isinstance(item, RequestOutput):
+            pending.add(item, aggregate=self.output_kind == RequestOutputKind.DELTA)
         elif not isinstance(pending, Exception):
             self._pending = item
         self._ready.set()
@@ -74,7 +69,9 @@ class AsyncLLM(FrontEnd):
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str) -> AsyncGenerator[RequestOutput, None]:
         """This request's outputs as the engine makes them, per `sampling_params.output_kind`
-        (FINAL_ONLY: one). A bad request raises ValueError or TypeError before any output."""
+        (FINAL_ONLY: one). A bad request raises ValueError or TypeError before any output.
+        With n > 1, a streamed output holds the samples that changed since the last one
+        taken (each CompletionOutput's index says which); FINAL_ONLY's holds all n."""
         collector = self._add_request(request_id, prompt, sampling_params)
         finished = False
         try:
@@ -89,10 +86,11 @@ class AsyncLLM(FrontEnd):
     def _add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> RequestOutputCollector:
         if self._dead is not None:
             raise self._dead
-        request = self._make_request(request_id, prompt, params)
+        requests = self._make_requests(request_id, prompt, params)
         collector = self._collectors[request_id] = RequestOutputCollector(params.output_kind)
         try:
-            self.engine_core.add_request(request)
+            for request in requests:
+                self.engine_core.add_request(request)
         except EngineDeadError:
             self._forget([request_id])
             del self._collectors[request_id]
@@ -106,11 +104,10 @@ class AsyncLLM(FrontEnd):
         self._abort(request_id)
 
     def _abort(self, request_ids) -> None:
-        ids = self._forget(request_ids)
-        for request_id in ids:
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             self._collectors.pop(request_id, None)
         try:
-            self.engine_core.abort_requests(ids)
+            self.engine_core.abort_requests(self._forget(request_ids))
         except EngineDeadError:
             pass  # nothing left to abort
 

@@ -10,6 +10,7 @@ from jaxllm.config import EngineArgs
 from jaxllm.engine import EngineCoreRequest
 from jaxllm.engine.core_client import InprocClient, SyncMPClient
 from jaxllm.engine.output_processor import OutputProcessor
+from jaxllm.engine.parallel_sampling import ParentRequest
 from jaxllm.engine.processor import Processor, PromptType
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
@@ -42,25 +43,36 @@ class FrontEnd:
     def get_tokenizer(self):
         return self.tokenizer
 
-    def _make_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> EngineCoreRequest:
+    def _make_requests(self, request_id: str, prompt: PromptType, params: SamplingParams) -> list[EngineCoreRequest]:
         """Validate one request and register it with the output processor; a bad one
-        raises ValueError (or TypeError) here, before it reaches the core."""
+        raises ValueError (or TypeError) here, before it reaches the core. Returns what
+        the core runs: the request, or with n > 1 its n children (ParentRequest)."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        if request_id in self.output_processor.states:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self.processor.process(prompt, params)
-        # Without a seed of its own, a request draws from the engine seed and its arrival number.
-        n = next(self._arrivals)
-        seed = params.seed if params.seed is not None else hash((self.config.seed, n)) & (2**63 - 1)
         arrival_time = time.monotonic()
-        self.output_processor.add_request(request_id, text, token_ids, params, arrival_time)
-        return EngineCoreRequest(request_id, token_ids, params, self.eos_token_ids, seed, arrival_time)
+        parent = ParentRequest(request_id, params, arrival_time) if params.n > 1 else None
+        core_ids = parent.child_ids if parent is not None else [request_id]
+        for used in (request_id, *core_ids):
+            if self.output_processor.in_use(used):
+                raise ValueError(f"request_id {used!r} is already in use")
+        requests = []
+        for index, core_id in enumerate(core_ids):
+            child_params = parent.child_params(index) if parent is not None else params
+            # Without a seed of its own, a request draws from the engine seed and its arrival number.
+            arrival = next(self._arrivals)
+            seed = child_params.seed
+            if seed is None:
+                seed = hash((self.config.seed, arrival)) & (2**63 - 1)
+            self.output_processor.add_request(core_id, text, token_ids, child_params, arrival_time, parent, index)
+            requests.append(EngineCoreRequest(core_id, token_ids, child_params, self.eos_token_ids, seed,
+                                              arrival_time))
+        return requests
 
     def _forget(self, request_ids) -> list[str]:
+        """Drop the requests from the output processor; returns the ids to abort in the core."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.output_processor.abort(ids)
-        return ids
+        return self.output_processor.abort(ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
@@ -84,11 +96,14 @@ class LLMEngine(FrontEnd):
         return cls(InprocClient(args.create_config(), show_progress))
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
-        """Validate and queue one request; a bad one raises ValueError and leaves the rest untouched."""
-        self.engine_core.add_request(self._make_request(request_id, prompt, params))
+        """Validate and queue one request (with n > 1, its n children); a bad one raises
+        ValueError and leaves the rest untouched. With n > 1 the RequestOutputs carry this
+        request_id, and each CompletionOutput its child's index."""
+        for request in self._make_requests(request_id, prompt, params):
+            self.engine_core.add_request(request)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
-        """Abort one request id or several."""
+        """Abort one request id or several (a parent's: all its children)."""
         self.engine_core.abort_requests(self._forget(request_ids))
 
     def step(self) -> list[RequestOutput]:

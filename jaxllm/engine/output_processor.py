@@ -2,6 +2,7 @@
 from tokenizers.decoders import DecodeStream
 
 from jaxllm.engine import EngineCoreOutput
+from jaxllm.engine.parallel_sampling import ParentRequest
 from jaxllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -9,10 +10,14 @@ _PROMPT_CONTEXT_TOKENS = 6  # enough prompt context for the first output token's
 
 
 class RequestState:
+    """One request the core runs: a request of its own, or child `index` of a parent (n > 1)."""
+
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, tokenizer, arrival_time: float):
+                 params: SamplingParams, tokenizer, arrival_time: float,
+                 parent: ParentRequest | None = None, index: int = 0):
         self.request_id = request_id
-        self.metrics = RequestMetrics(arrival_time)
+        self.parent, self.index = parent, index
+        self.metrics = RequestMetrics(arrival_time) if parent is None else parent.metrics
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -67,23 +72,37 @@ class RequestState:
         if kind == RequestOutputKind.DELTA:
             self._sent_text, text = len(text), text[self._sent_text:]
             self._sent_tokens, token_ids = len(token_ids), token_ids[self._sent_tokens:]
-        completion = CompletionOutput(0, text, list(token_ids),
+        completion = CompletionOutput(self.index, text, list(token_ids),
                                       finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+        request_id, outputs, error = self.request_id, [completion], self.error
+        if self.parent is not None:  # the output is the parent's
+            outputs = self.parent.add_output(completion, self.error)
+            if not outputs:
+                return None
+            request_id, finished, error = self.parent.request_id, self.parent.finished, self.parent.error
         m = self.metrics
         metrics = RequestMetrics(m.arrival_time, m.first_token_time, m.last_token_time)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
-                             finished=finished, error=self.error, metrics=metrics)
+        return RequestOutput(request_id, self.prompt, self.prompt_token_ids, outputs,
+                             finished=finished, error=error, metrics=metrics)
 
 
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.states: dict[str, RequestState] = {}
+        self.states: dict[str, RequestState] = {}  # by the core's request ids (a parent's children)
+        self.parents: dict[str, ParentRequest] = {}
+
+    def in_use(self, request_id: str) -> bool:
+        return request_id in self.states or request_id in self.parents
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float) -> None:
+                    params: SamplingParams, arrival_time: float,
+                    parent: ParentRequest | None = None, index: int = 0) -> None:
+        """Track one request the core runs; a parent's children are added one by one."""
+        if parent is not None:
+            self.parents[parent.request_id] = parent
         self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer,
-                                               arrival_time)
+                                               arrival_time, parent, index)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
@@ -110,8 +129,16 @@ class OutputProcessor:
                 outputs.append(out)
             if state.finish_reason is not None:
                 del self.states[co.request_id]
+                if state.parent is not None and state.parent.finished:
+                    del self.parents[state.parent.request_id]
         return outputs, stopped
 
-    def abort(self, request_ids: list[str]) -> None:
+    def abort(self, request_ids: list[str]) -> list[str]:
+        """Forget the requests; returns the ids the core must abort (a parent's: its children's)."""
+        core_ids = []
         for request_id in request_ids:
-            self.states.pop(request_id, None)
+            parent = self.parents.pop(request_id, None)
+            for core_id in parent.child_ids if parent is not None else [request_id]:
+                self.states.pop(core_id, None)
+                core_ids.append(core_id)
+        return core_ids

@@ -157,7 +157,7 @@ class LLM:
                     out = inbox.get()
                     finished[out.request_id] = out
                     in_tokens += len(out.prompt_token_ids)
-                    out_tokens += len(out.outputs[0].token_ids)
+                    out_tokens += sum(len(o.token_ids) for o in out.outputs)
                     elapsed = time.perf_counter() - start
                     bar.set_postfix_str(f"input: {in_tokens / elapsed:.1f} toks/s, "
                                         f"output: {out_tokens / elapsed:.1f} toks/s")
@@ -168,7 +168,8 @@ class LLM:
             raise
         finally:
             bar.close()
-        failed = collections.Counter(o.error for o in finished.values() if o.outputs[0].finish_reason == "error")
+        failed = collections.Counter(o.error for o in finished.values()
+                                     if any(c.finish_reason == "error" for c in o.outputs))
         for error, count in failed.items():
             logger.warning("%d of %d requests failed: %s", count, len(ids), error)
         return [finished[i] for i in ids]

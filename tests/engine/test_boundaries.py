@@ -123,7 +123,7 @@ def numbers_but(valid) -> st.SearchStrategy:
 
 NOT_BOOL = not_of(bool)
 SAMPLING_INVALID = {
-    "n": st.one_of(st.integers().filter(lambda n: n != 1), not_of(int)),
+    "n": st.one_of(st.integers(max_value=0), not_of(int)),
     "temperature": st.one_of(numbers_but(lambda x: 0 <= x <= sys.float_info.max), not_of(float)),
     "top_p": st.one_of(numbers_but(lambda x: 0 < x <= 1), not_of(float)),
     "top_k": st.one_of(st.integers(max_value=-2), not_of(int)),

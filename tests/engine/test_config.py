@@ -16,7 +16,7 @@ from tests.conftest import tiny_model
     ({"max_tokens": 0}, "max_tokens"),
     ({"min_p": 1.5}, "min_p"),
     ({"stop": [""]}, "stop"),
-    ({"n": 2}, "n must be 1"),
+    ({"n": 0}, "n must be >= 1"),
 ])
 def test_invalid_sampling_params_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
