@@ -1,8 +1,14 @@
-"""The tokenizer of a model, whatever its format: a transformers fast tokenizer."""
+"""The tokenizer of a model, whatever its format (a transformers fast tokenizer), and what
+the model's files say about generation: its EOS ids and its recommended sampling params."""
 import json
 import os
 
 from jaxllm.config import ModelConfig
+
+# generation_config.json's keys -> SamplingParams fields, vLLM's list (get_diff_sampling_param)
+# less repetition_penalty, which SamplingParams does not have yet.
+_HF_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "max_new_tokens": "max_tokens"}
 
 
 def get_tokenizer(mc: ModelConfig):
@@ -21,12 +27,24 @@ def get_tokenizer(mc: ModelConfig):
     raise ValueError(f"model {mc.path!r} has no tokenizer: pass skip_tokenizer_init=True and token-id prompts")
 
 
+def generation_config(mc: ModelConfig) -> dict:
+    """An HF folder's generation_config.json ({} when it has none, and for other formats)."""
+    path = os.path.join(mc.path, "generation_config.json")
+    if mc.format != "hf" or not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, "rb") as f:
+            config = json.load(f)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
+    return config
+
+
 def generation_eos_ids(mc: ModelConfig, tokenizer) -> tuple[int, ...]:
     """EOS ids that end generation: generation_config.json's, else the config's, else the tokenizer's."""
-    ids = None
-    if mc.format == "hf" and os.path.isfile(os.path.join(mc.path, "generation_config.json")):
-        with open(os.path.join(mc.path, "generation_config.json")) as f:
-            ids = json.load(f).get("eos_token_id")
+    ids = generation_config(mc).get("eos_token_id")
     if ids is None:
         ids = mc.hf_config.get("eos_token_id")
     if ids is None and tokenizer is not None:
@@ -34,3 +52,23 @@ def generation_eos_ids(mc: ModelConfig, tokenizer) -> tuple[int, ...]:
     if ids is None:
         return ()
     return tuple(ids) if isinstance(ids, list) else (ids,)
+
+
+def default_sampling_fields(mc: ModelConfig) -> dict:
+    """The SamplingParams fields the model's authors set (vLLM's get_diff_sampling_param):
+    generation_config.json's temperature, top_p, top_k, min_p and max_new_tokens (as
+    max_tokens), or a GGUF file's general.sampling.* keys; {} for none. As in vLLM,
+    do_sample is not read: a temperature of 0 is what makes a request greedy."""
+    if mc.format == "hf":
+        config = generation_config(mc)
+        return {field: config[key] for key, field in _HF_SAMPLING_KEYS.items() if config.get(key) is not None}
+    if mc.format == "gguf":
+        from gguf import Keys
+        from jaxllm.models.gguf import read_gguf_metadata
+        keys = {Keys.General.SAMPLING_TEMP: "temperature", Keys.General.SAMPLING_TOP_P: "top_p",
+                Keys.General.SAMPLING_TOP_K: "top_k", Keys.General.SAMPLING_MIN_P: "min_p"}
+        meta = read_gguf_metadata(mc.path)
+        # GGUF stores float32: 0.95 reads back as 0.949999988, so round to float32's precision.
+        return {field: round(meta[key], 6) if isinstance(meta[key], float) else meta[key]
+                for key, field in keys.items() if key in meta}
+    return {}

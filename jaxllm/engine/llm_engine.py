@@ -2,6 +2,7 @@
 and stop strings happen here, in the caller's process; the engine core runs in a
 process of its own (SyncMPClient) or, with enable_multiprocessing=False, in this one."""
 import itertools
+import logging
 import os
 import time
 from collections.abc import Iterable
@@ -14,7 +15,9 @@ from jaxllm.engine.parallel_sampling import ParentRequest
 from jaxllm.engine.processor import Processor, PromptType
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.tokenizer import generation_eos_ids, get_tokenizer
+from jaxllm.tokenizer import default_sampling_fields, generation_eos_ids, get_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 def multiprocessing_enabled(args: EngineArgs) -> bool:
@@ -33,15 +36,27 @@ class FrontEnd:
         try:
             self.tokenizer = get_tokenizer(self.config.model)
             self.eos_token_ids = generation_eos_ids(self.config.model, self.tokenizer)
+            self.default_sampling_fields = default_sampling_fields(self.config.model)
         except BaseException:
             engine_core.shutdown()
             raise
+        if self.default_sampling_fields:
+            logger.info("default sampling params from the model's files: %s", self.default_sampling_fields)
         self.processor = Processor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._arrivals = itertools.count()
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """A new SamplingParams with the model's recommended sampling fields (its
+        generation_config.json or GGUF metadata, see jaxllm.tokenizer.default_sampling_fields)
+        over vLLM's plain defaults. A bad value in the model's file raises here, naming it."""
+        try:
+            return SamplingParams(**self.default_sampling_fields)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"the model's default sampling params ({self.config.model.path}): {e}") from e
 
     def _make_requests(self, request_id: str, prompt: PromptType, params: SamplingParams) -> list[EngineCoreRequest]:
         """Validate one request and register it with the output processor; a bad one

@@ -57,6 +57,12 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate and chat use when given no sampling_params: the model's recommended
+        temperature, top_p, top_k, min_p and max_tokens (its generation_config.json, or a GGUF
+        file's general.sampling.* keys) over SamplingParams' defaults, as vLLM does."""
+        return self.llm_engine.get_default_sampling_params()
+
     def start_profile(self, log_dir: str | None = None) -> None:
         """Trace the engine core with jax.profiler into `log_dir` (default $JAXLLM_PROFILER_DIR)
         until stop_profile(); open it in TensorBoard or XProf, or read it with jaxllm.profiling."""
@@ -70,7 +76,8 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the prompts' order. A bad
         prompt raises ValueError or TypeError naming its index ("prompt 2: ...") and
-        leaves none of this call's requests in the engine.
+        leaves none of this call's requests in the engine. Without sampling_params, the
+        model's defaults (get_default_sampling_params).
 
         A request the engine failed (a model step that raised) comes back with
         finish_reason "error" and its `error` set, and a warning is logged."""
@@ -78,6 +85,8 @@ class LLM:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}")
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = self._params_list(sampling_params, len(prompts))
         return self._run(list(prompts), params, use_tqdm)
 
@@ -107,8 +116,6 @@ class LLM:
     @staticmethod
     def _params_list(sampling_params, n: int) -> list[SamplingParams]:
         """One SamplingParams per prompt, each asking only for the final output."""
-        if sampling_params is None:
-            sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * n
         if not isinstance(sampling_params, (list, tuple)):
