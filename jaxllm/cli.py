@@ -1,5 +1,5 @@
-"""The `jaxllm` command: `jaxllm generate` runs offline generation, `jaxllm bench step`
-times the engine's steps.
+"""The `jaxllm` command: `jaxllm generate` runs offline generation, `jaxllm bench
+throughput|latency|step` benchmarks the engine (jaxllm/benchmarks).
 
 Engine flags are EngineArgs' fields, spelled as in vLLM (--max-model-len, ...). A user's
 mistake (a flag's value, a model file, a prompt) prints one line, `jaxllm: error: ...`,
@@ -47,20 +47,6 @@ def user_errors():
         yield
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise UserError(" ".join(str(e).splitlines())) from e
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def batch_sizes(text: str) -> str:
-    """Checks a comma-separated list of positive ints; the text stays as bench.main splits it."""
-    for size in text.split(","):
-        positive_int(size)
-    return text
 
 
 def engine_args_from(ns: argparse.Namespace):
@@ -111,20 +97,18 @@ def main(argv=None) -> int:
     gen.add_argument("--ignore-eos", action="store_true")
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    step = bench_sub.add_parser("step", help="engine step time at fixed batch sizes")
-    add_engine_args(step)
-    step.add_argument("--batch-sizes", type=batch_sizes, default="1,64")
-    step.add_argument("--input-len", type=positive_int, default=128)
-    step.add_argument("--output-len", type=positive_int, default=128)
-    step.add_argument("--json", help="also write the results to this file")
-    step.add_argument("--profile-dir", help="record a jax.profiler trace of each batch's decode here, and summarize it")
+    from jaxllm.benchmarks import BENCHES
+    for name, module in BENCHES.items():
+        bench_parser = bench_sub.add_parser(name, help=module.HELP, description=module.__doc__,
+                                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_engine_args(bench_parser)
+        module.add_cli_args(bench_parser)
     ns = parser.parse_args(argv)
     try:
         if ns.command == "generate":
             return cmd_generate(ns)
-        from jaxllm import bench as bench_mod
         with user_errors():  # the engine's start, and its checks of the bench's requests
-            return bench_mod.main(ns, engine_args_from(ns))
+            return BENCHES[ns.bench].main(ns, engine_args_from(ns))
     except UserError as e:
         print(f"jaxllm: error: {e}", file=sys.stderr)
         return 2

@@ -12,11 +12,29 @@ idle time is the host on the critical path. Exits 1 when a request got the wrong
 tokens or anything compiled after warm-up.
 """
 import dataclasses
-import json
 import os
 import time
 
 import numpy as np
+
+from jaxllm.benchmarks.common import positive_int, report_failures, write_json
+
+HELP = "engine step time at fixed batch sizes"
+
+
+def batch_sizes(text: str) -> str:
+    """Checks a comma-separated list of positive ints; the text stays as main splits it."""
+    for size in text.split(","):
+        positive_int(size)
+    return text
+
+
+def add_cli_args(parser) -> None:
+    parser.add_argument("--batch-sizes", type=batch_sizes, default="1,64")
+    parser.add_argument("--input-len", type=positive_int, default=128)
+    parser.add_argument("--output-len", type=positive_int, default=128)
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--profile-dir", help="record a jax.profiler trace of each batch's decode here, and summarize it")
 
 
 def run_step_bench(engine_args, batch_sizes: list[int], input_len: int, output_len: int, seed: int = 0,
@@ -107,13 +125,9 @@ def main(ns, engine_args) -> int:
     batch_sizes = [int(b) for b in ns.batch_sizes.split(",")]
     engine_args = dataclasses.replace(engine_args, max_num_seqs=max(engine_args.max_num_seqs, max(batch_sizes)))
     result = run_step_bench(engine_args, batch_sizes, ns.input_len, ns.output_len, profile_dir=ns.profile_dir)
-    if ns.json:
-        with open(ns.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(ns.json, result)
     print_table(result)
     failed = [f"batch {r['batch']}: wrong output lengths" for r in result["rows"] if not r["all_lengths_ok"]]
     if result["compiles_after_warm_up"]:
         failed.append(f"{result['compiles_after_warm_up']} compilations after warm-up")
-    for failure in failed:
-        print(f"FAILED: {failure}")
-    return 1 if failed else 0
+    return report_failures(failed)

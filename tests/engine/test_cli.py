@@ -28,7 +28,8 @@ def assert_one_line_error(stderr: str, message: str) -> None:
     assert stderr.count("\n") == 1 and stderr.startswith(f"jaxllm: error: {message}"), stderr
 
 
-@pytest.mark.parametrize("command", [["generate"], ["bench", "step"]])
+@pytest.mark.parametrize("command", [["generate"], ["bench", "step"], ["bench", "throughput", "--input-len", "8"],
+                                     ["bench", "latency"]], ids=["generate", "step", "throughput", "latency"])
 @pytest.mark.parametrize("flags, message", [
     (["--block-size", "7"], "block_size must be 16, 32, 64 or 128, got 7"),
     (["--model", "/nonexistent"], "model '/nonexistent' not found"),

@@ -41,7 +41,7 @@ def test_no_trace_is_a_clear_error(tmp_path):
 
 
 def test_the_step_bench_profiles_the_middle_of_each_decode(tmp_path):
-    from jaxllm.bench import run_step_bench
+    from jaxllm.benchmarks.step import run_step_bench
     args = EngineArgs(model=tiny_model("llama"), skip_tokenizer_init=True, max_model_len=128, max_num_seqs=4,
                       enable_multiprocessing=False)
     result = run_step_bench(args, [1, 4], input_len=8, output_len=24, profile_dir=str(tmp_path), profile_steps=8)

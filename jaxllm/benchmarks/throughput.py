@@ -1,0 +1,88 @@
+"""`jaxllm bench throughput`: offline throughput, measured as vLLM's `vllm bench throughput`.
+
+The random dataset: `num_prompts` prompts of random token ids, each prompt's length
+uniform in [input_len * (1 - r), input_len * (1 + r)] and its output length likewise
+around output_len (r = --random-range-ratio; --seed seeds the dataset and the engine,
+as in vLLM). Every request samples at temperature 1.0, top_p 1.0 with ignore_eos, so it
+generates exactly its output length. One `LLM.generate` call over all of them is timed,
+after the engine is built and warmed up; total_num_tokens counts prompt and output
+tokens. Exits 1 if a request got the wrong number of tokens or anything compiled
+during the timed call.
+"""
+import dataclasses
+import time
+
+import numpy as np
+
+from jaxllm.benchmarks.common import (check_fits, check_result, engine_settings, positive_int, print_engine,
+                                      random_lengths, random_prompt, range_ratio, write_json)
+
+HELP = "offline throughput over random prompts (vLLM's definitions)"
+
+
+def add_cli_args(parser) -> None:
+    parser.add_argument("--input-len", type=positive_int, required=True, help="prompt length of each request")
+    parser.add_argument("--output-len", type=positive_int, default=128, help="output length of each request")
+    parser.add_argument("--num-prompts", type=positive_int, default=1000)
+    parser.add_argument("--random-range-ratio", type=range_ratio, default=0.0,
+                        help="lengths uniform in [len * (1 - r), len * (1 + r)], r in [0, 1)")
+    parser.add_argument("--output-json", help="write the results to this file")
+
+
+def run_throughput_bench(engine_args, num_prompts: int, input_len: int, output_len: int,
+                         random_range_ratio: float = 0.0) -> dict:
+    from jaxllm import LLM, SamplingParams
+
+    rng = np.random.default_rng(engine_args.seed)
+    prompt_lens, output_lens = random_lengths(num_prompts, input_len, output_len, random_range_ratio, rng)
+    start = time.perf_counter()
+    llm = LLM(**dataclasses.asdict(engine_args))
+    startup_s = time.perf_counter() - start
+    try:
+        engine = llm.llm_engine
+        check_fits(engine, max(map(sum, zip(prompt_lens, output_lens))))
+        vocab = engine.config.model.arch.vocab_size
+        prompts = [random_prompt(n, vocab, rng) for n in prompt_lens]
+        params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n) for n in output_lens]
+
+        compiles_before = engine.get_stats()["num_compilations"]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        elapsed_time = time.perf_counter() - start
+        compiles = engine.get_stats()["num_compilations"] - compiles_before
+        settings = engine_settings(engine)
+    finally:
+        llm.shutdown()
+
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {
+        "elapsed_time": elapsed_time,
+        "num_requests": len(outputs),
+        "total_num_tokens": prompt_tokens + output_tokens,
+        "requests_per_second": len(outputs) / elapsed_time,
+        "tokens_per_second": (prompt_tokens + output_tokens) / elapsed_time,
+        "output_tokens_per_second": output_tokens / elapsed_time,
+        "total_prompt_tokens": prompt_tokens,
+        "total_output_tokens": output_tokens,
+        "input_len": input_len, "output_len": output_len, "random_range_ratio": random_range_ratio,
+        "seed": engine_args.seed,
+        "prompt_lens": prompt_lens,
+        "output_lens": output_lens,
+        "all_lengths_ok": all(len(o.outputs[0].token_ids) == n for o, n in zip(outputs, output_lens)),
+        "compiles_after_warm_up": compiles,
+        "startup_s": round(startup_s, 1),
+        "engine": settings,
+    }
+
+
+def main(ns, engine_args) -> int:
+    result = run_throughput_bench(engine_args, ns.num_prompts, ns.input_len, ns.output_len, ns.random_range_ratio)
+    write_json(ns.output_json, result)
+    elapsed = result["elapsed_time"]
+    print_engine(result)
+    print(f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.2f} "
+          f"total tokens/s, {result['output_tokens_per_second']:.2f} output tokens/s ({elapsed:.2f} s)")
+    print(f"Total num prompt tokens:  {result['total_prompt_tokens']}")
+    print(f"Total num output tokens:  {result['total_output_tokens']}")
+    return check_result(result, "during the timed run")

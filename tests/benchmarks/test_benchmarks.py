@@ -1,0 +1,136 @@
+"""`jaxllm bench throughput` and `jaxllm bench latency` (issue 9) on the tiny Llama:
+each runs through the CLI and writes vLLM's JSON keys, with values that agree."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from jaxllm.benchmarks.common import random_lengths
+from jaxllm.cli import main
+from tests.conftest import tiny_model
+
+pytestmark = pytest.mark.timeout(300)
+ENGINE_FLAGS = ["--model", tiny_model("llama"), "--skip-tokenizer-init", "--max-model-len", "64",
+                "--no-enable-multiprocessing"]
+NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN, RATIO = 12, 16, 8, 0.5
+BATCH_SIZE, NUM_ITERS = 3, 3
+
+
+def run_bench(tmp_path, name: str, *flags: str) -> dict:
+    path = tmp_path / f"{name}.json"
+    assert main(["bench", name, *ENGINE_FLAGS, *flags, "--output-json", str(path)]) == 0
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def throughput(tmp_path_factory) -> dict:
+    return run_bench(tmp_path_factory.mktemp("throughput"), "throughput", "--num-prompts", str(NUM_PROMPTS),
+                     "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
+                     "--random-range-ratio", str(RATIO))
+
+
+@pytest.fixture(scope="module")
+def latency(tmp_path_factory) -> dict:
+    return run_bench(tmp_path_factory.mktemp("latency"), "latency", "--batch-size", str(BATCH_SIZE),
+                     "--input-len", "8", "--output-len", "12", "--num-iters-warmup", "1",
+                     "--num-iters", str(NUM_ITERS))
+
+
+def test_throughput_json_has_vllms_keys_and_they_agree(throughput):
+    r = throughput
+    assert r["num_requests"] == NUM_PROMPTS
+    assert r["total_num_tokens"] == sum(r["prompt_lens"]) + sum(r["output_lens"])
+    assert r["total_num_tokens"] == r["total_prompt_tokens"] + r["total_output_tokens"]
+    assert r["elapsed_time"] > 0
+    assert math.isclose(r["requests_per_second"] * r["elapsed_time"], r["num_requests"], rel_tol=1e-9)
+    assert math.isclose(r["tokens_per_second"] * r["elapsed_time"], r["total_num_tokens"], rel_tol=1e-9)
+    assert math.isclose(r["output_tokens_per_second"] * r["elapsed_time"], sum(r["output_lens"]), rel_tol=1e-9)
+    assert r["all_lengths_ok"]
+
+
+def test_throughput_records_the_engine_settings_it_ran(throughput):
+    engine = throughput["engine"]
+    assert engine["model"] == tiny_model("llama") and engine["max_model_len"] == 64
+    assert {"dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "attention_backend",
+            "async_scheduling", "kv_cache"} <= engine.keys()
+
+
+def test_throughput_compiles_nothing_in_the_timed_run(throughput):
+    assert throughput["compiles_after_warm_up"] == 0
+
+
+def test_random_range_ratio_spreads_lengths_within_vllms_bounds(throughput):
+    # 16 and 8 with r=0.5: prompts in [8, 24], outputs in [4, 12], both ends included.
+    prompt_lens, output_lens = throughput["prompt_lens"], throughput["output_lens"]
+    assert len(prompt_lens) == len(output_lens) == NUM_PROMPTS
+    assert all(8 <= n <= 24 for n in prompt_lens) and all(4 <= n <= 12 for n in output_lens)
+    assert len(set(prompt_lens)) > 1 and len(set(output_lens)) > 1
+
+
+def test_random_lengths_reach_both_ends_and_no_further():
+    prompt_lens, output_lens = random_lengths(2000, 10, 4, 0.5, np.random.default_rng(0))
+    assert set(prompt_lens) == set(range(5, 16)) and set(output_lens) == set(range(2, 7))
+
+
+def test_random_range_ratio_zero_gives_fixed_lengths():
+    prompt_lens, output_lens = random_lengths(50, 10, 4, 0.0, np.random.default_rng(0))
+    assert set(prompt_lens) == {10} and set(output_lens) == {4}
+
+
+def test_latency_json_has_vllms_keys_and_they_agree(latency):
+    r = latency
+    assert len(r["latencies"]) == r["num_iters"] == NUM_ITERS
+    assert math.isclose(r["avg_latency"], float(np.mean(r["latencies"])))
+    assert math.isclose(r["std_latency"], float(np.std(r["latencies"])))
+    assert list(r["percentiles"]) == ["10", "25", "50", "75", "90", "99"]
+    values = list(r["percentiles"].values())
+    assert values == sorted(values) and min(r["latencies"]) <= values[0] <= values[-1] <= max(r["latencies"])
+    assert r["all_lengths_ok"]
+
+
+def test_latency_decode_step_fits_inside_the_batch_latency(latency):
+    # 11 decode steps after the first token, all inside one generate call.
+    assert 0 < latency["decode_step_ms"] * 11 / 1e3 < min(latency["latencies"])
+    assert math.isclose(latency["decode_tok_s"], BATCH_SIZE / latency["decode_step_ms"] * 1e3)
+
+
+def test_latency_compiles_nothing_after_warm_up(latency):
+    assert latency["compiles_after_warm_up"] == 0
+    assert latency["engine"]["max_num_seqs"] >= BATCH_SIZE
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--random-range-ratio", "1"], "argument --random-range-ratio: must be in [0, 1), got 1.0"),
+    (["--num-prompts", "0"], "argument --num-prompts: must be >= 1, got 0"),
+])
+def test_a_bad_throughput_flag_is_an_argparse_error(capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "throughput", *ENGINE_FLAGS, "--input-len", "8", *flags])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.endswith(f"jaxllm bench throughput: error: {message}\n")
+
+
+def test_a_bad_latency_flag_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "latency", *ENGINE_FLAGS, "--num-iters-warmup", "-1"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.endswith("argument --num-iters-warmup: must be >= 0, got -1\n")
+
+
+def test_a_length_that_could_be_zero_fails_before_the_engine_is_built(capsys, monkeypatch):
+    import jaxllm
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine was built before the lengths were checked")
+    monkeypatch.setattr(jaxllm, "LLM", no_engine)
+    assert main(["bench", "throughput", *ENGINE_FLAGS, "--input-len", "1", "--random-range-ratio", "0.5"]) == 2
+    assert capsys.readouterr().err == ("jaxllm: error: input_len=1 with random_range_ratio=0.5 allows length 0: "
+                                       "input_len * (1 - random_range_ratio) must be >= 1\n")
+
+
+@pytest.mark.parametrize("bench", ["throughput", "latency"])
+def test_a_request_longer_than_max_model_len_is_a_one_line_error(capsys, bench):
+    assert main(["bench", bench, *ENGINE_FLAGS, "--input-len", "60", "--output-len", "8"]) == 2
+    assert capsys.readouterr().err.endswith(
+        "jaxllm: error: the longest request needs 68 tokens (prompt + output), more than max_model_len (64)\n")
