@@ -25,6 +25,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# The metadata of a tiny llama GGUF: enough for load_gguf_config.
+TINY_GGUF_UINT32_KEYS = {"llama.embedding_length": 64, "llama.attention.head_count": 4,
+                         "llama.feed_forward_length": 128, "llama.block_count": 2, "llama.context_length": 256,
+                         "llama.vocab_size": 300}
+
+
+def write_gguf_metadata(path, uint32_keys: dict[str, int] = TINY_GGUF_UINT32_KEYS, extra=None) -> None:
+    """A llama GGUF file with these uint32 metadata keys (and, for the tiny default, an RMS
+    norm epsilon), whatever `extra(writer)` adds, and no tensors."""
+    import gguf
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in uint32_keys.items():
+        writer.add_uint32(key, value)
+    if uint32_keys is TINY_GGUF_UINT32_KEYS:
+        writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    if extra is not None:
+        extra(writer)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_char_tokenizer(folder: str) -> None:
     """A tokenizer for the tiny models' 256-token vocabulary: ids 0-2 are <unk>, <s>,
     </s> (the configs' bos 1 / eos 2), every other id one character, so a random

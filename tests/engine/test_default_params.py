@@ -10,7 +10,7 @@ import pytest
 
 from jaxllm import LLM, EngineArgs, SamplingParams
 from jaxllm.tokenizer import default_sampling_fields
-from tests.conftest import tiny_model
+from tests.conftest import tiny_model, write_gguf_metadata
 from tests.engine.test_core_process import engine_args
 
 pytestmark = pytest.mark.timeout(300)  # a hung step loop fails the test, never the CI run
@@ -76,18 +76,12 @@ def test_a_bad_value_in_generation_config_raises_naming_the_field_and_the_model(
 
 def test_gguf_general_sampling_keys_set_the_defaults(tmp_path):
     file = tmp_path / "sampling.gguf"
-    writer = gguf.GGUFWriter(str(file), "llama")
-    for key, value in {"embedding_length": 64, "attention.head_count": 4, "feed_forward_length": 128,
-                       "block_count": 2, "context_length": 256, "vocab_size": 300}.items():
-        writer.add_uint32(f"llama.{key}", value)
-    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    writer.add_float32(gguf.Keys.General.SAMPLING_TEMP, 0.7)
-    writer.add_float32(gguf.Keys.General.SAMPLING_TOP_P, 0.95)
-    writer.add_int32(gguf.Keys.General.SAMPLING_TOP_K, 40)
-    writer.add_float32(gguf.Keys.General.SAMPLING_PENALTY_REPEAT, 1.1)  # no field for it yet
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+
+    def sampling_keys(writer):
+        writer.add_float32(gguf.Keys.General.SAMPLING_TEMP, 0.7)
+        writer.add_float32(gguf.Keys.General.SAMPLING_TOP_P, 0.95)
+        writer.add_int32(gguf.Keys.General.SAMPLING_TOP_K, 40)
+        writer.add_float32(gguf.Keys.General.SAMPLING_PENALTY_REPEAT, 1.1)  # no field for it yet
+    write_gguf_metadata(file, extra=sampling_keys)
     model = EngineArgs(model=str(file), load_format="dummy").create_config().model
     assert default_sampling_fields(model) == {"temperature": 0.7, "top_p": 0.95, "top_k": 40}

@@ -10,7 +10,7 @@ import pytest
 
 from jaxllm import EngineArgs
 from jaxllm.models.gguf import find_default_model, load_gguf_config
-from tests.conftest import tiny_model
+from tests.conftest import tiny_model, write_gguf_metadata
 
 
 def smollm2_head(num_bytes: int) -> bytes:
@@ -43,17 +43,6 @@ def test_corrupt_gguf_raises_naming_the_file(tmp_path, name):
         load_gguf_config(str(path))
     with pytest.raises(ValueError, match=message):
         EngineArgs(model=str(path)).create_config()
-
-
-def write_gguf_metadata(path, uint32_keys: dict[str, int]) -> None:
-    """A llama GGUF file with these metadata keys and no tensors."""
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for key, value in uint32_keys.items():
-        writer.add_uint32(key, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 def test_gguf_without_a_required_key_raises_naming_it(tmp_path):

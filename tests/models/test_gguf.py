@@ -22,6 +22,7 @@ from jaxllm.models.gguf import (
     load_gguf_tokenizer,
 )
 from jaxllm.tokenizer import generation_eos_ids
+from tests.conftest import write_gguf_metadata
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
 with open(os.path.join(FIXTURES, "smollm2_golden.json")) as f:
@@ -123,17 +124,11 @@ def test_config_describes_smollm2_135m(path):
 def test_generation_ends_at_the_end_of_turn_token_too(tmp_path):
     # A chat model's GGUF (Llama 3, Gemma 3) has an end-of-turn id besides EOS; both end generation.
     file = tmp_path / "chat.gguf"
-    writer = gguf.GGUFWriter(str(file), "llama")
-    for key, value in {"embedding_length": 64, "attention.head_count": 4, "feed_forward_length": 128,
-                       "block_count": 2, "context_length": 256, "vocab_size": 300}.items():
-        writer.add_uint32(f"llama.{key}", value)
-    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    writer.add_eos_token_id(2)
-    writer.add_uint32("tokenizer.ggml.eot_token_id", 7)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+
+    def end_ids(writer):
+        writer.add_eos_token_id(2)
+        writer.add_uint32("tokenizer.ggml.eot_token_id", 7)
+    write_gguf_metadata(file, extra=end_ids)
     assert load_gguf_config(str(file))["eos_token_id"] == [2, 7]
 
 
