@@ -19,7 +19,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request.request_id)
         if blocks is None:
             blocks = self.req_to_blocks[request.request_id] = []
-        needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(blocks)
+        needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(blocks)
         if needed <= 0:
             return []
         if needed > self.pool.num_free_blocks:

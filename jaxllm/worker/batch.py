@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.core.kv_cache_manager import cdiv
 from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.kernels.attention import AttentionMetadata
 from jaxllm.sample.sampler import SampleMode, SamplingMetadata, sample_mode
@@ -51,7 +52,7 @@ class BatchLayout:
         for name, shape in shapes.items():
             self.fields[name] = (offset, shape)
             # Kernels (Mosaic GPU) take their operands 256-byte aligned: XLA passes slices in place.
-            offset += -(-math.prod(shape) // _ALIGN) * _ALIGN
+            offset += cdiv(math.prod(shape), _ALIGN) * _ALIGN
         self.size = offset
 
     def host_views(self, buffer: np.ndarray) -> dict[str, np.ndarray]:
