@@ -30,6 +30,7 @@ class ModelConfig:
     max_model_len: int
     load_format: str     # "auto" | "dummy"
     skip_tokenizer_init: bool
+    max_logprobs: int    # the most SamplingParams.logprobs a request may ask for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +78,7 @@ class EngineArgs:
     attention_backend: str | None = None
     tensor_parallel_size: int = 1
     skip_tokenizer_init: bool = False
+    max_logprobs: int = 20  # vLLM's default; each step that returns logprobs computes this many
     async_scheduling: bool = True
     # The engine core in its own process (EngineCoreProc); None reads $JAXLLM_ENABLE_MULTIPROCESSING (on unless "0").
     enable_multiprocessing: bool | None = None
@@ -94,6 +96,7 @@ class EngineArgs:
         _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
                f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         _check(0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}")
+        _check(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")
         _check(self.load_format in ("auto", "dummy"), f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         _check(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         _check(self.tensor_parallel_size <= jax.device_count(),
@@ -117,7 +120,8 @@ class EngineArgs:
         return Config(
             model=ModelConfig(path=path, format=fmt, hf_config=hf_config, arch=arch,
                               dtype=_resolve_dtype(self.dtype, hf_config), max_model_len=max_len,
-                              load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init),
+                              load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
+                              max_logprobs=self.max_logprobs),
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.num_gpu_blocks_override),
             scheduler=SchedulerConfig(self.max_num_seqs, batched, max_len, self.async_scheduling),
             parallel=ParallelConfig(self.tensor_parallel_size),

@@ -3,12 +3,25 @@ import dataclasses
 
 
 @dataclasses.dataclass
+class Logprob:
+    """One token's log probability at one position (vLLM's Logprob)."""
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None  # the token alone, decoded (None without a tokenizer)
+
+
+# Per generated token: {token id: Logprob} for the sampled token and the top `logprobs` tokens
+# (vLLM's SampleLogprobs; `logprobs` or `logprobs` + 1 entries, as the sampled one may be in the top).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclasses.dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None = None
-    logprobs: None = None
+    cumulative_logprob: float | None = None  # the sampled tokens' logprobs summed; None unless logprobs were asked
+    logprobs: SampleLogprobs | None = None   # one dict per token of token_ids, if SamplingParams.logprobs
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
@@ -51,6 +64,9 @@ class RequestOutput:
                 old = self.outputs[i]
                 old.text += new.text
                 old.token_ids.extend(new.token_ids)
+                if old.logprobs is not None:
+                    old.logprobs.extend(new.logprobs)
+                old.cumulative_logprob = new.cumulative_logprob
                 old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
             else:
                 self.outputs[i] = new

@@ -27,6 +27,11 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Log probabilities of each generated token: the sampled token's and the top `logprobs`
+    # tokens' (0: the sampled token's only; None: none). They are of the model's raw
+    # distribution, log_softmax of its logits before temperature, penalties and top-k/top-p/
+    # min-p (vLLM's default logprobs_mode, raw_logprobs). At most the engine's max_logprobs.
+    logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
@@ -54,6 +59,10 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            # vLLM's -1 (the whole vocabulary) would copy [vocab] floats per token to the host.
+            raise ValueError(f"logprobs must be None or >= 0 (-1, the whole vocabulary, is not supported), "
+                             f"got {self.logprobs}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if not all(self.stop):

@@ -20,7 +20,7 @@ import dataclasses
 
 from jaxllm.config import SchedulerConfig
 from jaxllm.core.kv_cache_manager import KVCacheManager
-from jaxllm.engine import EngineCoreOutput, SchedulerStats
+from jaxllm.engine import EngineCoreOutput, LogprobsArrays, SchedulerStats
 from jaxllm.request import FINISH_REASONS, Request, RequestStatus
 
 
@@ -131,13 +131,15 @@ class Scheduler:
         request.num_computed_tokens = 0
         self.waiting.appendleft(request)
 
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           sampled_token_ids: list[int]) -> list[EngineCoreOutput]:
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: list[int],
+                           logprobs: LogprobsArrays | None = None) -> list[EngineCoreOutput]:
         """Append the token each sampling request drew and finish the ones that stop.
-        Requests that ended while the step ran (abort, stop, error) drop theirs."""
+        Requests that ended while the step ran (abort, stop, error) drop theirs.
+        `logprobs`: the step's, row i for scheduled request i; a request that asked gets
+        its row, cut to its own number of top logprobs."""
         outputs = []
         max_model_len = self.config.max_model_len
-        for sched, token_id in zip(scheduler_output.requests, sampled_token_ids):
+        for i, (sched, token_id) in enumerate(zip(scheduler_output.requests, sampled_token_ids)):
             if not sched.samples:
                 continue  # a prefill chunk short of the prompt's end
             request = sched.request
@@ -145,12 +147,16 @@ class Scheduler:
             if request.is_finished:
                 continue
             request.append_token(token_id)
+            output = EngineCoreOutput(request.request_id, [token_id])
+            num_logprobs = request.sampling_params.logprobs
+            if num_logprobs is not None and logprobs is not None:
+                output.new_logprobs = LogprobsArrays(logprobs.logprobs[i:i + 1, :num_logprobs + 1],
+                                                     logprobs.token_ids[i:i + 1, :num_logprobs + 1],
+                                                     logprobs.ranks[i:i + 1])
             if request.check_stop(max_model_len):
                 self._free(request)
-                outputs.append(EngineCoreOutput(request.request_id, [token_id], FINISH_REASONS[request.status],
-                                                request.stop_reason))
-            else:
-                outputs.append(EngineCoreOutput(request.request_id, [token_id]))
+                output.finish_reason, output.stop_reason = FINISH_REASONS[request.status], request.stop_reason
+            outputs.append(output)
         return outputs
 
     def finish_requests(self, request_ids, status: RequestStatus) -> None:

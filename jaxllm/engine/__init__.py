@@ -5,6 +5,7 @@ import enum
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from jaxllm.sampling_params import SamplingParams
 
@@ -26,6 +27,14 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     arrival_time: float  # time.monotonic() in the front end
 
 
+class LogprobsArrays(msgspec.Struct, array_like=True, gc=False):
+    """Sample logprobs of a request's new tokens, one row each (vLLM's LogprobsLists, as
+    arrays: they cross the process boundary as raw bytes)."""
+    logprobs: np.ndarray   # [num_new_tokens, 1 + logprobs] float32: the sampled token's, then the top ones
+    token_ids: np.ndarray  # [num_new_tokens, 1 + logprobs] int32
+    ranks: np.ndarray      # [num_new_tokens] int32: the sampled token's rank (1 = most likely)
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One request's news from one step."""
     request_id: str
@@ -33,6 +42,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id that ended it
     error: str | None = None
+    new_logprobs: LogprobsArrays | None = None  # only for a request that asked (SamplingParams.logprobs)
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

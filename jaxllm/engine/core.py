@@ -75,11 +75,11 @@ class EngineCore:
         sched, step = self.batch_queue.popleft()
         try:
             with TraceAnnotation("wait"):
-                token_ids = step.token_ids()
+                token_ids, logprobs = step.token_ids(), step.host_logprobs()
         except Exception as e:
             return self._fail_steps(e, sched)
         with TraceAnnotation("update"):
-            outputs = self.scheduler.update_from_output(sched, token_ids)
+            outputs = self.scheduler.update_from_output(sched, token_ids, logprobs)
             return EngineCoreOutputs(outputs, time.monotonic(), self.scheduler.make_stats())
 
     def _fail_steps(self, error: Exception, sched: SchedulerOutput) -> EngineCoreOutputs:

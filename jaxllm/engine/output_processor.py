@@ -1,9 +1,9 @@
 """OutputProcessor: incremental detokenization, stop strings, RequestOutputs."""
 from tokenizers.decoders import DecodeStream
 
-from jaxllm.engine import EngineCoreOutput
+from jaxllm.engine import EngineCoreOutput, LogprobsArrays
 from jaxllm.engine.parallel_sampling import ParentRequest
-from jaxllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 _PROMPT_CONTEXT_TOKENS = 6  # enough prompt context for the first output token's spacing
@@ -23,6 +23,9 @@ class RequestState:
         self.params = params
         self.token_ids: list[int] = []
         self.text = ""
+        # One dict per output token, and their sum: when the request asked for logprobs (vLLM's None otherwise).
+        self.logprobs: SampleLogprobs | None = None if params.logprobs is None else []
+        self.cumulative_logprob: float | None = None if params.logprobs is None else 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
@@ -46,6 +49,22 @@ class RequestState:
         pieces = [self._stream.step(self._backend, t) for t in token_ids]
         self.text += "".join(p for p in pieces if p)
         return bool(self.params.stop) and not stop_terminated and self._check_stop_strings(start)
+
+    def append_logprobs(self, new: LogprobsArrays) -> None:
+        """Add the new tokens' logprobs as vLLM's dicts: the sampled token with its rank,
+        then the top tokens with ranks 1, 2, ... (a sampled token among them keeps its top rank)."""
+        ranks = range(1, self.params.logprobs + 1)
+        for logprobs, token_ids, rank in zip(new.logprobs.tolist(), new.token_ids.tolist(), new.ranks.tolist()):
+            self.cumulative_logprob += logprobs[0]
+            decoded = self._decode_each(token_ids)
+            self.logprobs.append({token_id: Logprob(logprob, r, text) for token_id, logprob, r, text
+                                  in zip(token_ids, logprobs, (rank, *ranks), decoded)})
+
+    def _decode_each(self, token_ids: list[int]) -> list[str | None]:
+        """Each token decoded alone (vLLM's convert_ids_list_to_tokens), one tokenizer call for all."""
+        if self._backend is None:
+            return [None] * len(token_ids)
+        return self._backend.decode_batch([[t] for t in token_ids], skip_special_tokens=False)
 
     def _check_stop_strings(self, new_text_start: int) -> bool:
         longest = max(len(s) for s in self.params.stop)
@@ -71,8 +90,11 @@ class RequestState:
             text = text[:max(len(text) - max(len(s) for s in self.params.stop) + 1, self._sent_text)]
         if kind == RequestOutputKind.DELTA:
             self._sent_text, text = len(text), text[self._sent_text:]
+            logprobs = None if self.logprobs is None else self.logprobs[self._sent_tokens:]
             self._sent_tokens, token_ids = len(token_ids), token_ids[self._sent_tokens:]
-        completion = CompletionOutput(self.index, text, list(token_ids),
+        else:
+            logprobs = None if self.logprobs is None else list(self.logprobs)
+        completion = CompletionOutput(self.index, text, list(token_ids), self.cumulative_logprob, logprobs,
                                       finish_reason=self.finish_reason, stop_reason=self.stop_reason)
         request_id, outputs, error = self.request_id, [completion], self.error
         if self.parent is not None:  # the output is the parent's
@@ -120,6 +142,8 @@ class OutputProcessor:
                 if state.metrics.first_token_time is None:
                     state.metrics.first_token_time = timestamp
                 state.metrics.last_token_time = timestamp
+            if co.new_logprobs is not None:
+                state.append_logprobs(co.new_logprobs)
             if co.new_token_ids and state.append(co.new_token_ids, stop_terminated=co.finish_reason == "stop"):
                 stopped.append(co.request_id)
             elif co.finish_reason is not None:

@@ -18,6 +18,7 @@ class Processor:
     def __init__(self, config: Config, tokenizer):
         self.max_model_len = config.model.max_model_len
         self.vocab_size = config.model.arch.vocab_size
+        self.max_logprobs = config.model.max_logprobs
         self.tokenizer = tokenizer
 
     def process(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
@@ -25,6 +26,9 @@ class Processor:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate()  # again: the caller may have changed the params since they were made
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise ValueError(f"logprobs must be <= max_logprobs ({self.max_logprobs}, an engine arg), "
+                             f"got {params.logprobs}")
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt is empty: it must hold at least one token")

@@ -2,7 +2,8 @@
 step per SchedulerOutput: the forward pass to the logits at each request's last token
 and their argmax (one executable per token bucket, the KV cache donated, so updated
 in place), then, unless every request is greedy, the sampler (one executable per
-request bucket and SampleMode).
+request bucket and SampleMode), and, when a request asks for logprobs, the logprobs
+of the sampled ids (one executable per request bucket; jaxllm/sample/logprobs.py).
 
 A step is dispatched without waiting for the previous one: its sampled ids stay on
 the device, padded to max_num_seqs, and the next step reads from there a token the
@@ -14,6 +15,7 @@ import functools
 import logging
 import os
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +28,10 @@ from jaxllm import compilation
 from jaxllm.config import Config, ModelConfig
 from jaxllm.core.kv_cache_manager import cdiv
 from jaxllm.core.scheduler import SchedulerOutput
+from jaxllm.engine import LogprobsArrays
 from jaxllm.kernels.attention import get_attention_fn
 from jaxllm.models.loader import create_model
+from jaxllm.sample.logprobs import compute_logprobs
 from jaxllm.sample.sampler import SampleMode, sample
 from jaxllm.sharding import kv_cache_sharding, make_mesh, named_sharding, replicated
 from jaxllm.worker import batch as batching
@@ -79,8 +83,8 @@ class ModelRunner:
             buffers = [np.zeros(layout.size, np.int32) for _ in range(2)]
             self._host_buffers[layout.num_tokens] = [(b, layout.host_views(b)) for b in buffers]
         self._num_steps = 0
-        # (width, then the step's inputs: bucket, buffer, mode)
-        self._widest_step: tuple[tuple[int, int], int, np.ndarray, SampleMode] | None = None
+        # (width, then the step's inputs: bucket, buffer, mode, with logprobs)
+        self._widest_step: tuple[tuple[int, int], int, np.ndarray, SampleMode, bool] | None = None
         self._prev_sampled = self._zero_sampled()
         forward_fn = _make_forward_fn(self._graphdef, self._params_treedef, self._attn_fn,
                                       {layout.num_tokens: layout for layout in layouts}, sc.max_num_seqs)
@@ -91,10 +95,14 @@ class ModelRunner:
             [(kv_sharding, kv_sharding)] * mc.arch.num_layers))
         self._sample = jax.jit(functools.partial(_sample_padded, max_num_seqs=sc.max_num_seqs),
                                static_argnums=(2,), out_shardings=replicated(self.mesh))
+        self.num_logprobs = min(mc.max_logprobs, mc.arch.vocab_size)  # K: the top tokens every request gets
+        self._logprobs = jax.jit(functools.partial(compute_logprobs, num_logprobs=self.num_logprobs),
+                                 out_shardings=replicated(self.mesh))
         # Compiled executables: the forward per token bucket, the sampler per (request bucket, mode);
         # the forward's own argmax samples a greedy batch, with no second call.
         self._forwards: dict[int, jax.stages.Compiled] = {}
         self._samplers: dict[tuple[int, SampleMode], jax.stages.Compiled] = {}
+        self._logprob_fns: dict[int, jax.stages.Compiled] = {}  # per request bucket
         self.warm_up_s: float | None = None
 
     # ---- memory ----
@@ -165,9 +173,11 @@ class ModelRunner:
         buffer = self._host_buffers[token_bucket][0][0]
         return self._forward.lower(self._params, self.kv_caches, self._prev_sampled, buffer, token_bucket)
 
-    def _dispatch(self, token_bucket: int, buffer: np.ndarray, mode: SampleMode) -> jax.Array:
-        """Run a step's forward and, unless the batch is greedy, its sampler (compiling
-        them first if warm_up did not)."""
+    def _dispatch(self, token_bucket: int, buffer: np.ndarray, mode: SampleMode,
+                  with_logprobs: bool = False) -> tuple[jax.Array, "Logprobs | None"]:
+        """Run a step's forward, unless the batch is greedy its sampler, and if asked the
+        logprobs of its sampled ids (compiling them first if warm_up did not). Returns the
+        sampled ids and the logprobs (or None)."""
         if token_bucket not in self._forwards:
             self._forwards[token_bucket] = self._lower_forward(token_bucket).compile()
         with TraceAnnotation("dispatch"):
@@ -175,39 +185,49 @@ class ModelRunner:
                 self._params, self.kv_caches, self._prev_sampled, buffer)
         if mode == SampleMode.GREEDY:
             self._prev_sampled = greedy
-            return greedy
-        key = (logits.shape[0], mode)
-        if key not in self._samplers:
-            self._samplers[key] = self._sample.lower(logits, sampling, mode).compile()
+        else:
+            key = (logits.shape[0], mode)
+            if key not in self._samplers:
+                self._samplers[key] = self._sample.lower(logits, sampling, mode).compile()
+            with TraceAnnotation("dispatch"):
+                self._prev_sampled = self._samplers[key](logits, sampling)
+        if not with_logprobs:
+            return self._prev_sampled, None
+        num_reqs = logits.shape[0]
+        if num_reqs not in self._logprob_fns:
+            self._logprob_fns[num_reqs] = self._logprobs.lower(logits, self._prev_sampled).compile()
         with TraceAnnotation("dispatch"):
-            self._prev_sampled = self._samplers[key](logits, sampling)
-        return self._prev_sampled
+            logprobs = Logprobs(*self._logprob_fns[num_reqs](logits, self._prev_sampled))
+        return self._prev_sampled, logprobs
 
     def warm_up(self, show_progress: bool = True) -> None:
-        """Compile the forward of every token bucket and the sampler of every request bucket
-        and mode now, so serving never compiles, then run each once. Tracing holds the GIL
-        and XLA's compilation does not: each bucket is traced here while the ones before it
-        compile in a thread pool."""
+        """Compile the forward of every token bucket, and the sampler (of every mode) and the
+        logprobs of every request bucket now, so serving never compiles, then run each once.
+        Tracing holds the GIL and XLA's compilation does not: each bucket is traced here
+        while the ones before it compile in a thread pool."""
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(_COMPILE_THREADS) as pool:
-            forwards, samplers = {}, {}
+            forwards, samplers, logprob_fns = {}, {}, {}
             for token_bucket in self.token_buckets:
                 lowered = self._lower_forward(token_bucket)
                 forwards[token_bucket] = pool.submit(lowered.compile)
-                _, logits, sampling, _ = lowered.out_info
+                sampled, logits, sampling, _ = lowered.out_info
                 for mode in (SampleMode.RANDOM, SampleMode.FILTERED):
                     key = (logits.shape[0], mode)
                     if key not in samplers:
                         samplers[key] = pool.submit(self._sample.lower(logits, sampling, mode).compile)
+                if logits.shape[0] not in logprob_fns:
+                    logprob_fns[logits.shape[0]] = pool.submit(self._logprobs.lower(logits, sampled).compile)
             jobs = [(self._forwards, key, job) for key, job in forwards.items()]
             jobs += [(self._samplers, key, job) for key, job in samplers.items()]
+            jobs += [(self._logprob_fns, key, job) for key, job in logprob_fns.items()]
             for executables, key, job in tqdm(jobs, desc="Compiling", disable=not show_progress):
                 executables[key] = job.result()
         for token_bucket in self.token_buckets:
             buffer, views = self._next_host_buffer(token_bucket)
             batching.fill_padding(views)
-            for mode in SampleMode:
-                self._dispatch(token_bucket, buffer, mode).block_until_ready()
+            for mode in SampleMode:  # the logprobs once per bucket, with the greedy step
+                jax.block_until_ready(self._dispatch(token_bucket, buffer, mode, mode == SampleMode.GREEDY))
         self.warm_up_s = time.perf_counter() - start
 
     def execute_model(self, sched: SchedulerOutput) -> "StepOutput":
@@ -217,12 +237,14 @@ class ModelRunner:
         buffer, views = self._next_host_buffer(token_bucket)
         batching.pack(sched, rows, self.request_rows, views, self.block_size)
         mode = self.request_rows.batch_sample_mode(rows)
-        sampled = self._dispatch(token_bucket, buffer, mode)
-        sampled.copy_to_host_async()
+        with_logprobs = any(s.request.sampling_params.logprobs is not None and s.samples for s in sched.requests)
+        sampled, logprobs = self._dispatch(token_bucket, buffer, mode, with_logprobs)
+        for array in (sampled, *(logprobs or ())):
+            array.copy_to_host_async()
         width = (len(sched.requests), -sched.num_scheduled_tokens)  # most requests, then fewest tokens
         if self._widest_step is None or width > self._widest_step[0]:
-            self._widest_step = (width, token_bucket, buffer.copy(), mode)
-        return StepOutput(sampled, len(sched.requests))
+            self._widest_step = (width, token_bucket, buffer.copy(), mode, with_logprobs)
+        return StepOutput(sampled, len(sched.requests), logprobs)
 
     def time_widest_step(self, num_iters: int) -> float:
         """Seconds per step of the widest step since the last call (the first with the
@@ -234,11 +256,11 @@ class ModelRunner:
             raise RuntimeError("no step has run since the last call")
         step = self._widest_step[1:]
         self._widest_step = None
-        self._dispatch(*step).block_until_ready()
+        jax.block_until_ready(self._dispatch(*step))
         start = time.perf_counter()
         for _ in range(num_iters):
-            sampled = self._dispatch(*step)
-        sampled.block_until_ready()
+            outputs = self._dispatch(*step)
+        jax.block_until_ready(outputs)
         return (time.perf_counter() - start) / num_iters
 
     @property
@@ -253,17 +275,30 @@ class ModelRunner:
                 f"attention backend {self.config.attention_backend}{warm_up}")
 
 
+class Logprobs(NamedTuple):
+    """A step's sample logprobs on the device (compute_logprobs), one row per request of its bucket."""
+    logprobs: jax.Array   # [R, 1 + K] float32: the sampled token's, then the top K
+    token_ids: jax.Array  # [R, 1 + K] int32
+    ranks: jax.Array      # [R] int32: the sampled token's rank (1 = most likely)
 
 
 @dataclasses.dataclass
 class StepOutput:
-    """A dispatched step: its sampled ids are on their way to the host."""
+    """A dispatched step: its sampled ids (and logprobs, if a request asked) are on their way to the host."""
     sampled: jax.Array  # [max_num_seqs] int32, on the device
     num_reqs: int
+    logprobs: Logprobs | None = None
 
     def token_ids(self) -> list[int]:
         """Each scheduled request's sampled id; blocks until the step has finished."""
         return np.asarray(self.sampled)[:self.num_reqs].tolist()
+
+    def host_logprobs(self) -> LogprobsArrays | None:
+        """The logprobs on the host, row i for scheduled request i (blocks until the step has
+        finished), or None if no request asked."""
+        if self.logprobs is None:
+            return None
+        return LogprobsArrays(*(np.asarray(a) for a in self.logprobs))
 
 
 def _make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout], max_num_seqs: int):

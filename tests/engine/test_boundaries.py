@@ -139,6 +139,7 @@ SAMPLING_INVALID = {
     "ignore_eos": NOT_BOOL,
     "include_stop_str_in_output": NOT_BOOL,
     "skip_special_tokens": NOT_BOOL,
+    "logprobs": st.one_of(st.integers(max_value=-1), not_of(int, type(None))),
     "output_kind": st.one_of(st.sampled_from([k.name for k in RequestOutputKind]), st.integers(0, 2), st.none()),
 }
 _VALID_DTYPES = {"auto", *config_module._DTYPES, *config_module._DTYPE_ALIASES}
@@ -159,6 +160,7 @@ ENGINE_INVALID = {
     "tensor_parallel_size": st.one_of(st.integers(max_value=0), st.integers(min_value=jax.device_count() + 1),
                                       not_of(int)),
     "skip_tokenizer_init": NOT_BOOL,
+    "max_logprobs": st.one_of(st.integers(max_value=-1), not_of(int)),
     "async_scheduling": NOT_BOOL,
     "enable_multiprocessing": not_of(bool, type(None)),
 }
