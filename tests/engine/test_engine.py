@@ -1,4 +1,6 @@
 """The whole engine on a tiny random Llama: batching, preemption, compilation, KV accounting."""
+import re
+
 import numpy as np
 import pytest
 
@@ -49,6 +51,11 @@ def test_seeded_sampling_does_not_depend_on_the_batch(llm):
     batched = llm.generate(prompts, params, use_tqdm=False)
     for prompt, p, out in zip(prompts, params, batched):
         assert out.outputs[0].token_ids == llm.generate([prompt], p, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_the_engine_reports_its_start_up_split_into_weights_kv_cache_and_compile(llm):
+    description = llm.llm_engine.engine_core.description
+    assert re.search(r"start-up: weights \d+\.\d s, kv_cache \d+\.\d s, compile \d+\.\d s$", description)
 
 
 def test_no_compilation_after_warm_up(llm):
