@@ -81,14 +81,15 @@ class BatchLayout:
 
 class RequestRows:
     """The runner's persistent host state, one row per request that holds KV blocks: its
-    block table, its sampling inputs (Request.sampling_row) and SampleMode, and its row
-    in the last step's sampled ids. A step gathers its requests' rows in one copy each and
+    block table, its sampling inputs (Request.sampling_row), SampleMode and whether it
+    wants logprobs, and its row in the last step's sampled ids. A step gathers its requests' rows in one copy each and
     writes only the blocks the scheduler added: packing costs O(new blocks), not O(context)."""
 
     def __init__(self, max_blocks_per_seq: int, num_rows: int):
         self.block_table = np.zeros((num_rows, max_blocks_per_seq), np.int32)
         self.sampling = np.zeros((num_rows, 6), np.int32)
         self.sample_mode = np.zeros(num_rows, np.int8)
+        self.wants_logprobs = np.zeros(num_rows, bool)
         self.prev_sampled_row = np.full(num_rows, -1, np.int32)
         self._num_blocks = [0] * num_rows
         self._rows: dict[str, int] = {}  # request id -> its row
@@ -107,6 +108,7 @@ class RequestRows:
                 row = self._rows[s.request.request_id] = self._new_row()
                 self.sampling[row] = s.request.sampling_row
                 self.sample_mode[row] = sample_mode(s.request.sampling_params)
+                self.wants_logprobs[row] = s.request.sampling_params.logprobs is not None
             if s.num_computed_tokens == 0:  # new, or recomputing after preemption: fresh blocks
                 self._num_blocks[row] = 0
             if s.new_block_ids:
@@ -122,6 +124,7 @@ class RequestRows:
             self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
             self.sampling = np.concatenate([self.sampling, np.zeros_like(self.sampling)])
             self.sample_mode = np.concatenate([self.sample_mode, np.zeros_like(self.sample_mode)])
+            self.wants_logprobs = np.concatenate([self.wants_logprobs, np.zeros_like(self.wants_logprobs)])
             self.prev_sampled_row = np.concatenate([self.prev_sampled_row, np.full(n, -1, np.int32)])
             self._num_blocks += [0] * n
             self._free_rows = list(range(2 * n - 1, n - 1, -1))

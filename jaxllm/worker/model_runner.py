@@ -241,7 +241,7 @@ class ModelRunner:
         buffer, views = self._next_host_buffer(token_bucket)
         batching.pack(sched, rows, self.request_rows, views, self.block_size)
         mode = self.request_rows.batch_sample_mode(rows)
-        with_logprobs = any(s.request.sampling_params.logprobs is not None and s.samples for s in sched.requests)
+        with_logprobs = bool(self.request_rows.wants_logprobs[rows].any())
         sampled, logprobs = self._dispatch(token_bucket, buffer, mode, with_logprobs)
         for array in (sampled, *(logprobs or ())):
             array.copy_to_host_async()
