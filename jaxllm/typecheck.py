@@ -27,6 +27,11 @@ def _matches(value, annotation) -> bool:
     if typing.get_origin(annotation) is list:
         (item,) = typing.get_args(annotation)
         return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if typing.get_origin(annotation) is dict:
+        key, item = typing.get_args(annotation)
+        return isinstance(value, dict) and all(_matches(k, key) and _matches(v, item) for k, v in value.items())
+    if annotation is typing.Any:
+        return True
     if annotation in (int, float) and isinstance(value, bool):
         return False
     return isinstance(value, (int, float) if annotation is float else annotation)
@@ -38,4 +43,7 @@ def _describe(annotation) -> str:
         return " or ".join(_describe(a) for a in typing.get_args(annotation))
     if typing.get_origin(annotation) is list:
         return f"a list of {typing.get_args(annotation)[0].__name__}"
+    if typing.get_origin(annotation) is dict:
+        key, item = typing.get_args(annotation)
+        return f"a dict of {key.__name__} to {item.__name__ if isinstance(item, type) else 'anything'}"
     return _NAMES.get(annotation) or f"a {annotation.__name__}"

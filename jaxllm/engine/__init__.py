@@ -25,6 +25,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     eos_token_ids: tuple[int, ...]
     seed: int            # the request's sampling seed (the front end derives one if the user gave none)
     arrival_time: float  # time.monotonic() in the front end
+    # SamplingParams.bad_words as token ids (the front end tokenizes them): never generated
+    bad_words_token_ids: list[list[int]] = []
 
 
 class LogprobsArrays(msgspec.Struct, array_like=True, gc=False):
@@ -43,6 +45,13 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | str | None = None  # the stop token id that ended it
     error: str | None = None
     new_logprobs: LogprobsArrays | None = None  # only for a request that asked (SamplingParams.logprobs)
+    # SamplingParams.prompt_logprobs: rows for prompt positions 1, 2, ... in order (a long prompt's
+    # come in several steps' outputs, one per prefill chunk); column 0 is the prompt token's own.
+    new_prompt_logprobs: LogprobsArrays | None = None
+    # The first output of a request says when the scheduler first scheduled it (time.monotonic())
+    # and how many prompt tokens the prefix cache held (0: there is no prefix cache yet).
+    first_scheduled_time: float | None = None
+    num_cached_tokens: int = 0
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
