@@ -4,6 +4,7 @@ import enum
 import numpy as np
 
 from jaxllm.engine import EngineCoreRequest
+from jaxllm.sample.sampler import COLUMN, FLOAT_COLUMNS, NUM_REQUEST_WORDS, needs_processors
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -31,7 +32,7 @@ FINISH_REASONS = {
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 eos_token_ids: tuple[int, ...], seed: int):
+                 eos_token_ids: tuple[int, ...], seed: int, bad_words_token_ids: list[list[int]] = ()):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -45,12 +46,20 @@ class Request:
         self.num_output_placeholders = 0
         self.stop_reason: int | str | None = None
         self.max_tokens = sampling_params.max_tokens
-        self.sampling_row = _sampling_row(sampling_params, seed)
+        self.sampling_row = _sampling_row(sampling_params, seed, self.num_prompt_tokens)
+        # Bad words of one token are masked always (the processors' bias row); longer ones
+        # only after their first tokens, which the host checks each step.
+        self.banned_token_ids = sorted({w[0] for w in bad_words_token_ids if len(w) == 1})
+        self.bad_word_sequences = [list(w) for w in bad_words_token_ids if len(w) > 1]
+        self.grammar = None  # a structured_output.GrammarMatcher (EngineCore.add_request)
+        # Prompt logprobs: the next prompt position whose logprobs are still to send (the first has none).
+        self.next_prompt_logprob = 1
+        self.first_scheduled_time: float | None = None
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> "Request":
         return cls(request.request_id, request.prompt_token_ids, request.sampling_params,
-                   request.eos_token_ids, request.seed)
+                   request.eos_token_ids, request.seed, request.bad_words_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -59,6 +68,16 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_host_mask(self) -> bool:
+        """Whether each step's token mask is made on the host (after the previous token is known)."""
+        return self.grammar is not None or bool(self.bad_word_sequences)
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """The ids min_tokens holds back: EOS (unless ignore_eos) and the stop token ids."""
+        return [*self.eos_token_ids, *self.sampling_params.stop_token_ids]
 
     @property
     def is_finished(self) -> bool:
@@ -97,10 +116,18 @@ class Request:
         return False
 
 
-def _sampling_row(params: SamplingParams, seed: int) -> tuple[int, ...]:
-    """The request's row of the runner's sampling inputs, as int32 words (floats as their
-    bits): temperature, top_k, top_p, min_p, seed high, seed low. Made once per request."""
-    floats = np.array([params.temperature, params.top_p, params.min_p], np.float32).view(np.int32).tolist()
-    top_k = min(params.top_k, np.iinfo(np.int32).max)
-    seed_words = np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32).view(np.int32).tolist()
-    return (floats[0], top_k, floats[1], floats[2], *seed_words)
+def _sampling_row(params: SamplingParams, seed: int, num_prompt_tokens: int) -> np.ndarray:
+    """The request's words of the sampler's inputs [NUM_REQUEST_WORDS] int32, in the order of
+    sampler.SAMPLING_COLUMNS (floats as their bits). Made once per request."""
+    row = np.zeros(NUM_REQUEST_WORDS, np.int32)
+    floats = [params.temperature, params.top_p, params.min_p, params.presence_penalty,
+              params.frequency_penalty, params.repetition_penalty]
+    row[FLOAT_COLUMNS] = np.array(floats, np.float32).view(np.int32)
+    int32_max = np.iinfo(np.int32).max
+    row[COLUMN["top_k"]] = min(params.top_k, int32_max)
+    seed_words = np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32).view(np.int32)
+    row[COLUMN["seed_high"]], row[COLUMN["seed_low"]] = seed_words
+    row[COLUMN["min_tokens"]] = min(params.min_tokens, int32_max)
+    row[COLUMN["num_prompt_tokens"]] = num_prompt_tokens
+    row[COLUMN["processed"]] = needs_processors(params)
+    return row

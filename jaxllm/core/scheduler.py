@@ -17,6 +17,7 @@ token or a stop string ends.
 """
 import collections
 import dataclasses
+import time
 
 from jaxllm.config import SchedulerConfig
 from jaxllm.core.kv_cache_manager import KVCacheManager
@@ -31,6 +32,8 @@ class ScheduledRequest:
     num_new_tokens: int
     new_block_ids: list[int]  # blocks added this step; all of them when num_computed_tokens == 0
     samples: bool  # the step reaches the request's last token, so it samples the next one
+    # SamplingParams.prompt_logprobs: the prompt positions [start, end) whose logprobs this step computes
+    prompt_logprobs: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass
@@ -39,6 +42,7 @@ class SchedulerOutput:
     num_scheduled_tokens: int
     num_preempted: int
     finished_req_ids: list[str]  # ended since the last step: the runner drops their state
+    preempted_req_ids: list[str] = dataclasses.field(default_factory=list)  # ... and of these too, until they resume
 
     @property
     def is_empty(self) -> bool:
@@ -54,6 +58,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_req_ids: list[str] = []
+        self._preempted_req_ids: list[str] = []
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -101,15 +106,25 @@ class Scheduler:
             budget -= num_new
 
         self.num_preemptions += preempted
-        finished = []
+        finished, preempted_ids = [], []
         if out:  # an empty output never reaches the runner: keep the ids for the next one
             finished, self._finished_req_ids = self._finished_req_ids, []
-        return SchedulerOutput(out, self.config.max_num_batched_tokens - budget, preempted, finished)
+            preempted_ids, self._preempted_req_ids = self._preempted_req_ids, []
+        return SchedulerOutput(out, self.config.max_num_batched_tokens - budget, preempted, finished, preempted_ids)
 
     @staticmethod
     def _schedule(request: Request, num_new: int, new_blocks: list[int]) -> ScheduledRequest:
-        samples = num_new == request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
-        scheduled = ScheduledRequest(request, request.num_computed_tokens, num_new, new_blocks, samples)
+        start = request.num_computed_tokens
+        samples = num_new == request.num_tokens + request.num_output_placeholders - start
+        scheduled = ScheduledRequest(request, start, num_new, new_blocks, samples)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        if request.sampling_params.prompt_logprobs is not None:
+            # Position p's logprobs come from token p - 1's logits; a recomputed prompt sends none twice.
+            lo, hi = max(start + 1, request.next_prompt_logprob), min(start + num_new + 1, request.num_prompt_tokens)
+            if lo < hi:
+                scheduled.prompt_logprobs = (lo, hi)
+                request.next_prompt_logprob = hi
         request.num_computed_tokens += num_new
         request.num_output_placeholders += samples
         return scheduled
@@ -130,29 +145,37 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         self.waiting.appendleft(request)
+        self._preempted_req_ids.append(request.request_id)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: list[int],
-                           logprobs: LogprobsArrays | None = None) -> list[EngineCoreOutput]:
+                           logprobs: LogprobsArrays | None = None,
+                           prompt_logprobs: list[LogprobsArrays | None] | None = None) -> list[EngineCoreOutput]:
         """Append the token each sampling request drew and finish the ones that stop.
         Requests that ended while the step ran (abort, stop, error) drop theirs.
-        `logprobs`: the step's, row i for scheduled request i; a request that asked gets
-        its row, cut to its own number of top logprobs."""
+        `logprobs`: the step's, row i for scheduled request i; `prompt_logprobs`: for
+        scheduled request i, its prompt positions' (or None). A request gets them cut
+        to its own number of top logprobs."""
         outputs = []
         max_model_len = self.config.max_model_len
         for i, (sched, token_id) in enumerate(zip(scheduler_output.requests, sampled_token_ids)):
-            if not sched.samples:
-                continue  # a prefill chunk short of the prompt's end
             request = sched.request
+            new_prompt_logprobs = None
+            if prompt_logprobs is not None and prompt_logprobs[i] is not None and not request.is_finished:
+                new_prompt_logprobs = _columns(prompt_logprobs[i], request.sampling_params.prompt_logprobs)
+            if not sched.samples:  # a prefill chunk short of the prompt's end
+                if new_prompt_logprobs is not None:
+                    outputs.append(EngineCoreOutput(request.request_id, [], new_prompt_logprobs=new_prompt_logprobs))
+                continue
             request.num_output_placeholders -= 1
             if request.is_finished:
                 continue
             request.append_token(token_id)
-            output = EngineCoreOutput(request.request_id, [token_id])
+            output = EngineCoreOutput(request.request_id, [token_id], new_prompt_logprobs=new_prompt_logprobs)
+            if request.num_output_tokens == 1:
+                output.first_scheduled_time = request.first_scheduled_time
             num_logprobs = request.sampling_params.logprobs
             if num_logprobs is not None and logprobs is not None:
-                output.new_logprobs = LogprobsArrays(logprobs.logprobs[i:i + 1, :num_logprobs + 1],
-                                                     logprobs.token_ids[i:i + 1, :num_logprobs + 1],
-                                                     logprobs.ranks[i:i + 1])
+                output.new_logprobs = _columns(logprobs, num_logprobs, row=i)
             if request.check_stop(max_model_len):
                 self._free(request)
                 output.finish_reason, output.stop_reason = FINISH_REASONS[request.status], request.stop_reason
@@ -181,3 +204,10 @@ class Scheduler:
         self.kv.free(request)
         del self.requests[request.request_id]
         self._finished_req_ids.append(request.request_id)
+
+
+def _columns(arrays: LogprobsArrays, num_logprobs: int, row: int | None = None) -> LogprobsArrays:
+    """The first 1 + num_logprobs columns (the token's own, then the top ones), of one row or all."""
+    rows = slice(None) if row is None else slice(row, row + 1)
+    return LogprobsArrays(arrays.logprobs[rows, :num_logprobs + 1], arrays.token_ids[rows, :num_logprobs + 1],
+                          arrays.ranks[rows])

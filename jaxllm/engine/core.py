@@ -46,19 +46,43 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, KVCacheManager(self.runner.num_blocks, config.cache.block_size))
         self.batch_queue_size = 2 if config.scheduler.async_scheduling else 1
         self.batch_queue: collections.deque[tuple[SchedulerOutput, StepOutput]] = collections.deque()
+        self._grammar_compiler = None  # made for the first request with structured outputs
+        self._rejected: list[EngineCoreOutput] = []  # requests that failed on arrival, for the next step's outputs
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+        core_request = Request.from_engine_core_request(request)
+        structured = request.sampling_params.structured_outputs
+        if structured is not None:
+            try:
+                core_request.grammar = self._grammar_matcher(structured)
+            except Exception as e:
+                logger.exception("request %s: its grammar failed to compile", request.request_id)
+                self._rejected.append(EngineCoreOutput(request.request_id, [], "error",
+                                                       error=f"structured_outputs: {type(e).__name__}: {e}"))
+                return
+        self.scheduler.add_request(core_request)
+
+    def _grammar_matcher(self, params):
+        if self._grammar_compiler is None:
+            from jaxllm.structured_output import GrammarCompiler
+            from jaxllm.tokenizer import generation_eos_ids, get_tokenizer
+            tokenizer = get_tokenizer(self.config.model)
+            self._grammar_compiler = GrammarCompiler(tokenizer, self.config.model.arch.vocab_size,
+                                                     generation_eos_ids(self.config.model, tokenizer))
+        return self._grammar_compiler.matcher(params)
 
     def abort_requests(self, request_ids) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue) or bool(self._rejected)
 
     def step(self) -> EngineCoreOutputs:
         """Dispatch the next step if there is room for it; then, once the queue is full
         (or nothing new could be scheduled), wait for the oldest step and apply it."""
+        if self._rejected:
+            rejected, self._rejected = self._rejected, []
+            return EngineCoreOutputs(rejected, time.monotonic(), self.scheduler.make_stats())
         scheduled = False
         if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
             with TraceAnnotation("schedule"):
@@ -75,11 +99,11 @@ class EngineCore:
         sched, step = self.batch_queue.popleft()
         try:
             with TraceAnnotation("wait"):
-                token_ids, logprobs = step.token_ids(), step.host_logprobs()
+                token_ids, logprobs, prompt_logprobs = step.token_ids(), step.host_logprobs(), step.host_prompt_logprobs()
         except Exception as e:
             return self._fail_steps(e, sched)
         with TraceAnnotation("update"):
-            outputs = self.scheduler.update_from_output(sched, token_ids, logprobs)
+            outputs = self.scheduler.update_from_output(sched, token_ids, logprobs, prompt_logprobs)
             return EngineCoreOutputs(outputs, time.monotonic(), self.scheduler.make_stats())
 
     def _fail_steps(self, error: Exception, sched: SchedulerOutput) -> EngineCoreOutputs:

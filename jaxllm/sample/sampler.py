@@ -2,7 +2,9 @@
 
 Per request: temperature (0 = greedy), top-k (<= 0 disables), top-p, min-p, and a
 stateless key `fold_in(key(seed), position)`, so a request's samples depend only
-on its own seed and position, never on what else is in the batch.
+on its own seed and position, never on what else is in the batch. A FULL batch
+first runs the logits processors (jaxllm/sample/processors.py: penalties, logit
+bias, allowed and bad words, min_tokens, structured outputs' masks).
 
 What the batch needs is decided on the host (`SampleMode`, a static argument), not
 with `lax.cond`: XLA on GPU runs a conditional by reading its predicate back to the
@@ -19,18 +21,42 @@ from jaxllm.sampling_params import SamplingParams
 
 class SampleMode(enum.IntEnum):
     """The least work that samples a batch right: all greedy skips the random draw; no
-    top-k, top-p or min-p skips the sort. A batch's mode is the highest of its requests'."""
+    top-k, top-p or min-p skips the sort; no logits processor skips the processors.
+    A batch's mode is the highest of its requests'."""
     GREEDY = 0
     RANDOM = 1
     FILTERED = 2
+    FULL = 3  # the logits processors, then as FILTERED
+
+
+def needs_processors(params: SamplingParams) -> bool:
+    """Whether a request changes its logits before sampling (the FULL mode)."""
+    return (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
+            or params.min_tokens > 0 or bool(params.logit_bias) or params.allowed_token_ids is not None
+            or bool(params.bad_words) or params.structured_outputs is not None)
 
 
 def sample_mode(params: SamplingParams) -> SampleMode:
+    if needs_processors(params):
+        return SampleMode.FULL
     if params.temperature == 0.0:
         return SampleMode.GREEDY
     if params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0:
         return SampleMode.FILTERED
     return SampleMode.RANDOM
+
+
+# The columns of a step's sampling words [num_reqs, NUM_SAMPLING_WORDS] int32 (floats as their
+# bits). The first ones are a request's for its life (Request.sampling_row); the last three the step's:
+# "update_row" is the row + 1 that counts the sampled token, so all-zero words are an inert padding row.
+SAMPLING_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "seed_high", "seed_low",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                    "num_prompt_tokens", "processed",
+                    "position", "state_row", "update_row")
+NUM_REQUEST_WORDS, NUM_SAMPLING_WORDS = SAMPLING_COLUMNS.index("position"), len(SAMPLING_COLUMNS)
+COLUMN = {name: i for i, name in enumerate(SAMPLING_COLUMNS)}
+FLOAT_COLUMNS = [COLUMN[name] for name in ("temperature", "top_p", "min_p", "presence_penalty",
+                                            "frequency_penalty", "repetition_penalty")]
 
 
 @jax.tree_util.register_dataclass
@@ -42,6 +68,38 @@ class SamplingMetadata:
     min_p: jax.Array        # [num_reqs] float32, 0 disables
     seeds: jax.Array        # [num_reqs, 2] uint32: a 64-bit seed as (high, low) words
     positions: jax.Array    # [num_reqs] int32: position of the token being sampled
+
+    @classmethod
+    def from_words(cls, words: jax.Array) -> "SamplingMetadata":
+        """From a step's sampling words [num_reqs, NUM_SAMPLING_WORDS] int32."""
+        column = lambda name: words[:, COLUMN[name]]
+        as_f32 = lambda name: jax.lax.bitcast_convert_type(column(name), jnp.float32)
+        seeds = jax.lax.bitcast_convert_type(words[:, COLUMN["seed_high"]:COLUMN["seed_low"] + 1], jnp.uint32)
+        return cls(as_f32("temperature"), column("top_k"), as_f32("top_p"), as_f32("min_p"), seeds,
+                   column("position"))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ProcessorMetadata:
+    """What the FULL mode's logits processors read per request (jaxllm/sample/processors.py)."""
+    presence_penalty: jax.Array    # [num_reqs] float32
+    frequency_penalty: jax.Array   # [num_reqs] float32
+    repetition_penalty: jax.Array  # [num_reqs] float32
+    min_tokens: jax.Array          # [num_reqs] int32
+    num_prompt_tokens: jax.Array   # [num_reqs] int32
+    processed: jax.Array           # [num_reqs] bool: the request has processors (and its state row is written)
+    positions: jax.Array           # [num_reqs] int32: position of the token being sampled
+    state_rows: jax.Array          # [num_reqs] int32: the request's row of the ProcessorState
+    update_rows: jax.Array         # [num_reqs] int32: the row that counts the sampled token, -1 for none
+
+    @classmethod
+    def from_words(cls, words: jax.Array) -> "ProcessorMetadata":
+        column = lambda name: words[:, COLUMN[name]]
+        as_f32 = lambda name: jax.lax.bitcast_convert_type(column(name), jnp.float32)
+        return cls(as_f32("presence_penalty"), as_f32("frequency_penalty"), as_f32("repetition_penalty"),
+                   column("min_tokens"), column("num_prompt_tokens"), column("processed") != 0,
+                   column("position"), column("state_row"), column("update_row") - 1)
 
 
 def sample(logits: jax.Array, md: SamplingMetadata, mode: SampleMode = SampleMode.FILTERED) -> jax.Array:

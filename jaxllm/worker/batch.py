@@ -11,17 +11,17 @@ import dataclasses
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.core.kv_cache_manager import cdiv
 from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.kernels.attention import AttentionMetadata
-from jaxllm.sample.sampler import SampleMode, SamplingMetadata, sample_mode
-
+from jaxllm.sample.sampler import (COLUMN, NUM_REQUEST_WORDS, NUM_SAMPLING_WORDS, SampleMode,
+                                   needs_processors, sample_mode)
 
 
 _ALIGN = 64  # int32 words: 256 bytes
+_POSITION, _STATE_ROW, _UPDATE_ROW = COLUMN["position"], COLUMN["state_row"], COLUMN["update_row"]
 
 
 @jax.tree_util.register_dataclass
@@ -32,7 +32,7 @@ class StepBatch:
     positions: jax.Array       # [T] int32
     logits_indices: jax.Array  # [R] int32: last scheduled token of each request
     attention: AttentionMetadata
-    sampling: SamplingMetadata
+    sampling: jax.Array        # [R, NUM_SAMPLING_WORDS] int32: the sampler's words (sampler.SAMPLING_COLUMNS)
 
 
 class BatchLayout:
@@ -43,8 +43,7 @@ class BatchLayout:
         shapes = {
             "input_ids": (T,), "prev_rows": (T,), "positions": (T,), "slot_mapping": (T,),
             "logits_indices": (R,), "query_start_loc": (R + 1,), "seq_lens": (R,), "num_seqs": (1,),
-            "sampling": (R, 6),  # Request.sampling_row: temperature, top_k, top_p, min_p, seed high, seed low
-            "sample_positions": (R,), "block_tables": (R, max_blocks_per_seq),
+            "sampling": (R, NUM_SAMPLING_WORDS), "block_tables": (R, max_blocks_per_seq),
         }
         self.num_tokens, self.num_reqs = T, R
         self.fields: dict[str, tuple[int, tuple[int, ...]]] = {}
@@ -66,68 +65,71 @@ class BatchLayout:
             offset, shape = self.fields[name]
             return buffer[offset:offset + math.prod(shape)].reshape(shape)
 
-        sampling = field("sampling")
-        as_f32 = lambda column: jax.lax.bitcast_convert_type(sampling[:, column], jnp.float32)
         return StepBatch(
             input_ids=field("input_ids"), prev_rows=field("prev_rows"), positions=field("positions"),
             logits_indices=field("logits_indices"),
             attention=AttentionMetadata(slot_mapping=field("slot_mapping"), query_start_loc=field("query_start_loc"),
                                         seq_lens=field("seq_lens"), block_tables=field("block_tables"),
                                         num_seqs=field("num_seqs")),
-            sampling=SamplingMetadata(temperature=as_f32(0), top_k=sampling[:, 1], top_p=as_f32(2), min_p=as_f32(3),
-                                      seeds=jax.lax.bitcast_convert_type(sampling[:, 4:6], jnp.uint32),
-                                      positions=field("sample_positions")))
+            sampling=field("sampling"))
 
 
 class RequestRows:
     """The runner's persistent host state, one row per request that holds KV blocks: its
-    block table, its sampling inputs (Request.sampling_row), SampleMode and whether it
-    wants logprobs, and its row in the last step's sampled ids. A step gathers its requests' rows in one copy each and
-    writes only the blocks the scheduler added: packing costs O(new blocks), not O(context)."""
+    block table, its sampling words (Request.sampling_row), SampleMode, whether it wants
+    logprobs or a host-made token mask (structured outputs, multi-token bad words), and its
+    row in the last step's sampled ids. A step gathers its requests' rows in one copy each
+    and writes only the blocks the scheduler added: packing costs O(new blocks), not
+    O(context). A request gives its row back when it finishes or is preempted, so
+    max_num_seqs rows always suffice (and index the device's ProcessorState)."""
 
     def __init__(self, max_blocks_per_seq: int, num_rows: int):
+        self.num_rows = num_rows
         self.block_table = np.zeros((num_rows, max_blocks_per_seq), np.int32)
-        self.sampling = np.zeros((num_rows, 6), np.int32)
+        self.sampling = np.zeros((num_rows, NUM_REQUEST_WORDS), np.int32)
         self.sample_mode = np.zeros(num_rows, np.int8)
+        self.processed = np.zeros(num_rows, bool)
         self.wants_logprobs = np.zeros(num_rows, bool)
+        self.host_masked = np.zeros(num_rows, bool)
         self.prev_sampled_row = np.full(num_rows, -1, np.int32)
         self._num_blocks = [0] * num_rows
         self._rows: dict[str, int] = {}  # request id -> its row
         self._free_rows = list(range(num_rows - 1, -1, -1))
 
-    def update(self, sched: SchedulerOutput) -> np.ndarray:
-        """Apply the step's new requests and blocks; returns each scheduled request's row."""
-        for request_id in sched.finished_req_ids:
+    def update(self, sched: SchedulerOutput) -> tuple[np.ndarray, list[tuple[int, "Request"]]]:
+        """Apply the step's new requests and blocks. Returns each scheduled request's row, and
+        the (row, request) pairs that took a row this step and have logits processors (their
+        ProcessorState rows must be written before the step runs)."""
+        for request_id in (*sched.finished_req_ids, *sched.preempted_req_ids):
             row = self._rows.pop(request_id, None)
             if row is not None:
                 self._free_rows.append(row)
-        rows = []
+        rows, new_processed = [], []
         for s in sched.requests:
-            row = self._rows.get(s.request.request_id)
+            request = s.request
+            row = self._rows.get(request.request_id)
             if row is None:
-                row = self._rows[s.request.request_id] = self._new_row()
-                self.sampling[row] = s.request.sampling_row
-                self.sample_mode[row] = sample_mode(s.request.sampling_params)
-                self.wants_logprobs[row] = s.request.sampling_params.logprobs is not None
-            if s.num_computed_tokens == 0:  # new, or recomputing after preemption: fresh blocks
+                row = self._rows[request.request_id] = self._new_row()
+                params = request.sampling_params
+                self.sampling[row] = request.sampling_row
+                self.sample_mode[row] = sample_mode(params)
+                self.processed[row] = needs_processors(params)
+                self.wants_logprobs[row] = params.logprobs is not None
+                self.host_masked[row] = request.needs_host_mask
                 self._num_blocks[row] = 0
+                if self.processed[row]:
+                    new_processed.append((row, request))
             if s.new_block_ids:
                 n = self._num_blocks[row]
                 self.block_table[row, n:n + len(s.new_block_ids)] = s.new_block_ids
                 self._num_blocks[row] = n + len(s.new_block_ids)
             rows.append(row)
-        return np.array(rows, np.int32)
+        return np.array(rows, np.int32), new_processed
 
     def _new_row(self) -> int:
-        if not self._free_rows:  # preempted requests keep their rows: grow
-            n = len(self.block_table)
-            self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
-            self.sampling = np.concatenate([self.sampling, np.zeros_like(self.sampling)])
-            self.sample_mode = np.concatenate([self.sample_mode, np.zeros_like(self.sample_mode)])
-            self.wants_logprobs = np.concatenate([self.wants_logprobs, np.zeros_like(self.wants_logprobs)])
-            self.prev_sampled_row = np.concatenate([self.prev_sampled_row, np.full(n, -1, np.int32)])
-            self._num_blocks += [0] * n
-            self._free_rows = list(range(2 * n - 1, n - 1, -1))
+        if not self._free_rows:
+            raise RuntimeError(f"more than {self.num_rows} requests hold rows: the scheduler runs at most "
+                               "max_num_seqs, and a preempted or finished request gives its row back")
         return self._free_rows.pop()
 
     def batch_sample_mode(self, rows: np.ndarray) -> SampleMode:
@@ -135,7 +137,7 @@ class RequestRows:
 
     def clear(self) -> None:
         self._rows.clear()
-        self._free_rows = list(range(len(self.block_table) - 1, -1, -1))
+        self._free_rows = list(range(self.num_rows - 1, -1, -1))
 
 
 def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
@@ -189,9 +191,13 @@ def pack(sched: SchedulerOutput, rows: np.ndarray, state: RequestRows, v: dict[s
     np.take(state.block_table, rows, axis=0, out=block_tables[:n])
     last = qsl[1:n + 1] - 1
     v["logits_indices"][:n] = last
-    np.take(state.sampling, rows, axis=0, out=v["sampling"][:n])
-    v["sampling"][n:] = 0  # padding rows: greedy, no filter
-    v["sample_positions"][:n] = ends
+    sampling = v["sampling"]
+    sampling[:n, :NUM_REQUEST_WORDS] = state.sampling[rows]
+    sampling[:n, _POSITION] = ends
+    sampling[:n, _STATE_ROW] = rows
+    # Only a request with processors that samples this step counts its token (row + 1; 0: nowhere).
+    sampling[:n, _UPDATE_ROW] = np.where(samples.astype(bool) & state.processed[rows], rows + 1, 0)
+    sampling[n:] = 0  # padding rows: greedy, no filter, no processors
 
     # Token ids: from the host, except a last token still on the device.
     prev = v["prev_rows"]

@@ -31,14 +31,18 @@ from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.engine import LogprobsArrays
 from jaxllm.kernels.attention import get_attention_fn
 from jaxllm.models.loader import create_model
+from jaxllm.sample import processors
 from jaxllm.sample.logprobs import compute_logprobs
-from jaxllm.sample.sampler import SampleMode, sample
+from jaxllm.sample.processors import ProcessorState
+from jaxllm.sample.sampler import ProcessorMetadata, SampleMode, SamplingMetadata, sample
 from jaxllm.sharding import kv_cache_sharding, make_mesh, named_sharding, replicated
+from jaxllm.sample import host_masks
 from jaxllm.worker import batch as batching
 
 logger = logging.getLogger(__name__)
 
 _CPU_KV_CACHE_BYTES = 512 << 20  # CPU devices report no memory: cap the cache at 512 MiB
+_PROMPT_LOGPROBS_CHUNK = 256  # prompt positions per call of the prompt-logprobs executable
 _COMPILE_THREADS = min(8, os.cpu_count() or 1)
 
 
@@ -80,7 +84,8 @@ class ModelRunner:
         self.kv_caches = jax.block_until_ready(self._allocate_kv_caches())
         self.startup_s["kv_cache"] = time.perf_counter() - start
         self.token_buckets = batching.token_buckets(sc.max_num_batched_tokens)
-        self.request_rows = batching.RequestRows(self.max_blocks_per_seq, 2 * sc.max_num_seqs)
+        self.request_rows = batching.RequestRows(self.max_blocks_per_seq, sc.max_num_seqs)
+        self._processor_state = self._zero_processor_state()
         layouts = [batching.BatchLayout(t, batching.request_bucket(t, sc.max_num_seqs), self.max_blocks_per_seq)
                    for t in self.token_buckets]
         self._host_buffers = {}
@@ -95,19 +100,34 @@ class ModelRunner:
                                       {layout.num_tokens: layout for layout in layouts}, sc.max_num_seqs)
         # Pin the outputs' shardings, so the next step sees the same inputs.
         kv_sharding = kv_cache_sharding(self.mesh)
+        vocab_sharded = named_sharding(self.mesh, (None, "vocab"))
         self._forward = jax.jit(forward_fn, donate_argnums=(1,), static_argnums=(4,), out_shardings=(
-            replicated(self.mesh), named_sharding(self.mesh, (None, "vocab")), replicated(self.mesh),
+            replicated(self.mesh), vocab_sharded, replicated(self.mesh), replicated(self.mesh),
             [(kv_sharding, kv_sharding)] * mc.arch.num_layers))
         self._sample = jax.jit(functools.partial(_sample_padded, max_num_seqs=sc.max_num_seqs),
                                static_argnums=(2,), out_shardings=replicated(self.mesh))
+        self._sample_full = jax.jit(functools.partial(_sample_full, max_num_seqs=sc.max_num_seqs), donate_argnums=(2,),
+                                    out_shardings=(replicated(self.mesh), self._processor_state_sharding()))
+        self._write_rows = jax.jit(processors.write_rows, donate_argnums=(0,),
+                                   out_shardings=self._processor_state_sharding())
         self.num_logprobs = min(mc.max_logprobs, mc.arch.vocab_size)  # K: the top tokens every request gets
         self._logprobs = jax.jit(functools.partial(compute_logprobs, num_logprobs=self.num_logprobs),
                                  out_shardings=replicated(self.mesh))
-        # Compiled executables: the forward per token bucket, the sampler per (request bucket, mode);
-        # the forward's own argmax samples a greedy batch, with no second call.
+        self._prompt_logprobs = jax.jit(
+            _make_prompt_logprobs_fn(self._graphdef, self._params_treedef, self.num_logprobs),
+            out_shardings=replicated(self.mesh))
+        self.bitmask_words = cdiv(mc.arch.vocab_size, 32)
+        # Per request bucket: a bitmask allowing every token, on the device, and a host buffer for masks.
+        self._all_allowed: dict[int, jax.Array] = {}
+        self._host_bitmasks: dict[int, np.ndarray] = {}
+        # Compiled executables: the forward per token bucket, the sampler per (request bucket, mode),
+        # the logprobs per request bucket, the prompt logprobs per token bucket; the forward's own
+        # argmax samples a greedy batch, with no second call.
         self._forwards: dict[int, jax.stages.Compiled] = {}
         self._samplers: dict[tuple[int, SampleMode], jax.stages.Compiled] = {}
-        self._logprob_fns: dict[int, jax.stages.Compiled] = {}  # per request bucket
+        self._logprob_fns: dict[int, jax.stages.Compiled] = {}
+        self._prompt_logprob_fns: dict[int, jax.stages.Compiled] = {}
+        self._write_rows_fn: jax.stages.Compiled | None = None
 
     # ---- memory ----
     def _kv_bytes_per_block(self) -> int:
@@ -122,7 +142,7 @@ class ModelRunner:
         stats = jax.local_devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
             budget = (stats["bytes_limit"] * self.config.cache.gpu_memory_utilization
-                      - stats["bytes_in_use"] - self._activation_bytes())
+                      - stats["bytes_in_use"] - self._activation_bytes() - self._processor_state_bytes())
         else:
             sc = self.config.scheduler
             budget = min(_CPU_KV_CACHE_BYTES, sc.max_num_seqs * cdiv(sc.max_model_len, self.block_size) * per_block)
@@ -137,6 +157,17 @@ class ModelRunner:
         logits = 4 * min(tokens, sc.max_num_seqs) * arch.vocab_size * 4
         return 2 * (tokens * per_token + logits) + (256 << 20)
 
+    def _processor_state_bytes(self) -> int:
+        return ProcessorState.nbytes(self.config.scheduler.max_num_seqs, self.config.model.arch.vocab_size)
+
+    def _processor_state_sharding(self):
+        return ProcessorState(*[named_sharding(self.mesh, (None, "vocab"))] * 4)
+
+    def _zero_processor_state(self) -> ProcessorState:
+        num_rows, vocab = self.config.scheduler.max_num_seqs, self.config.model.arch.vocab_size
+        return jax.jit(functools.partial(processors.zero_state, num_rows, vocab),
+                       out_shardings=self._processor_state_sharding())()
+
     def reset_kv_caches(self) -> None:
         """Fresh caches and no step history, after a failed step may have consumed the donated caches."""
         for array in jax.tree.leaves(self.kv_caches):
@@ -145,6 +176,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches()
         self.request_rows.clear()
         self._prev_sampled = self._zero_sampled()
+        self._processor_state = self._zero_processor_state()
 
     def _allocate_kv_caches(self):
         arch = self.config.model.arch
@@ -159,9 +191,9 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Free the device memory now (weights and KV cache), not when a collector finds it."""
-        for array in jax.tree.leaves((self._params, self.kv_caches, self._prev_sampled)):
+        for array in jax.tree.leaves((self._params, self.kv_caches, self._prev_sampled, self._processor_state)):
             array.delete()
-        self._params = self.kv_caches = self._prev_sampled = None
+        self._params = self.kv_caches = self._prev_sampled = self._processor_state = None
 
     # ---- the step ----
     def _token_bucket(self, num_tokens: int) -> int:
@@ -177,78 +209,178 @@ class ModelRunner:
         buffer = self._host_buffers[token_bucket][0][0]
         return self._forward.lower(self._params, self.kv_caches, self._prev_sampled, buffer, token_bucket)
 
-    def _dispatch(self, token_bucket: int, buffer: np.ndarray, mode: SampleMode,
-                  with_logprobs: bool = False) -> tuple[jax.Array, "Logprobs | None"]:
-        """Run a step's forward, unless the batch is greedy its sampler, and if asked the
-        logprobs of its sampled ids (compiling them first if warm_up did not). Returns the
-        sampled ids and the logprobs (or None)."""
-        if token_bucket not in self._forwards:
-            self._forwards[token_bucket] = self._lower_forward(token_bucket).compile()
+    def _dispatch(self, token_bucket: int, buffer: np.ndarray, mode: SampleMode, with_logprobs: bool = False,
+                  host_bitmask=None, prompt_inputs=()) -> tuple[jax.Array, "Logprobs | None", list["Logprobs"]]:
+        """Run a step's forward; unless the batch is greedy, its sampler (a FULL one with the
+        token mask that `host_bitmask()` makes once the forward is on its way, or with none);
+        if asked, the logprobs of its sampled ids, and the prompt logprobs of `prompt_inputs`
+        [(token indices [C], target ids [C])]. What warm_up did not compile compiles here.
+        Returns (the sampled ids, their Logprobs or None, the prompt inputs' Logprobs)."""
+        forward = _compiled(self._forwards, token_bucket, lambda: self._lower_forward(token_bucket))
         with TraceAnnotation("dispatch"):
-            greedy, logits, sampling, self.kv_caches = self._forwards[token_bucket](
-                self._params, self.kv_caches, self._prev_sampled, buffer)
+            greedy, logits, words, hidden, self.kv_caches = forward(self._params, self.kv_caches,
+                                                                    self._prev_sampled, buffer)
+        num_reqs = logits.shape[0]
         if mode == SampleMode.GREEDY:
             self._prev_sampled = greedy
-        else:
-            key = (logits.shape[0], mode)
-            if key not in self._samplers:
-                self._samplers[key] = self._sample.lower(logits, sampling, mode).compile()
+        elif mode == SampleMode.FULL:
+            bitmask = self._all_allowed_bitmask(num_reqs) if host_bitmask is None else host_bitmask()
+            sampler = _compiled(self._samplers, (num_reqs, mode), lambda: self._sample_full.lower(
+                logits, words, self._processor_state, bitmask))
             with TraceAnnotation("dispatch"):
-                self._prev_sampled = self._samplers[key](logits, sampling)
-        if not with_logprobs:
-            return self._prev_sampled, None
-        num_reqs = logits.shape[0]
-        if num_reqs not in self._logprob_fns:
-            self._logprob_fns[num_reqs] = self._logprobs.lower(logits, self._prev_sampled).compile()
-        with TraceAnnotation("dispatch"):
-            logprobs = Logprobs(*self._logprob_fns[num_reqs](logits, self._prev_sampled))
-        return self._prev_sampled, logprobs
+                self._prev_sampled, self._processor_state = sampler(logits, words, self._processor_state, bitmask)
+        else:
+            sampler = _compiled(self._samplers, (num_reqs, mode), lambda: self._sample.lower(logits, words, mode))
+            with TraceAnnotation("dispatch"):
+                self._prev_sampled = sampler(logits, words)
+        logprobs = None
+        if with_logprobs:
+            fn = _compiled(self._logprob_fns, num_reqs, lambda: self._logprobs.lower(logits, self._prev_sampled))
+            with TraceAnnotation("dispatch"):
+                logprobs = Logprobs(*fn(logits, self._prev_sampled))
+        prompt_logprobs = []
+        for indices, targets in prompt_inputs:
+            fn = _compiled(self._prompt_logprob_fns, token_bucket, lambda: self._prompt_logprobs.lower(
+                self._params, hidden, indices, targets))
+            with TraceAnnotation("dispatch"):
+                prompt_logprobs.append(Logprobs(*fn(self._params, hidden, indices, targets)))
+        return self._prev_sampled, logprobs, prompt_logprobs
+
+    def _all_allowed_bitmask(self, num_reqs: int) -> jax.Array:
+        if num_reqs not in self._all_allowed:
+            self._all_allowed[num_reqs] = jax.device_put(np.full((num_reqs, self.bitmask_words), -1, np.int32),
+                                                         replicated(self.mesh))
+        return self._all_allowed[num_reqs]
+
+    def _prompt_logprobs_chunk(self, token_bucket: int) -> int:
+        return min(_PROMPT_LOGPROBS_CHUNK, token_bucket)
+
+    def _write_processor_rows(self, new_rows: list[tuple[int, "Request"]]) -> None:
+        """Write the ProcessorState rows of requests that took a row this step, WRITE_ROWS at a time."""
+        vocab = self.config.model.arch.vocab_size
+        for start in range(0, len(new_rows), processors.WRITE_ROWS):
+            chunk = new_rows[start:start + processors.WRITE_ROWS]
+            rows = np.full(processors.WRITE_ROWS, self.request_rows.num_rows, np.int32)  # out of range: skipped
+            values = [np.zeros((processors.WRITE_ROWS, vocab), dtype)
+                      for dtype in (np.int32, bool, np.float32, bool)]
+            for i, (row, request) in enumerate(chunk):
+                rows[i] = row
+                params = request.sampling_params
+                state_rows = processors.request_state_rows(
+                    request.prompt_token_ids, request.output_token_ids, params.logit_bias, params.allowed_token_ids,
+                    request.banned_token_ids, request.stop_token_ids, vocab)
+                for array, value in zip(values, state_rows):
+                    array[i] = value
+            if self._write_rows_fn is None:
+                self._write_rows_fn = self._write_rows.lower(self._processor_state, rows, *values).compile()
+            self._processor_state = self._write_rows_fn(self._processor_state, rows, *values)
 
     def warm_up(self, show_progress: bool = True) -> None:
-        """Compile the forward of every token bucket, and the sampler (of every mode) and the
-        logprobs of every request bucket now, so serving never compiles, then run each once.
-        Tracing holds the GIL and XLA's compilation does not: each bucket is traced here
-        while the ones before it compile in a thread pool."""
+        """Compile every executable now, so serving never compiles: the forward and the prompt
+        logprobs of every token bucket, and the sampler (of every mode) and the logprobs of every
+        request bucket; then run each once. Tracing holds the GIL and XLA's compilation does
+        not: each bucket is traced here while the ones before it compile in a thread pool."""
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(_COMPILE_THREADS) as pool:
-            forwards, samplers, logprob_fns = {}, {}, {}
+            jobs = []  # (where the executable goes, its key, its compile job)
             for token_bucket in self.token_buckets:
                 lowered = self._lower_forward(token_bucket)
-                forwards[token_bucket] = pool.submit(lowered.compile)
-                sampled, logits, sampling, _ = lowered.out_info
+                jobs.append((self._forwards, token_bucket, pool.submit(lowered.compile)))
+                sampled, logits, words, hidden, _ = lowered.out_info
+                num_reqs = logits.shape[0]
+                chunk = jax.ShapeDtypeStruct((self._prompt_logprobs_chunk(token_bucket),), jnp.int32)
+                jobs.append((self._prompt_logprob_fns, token_bucket, pool.submit(
+                    self._prompt_logprobs.lower(self._params, hidden, chunk, chunk).compile)))
+                if any(key == (num_reqs, SampleMode.FULL) for _, key, _ in jobs):
+                    continue  # the request bucket's executables are on their way
                 for mode in (SampleMode.RANDOM, SampleMode.FILTERED):
-                    key = (logits.shape[0], mode)
-                    if key not in samplers:
-                        samplers[key] = pool.submit(self._sample.lower(logits, sampling, mode).compile)
-                if logits.shape[0] not in logprob_fns:
-                    logprob_fns[logits.shape[0]] = pool.submit(self._logprobs.lower(logits, sampled).compile)
-            jobs = [(self._forwards, key, job) for key, job in forwards.items()]
-            jobs += [(self._samplers, key, job) for key, job in samplers.items()]
-            jobs += [(self._logprob_fns, key, job) for key, job in logprob_fns.items()]
+                    jobs.append((self._samplers, (num_reqs, mode),
+                                 pool.submit(self._sample.lower(logits, words, mode).compile)))
+                bitmask = self._all_allowed_bitmask(num_reqs)
+                jobs.append((self._samplers, (num_reqs, SampleMode.FULL), pool.submit(
+                    self._sample_full.lower(logits, words, self._processor_state, bitmask).compile)))
+                jobs.append((self._logprob_fns, num_reqs, pool.submit(self._logprobs.lower(logits, sampled).compile)))
             for executables, key, job in tqdm(jobs, desc="Compiling", disable=not show_progress):
                 executables[key] = job.result()
+        self._write_processor_rows([])
         for token_bucket in self.token_buckets:
             buffer, views = self._next_host_buffer(token_bucket)
             batching.fill_padding(views)
+            zeros = np.zeros(self._prompt_logprobs_chunk(token_bucket), np.int32)
             for mode in SampleMode:  # the logprobs once per bucket, with the greedy step
-                jax.block_until_ready(self._dispatch(token_bucket, buffer, mode, mode == SampleMode.GREEDY))
+                jax.block_until_ready(self._dispatch(token_bucket, buffer, mode, mode == SampleMode.GREEDY,
+                                                     prompt_inputs=[(zeros, zeros)] if mode == SampleMode.GREEDY else ()))
         self.startup_s["compile"] = time.perf_counter() - start
 
     def execute_model(self, sched: SchedulerOutput) -> "StepOutput":
-        """Dispatch one step and return at once; its sampled ids land later."""
-        rows = self.request_rows.update(sched)
+        """Dispatch one step and return at once; its sampled ids land later (but a step with
+        host-made token masks first waits for the previous step's ids, see _host_bitmask)."""
+        rows, new_processed = self.request_rows.update(sched)
+        if new_processed:
+            self._write_processor_rows(new_processed)
         token_bucket = self._token_bucket(sched.num_scheduled_tokens)
         buffer, views = self._next_host_buffer(token_bucket)
         batching.pack(sched, rows, self.request_rows, views, self.block_size)
         mode = self.request_rows.batch_sample_mode(rows)
         with_logprobs = bool(self.request_rows.wants_logprobs[rows].any())
-        sampled, logprobs = self._dispatch(token_bucket, buffer, mode, with_logprobs)
-        for array in (sampled, *(logprobs or ())):
+        prompt_inputs, prompt_segments = self._prompt_logprob_inputs(sched, views, token_bucket)
+        host_bitmask = None
+        if mode == SampleMode.FULL and self.request_rows.host_masked[rows].any():
+            prev_sampled = self._prev_sampled
+            host_bitmask = lambda: self._host_bitmask(sched, rows, views, prev_sampled)
+        sampled, logprobs, prompt_logprobs = self._dispatch(token_bucket, buffer, mode, with_logprobs,
+                                                            host_bitmask, prompt_inputs)
+        for array in (sampled, *(logprobs or ()), *(a for p in prompt_logprobs for a in p)):
             array.copy_to_host_async()
         width = (len(sched.requests), -sched.num_scheduled_tokens)  # most requests, then fewest tokens
         if self._widest_step is None or width > self._widest_step[0]:
             self._widest_step = (width, token_bucket, buffer.copy(), mode, with_logprobs)
-        return StepOutput(sampled, len(sched.requests), logprobs)
+        return StepOutput(sampled, len(sched.requests), logprobs, prompt_logprobs, prompt_segments)
+
+    def _prompt_logprob_inputs(self, sched: SchedulerOutput, views, token_bucket: int):
+        """The step's prompt positions whose logprobs a request asked for (ScheduledRequest.prompt_logprobs)
+        in chunks of the executable's size: ([(token indices [C], prompt ids at those positions [C])],
+        [(scheduled request index, number of positions)])."""
+        indices, targets, segments = [], [], []
+        query_start_loc = views["query_start_loc"]
+        for i, s in enumerate(sched.requests):
+            if s.prompt_logprobs is None:
+                continue
+            lo, hi = s.prompt_logprobs  # position p's logprobs: from the logits of token p - 1
+            first = int(query_start_loc[i]) + lo - 1 - s.num_computed_tokens
+            indices.extend(range(first, first + hi - lo))
+            targets.extend(s.request.prompt_token_ids[lo:hi])
+            segments.append((i, hi - lo))
+        chunk = self._prompt_logprobs_chunk(token_bucket)
+        inputs = []
+        for start in range(0, len(indices), chunk):
+            pair = np.zeros((2, chunk), np.int32)
+            part = slice(start, start + chunk)
+            pair[0, :len(indices[part])], pair[1, :len(targets[part])] = indices[part], targets[part]
+            inputs.append((pair[0], pair[1]))
+        return inputs, segments
+
+    def _host_bitmask(self, sched: SchedulerOutput, rows: np.ndarray, views, prev_sampled: jax.Array) -> np.ndarray:
+        """The token masks made on the host [R, bitmask_words] int32, for the step's requests with a
+        grammar or multi-token bad words. They need every token before the one being sampled,
+        and the last may still be on the device: this waits for the previous step (its ids
+        `prev_sampled`), while the device runs this step's forward."""
+        num_reqs = views["logits_indices"].shape[0]
+        if num_reqs not in self._host_bitmasks:
+            self._host_bitmasks[num_reqs] = np.empty((num_reqs, self.bitmask_words), np.int32)
+        bitmask = self._host_bitmasks[num_reqs]
+        bitmask[:] = -1
+        with TraceAnnotation("wait"):
+            prev_host = np.asarray(prev_sampled)
+        prev_rows, last_tokens = views["prev_rows"], views["logits_indices"]
+        for i in np.flatnonzero(self.request_rows.host_masked[rows]):
+            s = sched.requests[i]
+            if not s.samples:
+                continue
+            in_flight = prev_rows[last_tokens[i]]  # where the previous step put this request's last token
+            pending = [int(prev_host[in_flight])] if in_flight >= 0 else []
+            host_masks.fill_request_bitmask(s.request, pending, bitmask[i])
+        return bitmask
 
     def time_widest_step(self, num_iters: int) -> float:
         """Seconds per step of the widest step since the last call (the first with the
@@ -260,7 +392,7 @@ class ModelRunner:
             raise RuntimeError("no step has run since the last call")
         step = self._widest_step[1:]
         self._widest_step = None
-        jax.block_until_ready(self._dispatch(*step))
+        jax.block_until_ready(self._dispatch(*step))  # a FULL step replays with no host-made masks
         start = time.perf_counter()
         for _ in range(num_iters):
             outputs = self._dispatch(*step)
@@ -292,6 +424,8 @@ class StepOutput:
     sampled: jax.Array  # [max_num_seqs] int32, on the device
     num_reqs: int
     logprobs: Logprobs | None = None
+    prompt_logprobs: list[Logprobs] = dataclasses.field(default_factory=list)  # chunks of [C] positions
+    prompt_segments: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (request index, positions)
 
     def token_ids(self) -> list[int]:
         """Each scheduled request's sampled id; blocks until the step has finished."""
@@ -304,6 +438,28 @@ class StepOutput:
             return None
         return LogprobsArrays(*(np.asarray(a) for a in self.logprobs))
 
+    def host_prompt_logprobs(self) -> list[LogprobsArrays | None] | None:
+        """Per scheduled request, the logprobs of its prompt positions this step (or None);
+        None if no request asked."""
+        if not self.prompt_segments:
+            return None
+        chunks = [[np.asarray(a) for a in chunk] for chunk in self.prompt_logprobs]
+        logprobs, token_ids, ranks = (np.concatenate(arrays) for arrays in zip(*chunks))
+        per_request: list[LogprobsArrays | None] = [None] * self.num_reqs
+        start = 0
+        for i, count in self.prompt_segments:
+            part = slice(start, start + count)
+            per_request[i] = LogprobsArrays(logprobs[part], token_ids[part], ranks[part])
+            start += count
+        return per_request
+
+
+def _compiled(executables: dict, key, lower) -> jax.stages.Compiled:
+    """executables[key], compiled from `lower()` the first time."""
+    if key not in executables:
+        executables[key] = lower().compile()
+    return executables[key]
+
 
 def _make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout], max_num_seqs: int):
     """The jitted forward's function (a closure, not a method: the runner is not kept alive by its executables)."""
@@ -311,18 +467,38 @@ def _make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batch
         """params: flat weights; kv_caches: per layer (K, V) [num_blocks, block_size, kv_heads, head_dim];
         prev_sampled [max_num_seqs] int32: the previous step's ids; buffer [size] int32: this step's inputs,
         laid out as `token_bucket`'s BatchLayout. Returns (the greedy ids [max_num_seqs] int32, the logits
-        [R, vocab] float32 at each request's last token, the SamplingMetadata of the R requests, kv_caches)."""
+        [R, vocab] float32 at each request's last token, the R requests' sampling words, the final hidden
+        states [T, hidden_size] (for prompt logprobs), kv_caches)."""
         batch = layouts[token_bucket].unpack(buffer)
         input_ids = jnp.where(batch.prev_rows >= 0, prev_sampled[jnp.maximum(batch.prev_rows, 0)], batch.input_ids)
         model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, params))
         hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attention, attn_fn)
         logits = model.compute_logits(hidden[batch.logits_indices])
-        greedy = _sample_padded(logits, batch.sampling, SampleMode.GREEDY, max_num_seqs)
-        return greedy, logits, batch.sampling, kv_caches
+        greedy = jnp.pad(jnp.argmax(logits, axis=-1).astype(jnp.int32), (0, max_num_seqs - logits.shape[0]))
+        return greedy, logits, batch.sampling, hidden, kv_caches
     return step
 
 
-def _sample_padded(logits, sampling, mode: SampleMode, max_num_seqs: int) -> jax.Array:
+def _make_prompt_logprobs_fn(graphdef, params_treedef, num_logprobs: int):
+    def prompt_logprobs(params, hidden, indices, targets):
+        """hidden [T, hidden_size]; indices [C] int32: tokens whose logits give a prompt position's
+        logprobs; targets [C] int32: the prompt's ids at those positions. Returns compute_logprobs'
+        arrays for the C positions (the target's own logprob first)."""
+        model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, params))
+        return compute_logprobs(model.compute_logits(hidden[indices]), targets, num_logprobs)
+    return prompt_logprobs
+
+
+def _sample_padded(logits, words, mode: SampleMode, max_num_seqs: int) -> jax.Array:
     """Sampled ids [max_num_seqs] int32: the R requests' first, then zeros."""
-    tokens = sample(logits, sampling, mode)
+    tokens = sample(logits, SamplingMetadata.from_words(words), mode)
     return jnp.pad(tokens, (0, max_num_seqs - tokens.shape[0]))
+
+
+def _sample_full(logits, words, state: ProcessorState, bitmask, max_num_seqs: int):
+    """The FULL mode: the logits processors, then any sampling; each request with processors
+    counts its sampled id. Returns (ids [max_num_seqs] int32, the new ProcessorState)."""
+    md = ProcessorMetadata.from_words(words)
+    tokens = sample(processors.apply_processors(logits, md, state, bitmask), SamplingMetadata.from_words(words),
+                    SampleMode.FILTERED)
+    return jnp.pad(tokens, (0, max_num_seqs - tokens.shape[0])), processors.count_sampled(state, md, tokens)

@@ -21,6 +21,14 @@ from tests.sample.test_sampler import metadata, random_logits
     (SamplingParams(temperature=0.7, top_k=1), SampleMode.FILTERED),
     (SamplingParams(temperature=0.7, top_p=0.999), SampleMode.FILTERED),
     (SamplingParams(temperature=0.7, min_p=0.01), SampleMode.FILTERED),
+    (SamplingParams(temperature=0.0, repetition_penalty=1.1), SampleMode.FULL),
+    (SamplingParams(temperature=0.7, presence_penalty=-0.5), SampleMode.FULL),
+    (SamplingParams(frequency_penalty=0.1), SampleMode.FULL),
+    (SamplingParams(min_tokens=1), SampleMode.FULL),
+    (SamplingParams(logit_bias={3: 0.5}), SampleMode.FULL),
+    (SamplingParams(allowed_token_ids=[3]), SampleMode.FULL),
+    (SamplingParams(bad_words=["no"]), SampleMode.FULL),
+    (SamplingParams(temperature=0.0, logit_bias={}), SampleMode.GREEDY),  # an empty bias changes nothing
 ])
 def test_a_request_needs_the_least_mode_that_samples_it(params, mode):
     assert sample_mode(params) == mode
@@ -56,8 +64,10 @@ def test_the_step_holds_no_conditional():
     batching.fill_padding(views)
     forward = runner._forward.lower(runner._params, runner.kv_caches, runner._prev_sampled, buffer, token_bucket)
     texts = [forward.as_text()]
-    _, logits, sampling, _ = runner._forward.eval_shape(runner._params, runner.kv_caches, runner._prev_sampled,
-                                                     buffer, token_bucket)
-    texts += [runner._sample.lower(logits, sampling, mode).as_text() for mode in SampleMode]
+    _, logits, words, _, _ = runner._forward.eval_shape(runner._params, runner.kv_caches, runner._prev_sampled,
+                                                        buffer, token_bucket)
+    texts += [runner._sample.lower(logits, words, mode).as_text() for mode in (SampleMode.RANDOM, SampleMode.FILTERED)]
+    bitmask = runner._all_allowed_bitmask(logits.shape[0])
+    texts.append(runner._sample_full.lower(logits, words, runner._processor_state, bitmask).as_text())
     for text in texts:
         assert "stablehlo.if" not in text and "stablehlo.case" not in text

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from jaxllm.config import EngineArgs
-from jaxllm.sample.sampler import SampleMode
+from jaxllm.sample.sampler import (COLUMN, FLOAT_COLUMNS, NUM_SAMPLING_WORDS, ProcessorMetadata, SampleMode,
+                                   SamplingMetadata)
 from jaxllm.worker import batch as batching
 from jaxllm.worker.model_runner import ModelRunner
 from tests.conftest import tiny_model
@@ -19,16 +20,26 @@ def test_every_field_unpacks_on_the_device_as_the_host_wrote_it(num_tokens, num_
     rng = np.random.default_rng(num_tokens)
     for view in views.values():
         view[...] = rng.integers(0, 2**31 - 1, view.shape)
-    views["sampling"][:, [0, 2, 3]] = np.float32(rng.random((num_reqs, 3))).view(np.int32)
     batch = jax.jit(layout.unpack)(buffer)
     np.testing.assert_array_equal(batch.input_ids, views["input_ids"])
     np.testing.assert_array_equal(batch.prev_rows, views["prev_rows"])
     np.testing.assert_array_equal(batch.attention.block_tables, views["block_tables"])
     np.testing.assert_array_equal(batch.attention.slot_mapping, views["slot_mapping"])
     np.testing.assert_array_equal(batch.attention.query_start_loc, views["query_start_loc"])
-    np.testing.assert_array_equal(batch.sampling.top_p, views["sampling"][:, 2].view(np.float32))
-    np.testing.assert_array_equal(batch.sampling.seeds, views["sampling"][:, 4:6].view(np.uint32))
-    np.testing.assert_array_equal(batch.sampling.positions, views["sample_positions"])
+    np.testing.assert_array_equal(batch.sampling, views["sampling"])
+
+
+def test_sampling_words_unpack_into_the_samplers_metadata():
+    words = np.random.default_rng(0).integers(0, 2**31 - 1, (8, NUM_SAMPLING_WORDS)).astype(np.int32)
+    floats = np.float32(np.random.default_rng(1).random((8, len(FLOAT_COLUMNS))))
+    words[:, FLOAT_COLUMNS] = floats.view(np.int32)
+    md, pmd = SamplingMetadata.from_words(words), ProcessorMetadata.from_words(words)
+    np.testing.assert_array_equal(md.top_p, words[:, COLUMN["top_p"]].view(np.float32))
+    np.testing.assert_array_equal(md.seeds, words[:, [COLUMN["seed_high"], COLUMN["seed_low"]]].view(np.uint32))
+    np.testing.assert_array_equal(md.positions, words[:, COLUMN["position"]])
+    np.testing.assert_array_equal(pmd.repetition_penalty, words[:, COLUMN["repetition_penalty"]].view(np.float32))
+    np.testing.assert_array_equal(pmd.update_rows, words[:, COLUMN["update_row"]] - 1)
+    np.testing.assert_array_equal(pmd.processed, words[:, COLUMN["processed"]] != 0)
 
 
 def test_fields_start_256_byte_aligned():
