@@ -1,5 +1,6 @@
-"""The `jaxllm` command: `jaxllm generate` runs offline generation, `jaxllm bench
-throughput|latency|step` benchmarks the engine (jaxllm/benchmarks).
+"""The `jaxllm` command: `jaxllm generate` runs offline generation, `jaxllm serve` an
+OpenAI-compatible server, `jaxllm bench throughput|latency|step` benchmarks the engine and
+`jaxllm bench serve` a running server (jaxllm/benchmarks).
 
 Engine flags are EngineArgs' fields, spelled as in vLLM (--max-model-len, ...). A user's
 mistake (a flag's value, a model file, a prompt) prints one line, `jaxllm: error: ...`,
@@ -82,6 +83,30 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    if ns.model_tag is not None:
+        if ns.model is not None and ns.model != ns.model_tag:
+            raise UserError(f"the model is given twice: {ns.model_tag!r} and --model {ns.model!r}")
+        ns.model = ns.model_tag
+    try:
+        from jaxllm.entrypoints.openai.api_server import configure_logging, run_server
+    except ImportError as e:
+        raise UserError(f"jaxllm serve needs the serve extra (pip install 'jaxllm[serve]'): {e}") from e
+    from jaxllm.engine.async_llm import AsyncLLM
+    from jaxllm.entrypoints.chat_utils import load_chat_template
+    from jaxllm.entrypoints.openai.cli_args import served_model_names
+
+    configure_logging()
+    start = time.perf_counter()
+    with user_errors():  # the chat template file, the engine's start
+        chat_template = load_chat_template(ns.chat_template)
+        engine = AsyncLLM.from_engine_args(engine_args_from(ns))
+    print(f"engine ready in {time.perf_counter() - start:.1f} s: {engine.engine_core.description}", flush=True)
+    run_server(engine, served_model_names(ns, engine.config.model.path), ns.host, ns.port, ns.api_key,
+               chat_template, ns.max_log_len, ns.uvicorn_log_level)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="jaxllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +120,13 @@ def main(argv=None) -> int:
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)",
+                           description="Serve MODEL (default: the embedded SmolLM2-135M-Instruct) over "
+                                       "OpenAI's HTTP API; see docs/serving.md.")
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model (as --model)")
+    add_engine_args(serve)
+    from jaxllm.entrypoints.openai.cli_args import add_server_args
+    add_server_args(serve)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from jaxllm.benchmarks import BENCHES
@@ -103,10 +135,18 @@ def main(argv=None) -> int:
                                             formatter_class=argparse.RawDescriptionHelpFormatter)
         add_engine_args(bench_parser)
         module.add_cli_args(bench_parser)
+    from jaxllm.benchmarks import serve as bench_serve  # a client of a server: no engine flags
+    bench_serve.add_cli_args(bench_sub.add_parser("serve", help=bench_serve.HELP, description=bench_serve.__doc__,
+                                                  formatter_class=argparse.RawDescriptionHelpFormatter))
     ns = parser.parse_args(argv)
     try:
         if ns.command == "generate":
             return cmd_generate(ns)
+        if ns.command == "serve":
+            return cmd_serve(ns)
+        if ns.bench == "serve":
+            with user_errors():
+                return bench_serve.main(ns)
         with user_errors():  # the engine's start, and its checks of the bench's requests
             return BENCHES[ns.bench].main(ns, engine_args_from(ns))
     except UserError as e:

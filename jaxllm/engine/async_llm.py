@@ -64,7 +64,8 @@ class AsyncLLM(FrontEnd):
 
     @property
     def errored(self) -> bool:
-        return self._dead is not None
+        """True once the engine core has died (no request can be served again)."""
+        return self._dead is not None or self.engine_core.dead
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str) -> AsyncGenerator[RequestOutput, None]:

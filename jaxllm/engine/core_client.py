@@ -190,6 +190,11 @@ class _MPClient:
     def proc(self) -> subprocess.Popen:
         return self._process.proc
 
+    @property
+    def dead(self) -> bool:
+        """True once the core process has exited, even before a reader has noticed."""
+        return self._process.dead or self._process.proc.poll() is not None
+
     def add_request(self, request: EngineCoreRequest) -> None:
         self._process.send(EngineCoreRequestType.ADD, self._encoder.encode(request))
 

@@ -1,4 +1,7 @@
-"""Chat messages as the model's chat template takes them: checked, each content one str."""
+"""Chat messages as the model's chat template takes them: checked, each content one str;
+and the template applied."""
+import os
+
 from jaxllm.engine.processor import check_text
 
 
@@ -41,3 +44,39 @@ def content_text(where: str, content) -> str:
             raise TypeError(f"{where}: content part {k}: text must be a str, got {type(part.get('text')).__name__}")
         texts.append(part["text"])
     return "\n".join(texts)
+
+
+def load_chat_template(template: str | None) -> str | None:
+    """`--chat-template`: a file's path, or the Jinja template itself; None: the tokenizer's."""
+    if template is None or "{" in template:
+        return template
+    if not os.path.isfile(template):
+        raise ValueError(f"chat template {template!r} is neither a file nor a Jinja template")
+    with open(template, encoding="utf-8") as f:
+        return f.read()
+
+
+def apply_chat_template(tokenizer, messages: list[dict], chat_template: str | None = None,
+                        add_generation_prompt: bool = True, continue_final_message: bool = False,
+                        chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+    """The conversation as the model's prompt: (text, token ids). The template adds the
+    special tokens it wants (BOS among them), so encoding adds none. A template error,
+    or a tokenizer with no template, raises ValueError."""
+    if tokenizer is None:
+        raise ValueError("chat needs a tokenizer, and this engine was started with skip_tokenizer_init")
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+    kwargs = dict(chat_template_kwargs or {})
+    for reserved in ("conversation", "tokenize", "chat_template", "add_generation_prompt",
+                     "continue_final_message"):
+        if reserved in kwargs:
+            raise ValueError(f"chat_template_kwargs cannot set {reserved!r}")
+    try:
+        text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **kwargs)
+    except ValueError:
+        raise
+    except Exception as e:  # jinja2's TemplateError and what a template raises
+        raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from e
+    return text, tokenizer.encode(text, add_special_tokens=False)

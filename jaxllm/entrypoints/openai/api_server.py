@@ -1,0 +1,212 @@
+"""`jaxllm serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over AsyncLLM.
+
+Endpoints: /v1/completions, /v1/chat/completions (both stream as Server-Sent Events),
+/v1/models, /tokenize, /detokenize, /health, /version, /metrics (Prometheus). With an
+API key, every /v1 route needs `Authorization: Bearer KEY`; the others stay open (a load
+balancer's health check, a Prometheus scrape). Errors are OpenAI's error JSON.
+"""
+import asyncio
+import contextlib
+import importlib.metadata
+import logging
+import resource
+import secrets
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from jaxllm.engine.exceptions import EngineDeadError
+from jaxllm.entrypoints.openai.metrics import ServerMetrics, log_stats_periodically
+from jaxllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                ModelCard, ModelList, TokenizeRequest)
+from jaxllm.entrypoints.openai.serving import APIError, OpenAIServing, engine_dead_error
+
+logger = logging.getLogger(__name__)
+
+
+class APIKeyMiddleware:
+    """Pure ASGI (not BaseHTTPMiddleware, which would sit in every streamed chunk's path)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                error = APIError(401, "Incorrect API key provided: pass it as `Authorization: Bearer KEY`.",
+                                 code="invalid_api_key")
+                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work):
+    """Run the handler's work, cancelled if the client goes away first: a request that
+    waits for its whole output must not run on for nobody."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return Response(status_code=499)  # the client is gone: nobody reads this
+    return task.result()
+
+
+def _respond(result):
+    if isinstance(result, Response):
+        return result
+    if hasattr(result, "__aiter__"):
+        return StreamingResponse(result, media_type="text/event-stream")
+    return JSONResponse(result.model_dump())
+
+
+def _validation_error(error: RequestValidationError) -> APIError:
+    """pydantic's errors as one 400 whose message and param name the first bad field."""
+    parts, param = [], None
+    for e in error.errors()[:3]:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        if e.get("type") == "json_invalid":
+            return APIError(400, f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e['msg'])}")
+        if e.get("type") == "extra_forbidden":
+            message = f"Unrecognized request argument supplied: {'.'.join(loc)}"
+        else:
+            message = f"{'.'.join(loc) or 'body'}: {e['msg']}"
+        parts.append(message)
+        param = param or (loc[0] if loc else None)
+    return APIError(400, "; ".join(parts) or "invalid request", param=param)
+
+
+def build_app(engine, model_names: list[str], api_key: str | None = None, chat_template: str | None = None,
+              max_log_len: int | None = None) -> FastAPI:
+    metrics = ServerMetrics(model_names[0], engine.config.model.max_model_len)
+    serving = OpenAIServing(engine, model_names, metrics, chat_template, max_log_len)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        task = asyncio.ensure_future(log_stats_periodically(engine, metrics))
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    app = FastAPI(title="jaxllm", lifespan=lifespan)
+    app.state.serving = serving
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.exception_handler(APIError)
+    async def api_error(request, error: APIError):
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, error: RequestValidationError):
+        e = _validation_error(error)
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request, error: EngineDeadError):
+        e = engine_dead_error()
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return _respond(await _unless_disconnected(request, serving.create_completion(body)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return _respond(await _unless_disconnected(request, serving.create_chat_completion(body)))
+
+    @app.get("/v1/models")
+    async def models():
+        max_model_len = engine.config.model.max_model_len
+        cards = [ModelCard(id=name, root=engine.config.model.path, max_model_len=max_model_len)
+                 for name in model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "set exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            _, tokens = serving.chat_prompt(body)
+        else:
+            tokens = serving.tokenize_text(body.prompt, "prompt", body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": engine.config.model.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        serving.check_model(body.model)
+        if engine.tokenizer is None:
+            raise APIError(400, "this server's engine was started with skip_tokenizer_init: it has no tokenizer",
+                           param="tokens")
+        vocab_size = engine.config.model.arch.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"tokens hold ids outside the vocabulary [0, {vocab_size}): {bad[:5]}",
+                           param="tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    @app.get("/health")
+    async def health():
+        if engine.errored:
+            raise engine_dead_error()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": importlib.metadata.version("jaxllm")}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        if not engine.errored:
+            with contextlib.suppress(EngineDeadError):
+                metrics.update_from_stats(await engine.get_stats())
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _raise_open_file_limit() -> None:
+    """Each connection is a file descriptor: lift the soft limit to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def configure_logging() -> None:
+    """jaxllm's INFO lines (requests, stats) beside uvicorn's, unless the caller set up logging."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    logging.getLogger("jaxllm").setLevel(logging.INFO)
+
+
+def run_server(engine, model_names: list[str], host: str, port: int, api_key: str | None = None,
+               chat_template: str | None = None, max_log_len: int | None = None,
+               uvicorn_log_level: str = "info") -> None:
+    """Serve the engine until interrupted (SIGINT, SIGTERM); the engine is shut down then."""
+    import uvicorn
+
+    _raise_open_file_limit()
+    try:
+        app = build_app(engine, model_names, api_key, chat_template, max_log_len)
+        logger.info("serving %s on http://%s:%d", ", ".join(model_names), host, port)
+        config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level, timeout_keep_alive=5,
+                                backlog=4096)
+        uvicorn.Server(config).run()
+    finally:
+        engine.shutdown()

@@ -1,0 +1,235 @@
+"""The server's Prometheus metrics (vLLM's names, with a `jaxllm:` prefix) and the
+periodic one-line stats log.
+
+Everything is computed in the server's process from what the RequestOutputs carry
+(monotonic timestamps of one clock: the engine core shares the machine) and, for the
+gauges, from the core's get_stats() at each scrape. The intervals are vLLM's:
+queue = arrival .. first scheduled, prefill = first scheduled .. first token,
+decode = first token .. last token, inference = first scheduled .. last token,
+end-to-end = arrival .. the server saw the request finish.
+"""
+import asyncio
+import logging
+import os
+import time
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               disable_created_metrics, generate_latest)
+
+from jaxllm.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "jaxllm:"
+LOG_STATS_INTERVAL_S = float(os.environ.get("JAXLLM_LOG_STATS_INTERVAL", "10"))
+
+# Seconds. A decode step of a small model on an H200 takes a few ms, so ITL starts at 1 ms.
+_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0]
+_ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                0.5, 0.75, 1.0, 2.5, 5.0, 10.0]
+_REQUEST_BUCKETS = [0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0,
+                    480.0, 960.0, 1920.0]
+
+
+def _token_buckets(max_model_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len."""
+    buckets, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return buckets + [max_model_len]
+            buckets.append(m * scale)
+        scale *= 10
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, max_model_len: int):
+        disable_created_metrics()  # no `_created` series beside every counter and histogram
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        labels = {"model_name": model_name}
+        reg = dict(registry=self.registry, labelnames=["model_name"])
+
+        def gauge(name, doc):
+            return Gauge(PREFIX + name, doc, **reg).labels(**labels)
+
+        def counter(name, doc):
+            return Counter(PREFIX + name, doc, **reg).labels(**labels)
+
+        def histogram(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, buckets=buckets, **reg).labels(**labels)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the engine's running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Share of the KV cache's blocks in use (0 to 1).")
+        self.num_preemptions = counter("num_preemptions", "Requests preempted (their KV freed, to be recomputed).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._request_success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
+                                        registry=self.registry, labelnames=["model_name", "finished_reason"])
+        self._model_name = model_name
+        tokens = _token_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.", tokens)
+        self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens per request.",
+                                                   tokens)
+        self.request_params_n = histogram("request_params_n", "The n request parameter.", [1, 2, 5, 10, 20])
+        self.request_params_max_tokens = histogram("request_params_max_tokens", "The max_tokens request parameter.",
+                                                   tokens)
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between successive tokens.",
+                                             _ITL_BUCKETS)
+        self.time_per_output_token = histogram("request_time_per_output_token_seconds",
+                                               "A request's decode time over its tokens after the first.",
+                                               _ITL_BUCKETS)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
+        self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
+                                            _REQUEST_BUCKETS)
+        self.request_inference_time = histogram("request_inference_time_seconds", "First scheduled to last token.",
+                                                _REQUEST_BUCKETS)
+        self.request_prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.",
+                                              _REQUEST_BUCKETS)
+        self.request_decode_time = histogram("request_decode_time_seconds", "First token to last token.",
+                                             _REQUEST_BUCKETS)
+        # Plain totals for the stats log's rates.
+        self.total_prompt_tokens = self.total_generation_tokens = 0
+        self.total_queries = self.total_hits = 0
+        self._core_preemptions = 0
+
+    def request_success(self, finished_reason: str) -> None:
+        self._request_success.labels(model_name=self._model_name, finished_reason=finished_reason).inc()
+
+    def update_from_stats(self, stats: dict) -> None:
+        """The core's get_stats(): the gauges and the preemption counter."""
+        self.num_requests_running.set(stats["num_running"])
+        self.num_requests_waiting.set(stats["num_waiting"])
+        self.kv_cache_usage.set(1.0 - stats["num_free_blocks"] / stats["num_blocks"] if stats["num_blocks"] else 0.0)
+        preemptions = stats.get("num_preemptions", 0)
+        if preemptions > self._core_preemptions:
+            self.num_preemptions.inc(preemptions - self._core_preemptions)
+            self._core_preemptions = preemptions
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """One request's metrics, fed each RequestOutput as the server takes it (DELTA or
+    FINAL_ONLY: each output's token_ids are new tokens). Outputs that arrive merged
+    (a slow consumer) spread their interval evenly over their tokens."""
+
+    def __init__(self, metrics: ServerMetrics, n: int, max_tokens: int):
+        self.metrics = metrics
+        self.n, self.max_tokens = n, max_tokens
+        self.num_prompt_tokens = 0
+        self.num_generated = 0
+        self._last_time: float | None = None
+        self._out: RequestOutput | None = None
+        self._finish_reasons: dict[int, str] = {}  # by sample index
+        self._finished = False
+
+    def update(self, out: RequestOutput) -> None:
+        self._out = out
+        for c in out.outputs:
+            if c.finish_reason is not None:
+                self._finish_reasons[c.index] = c.finish_reason
+        self._count_tokens(out)
+        if out.finished:
+            self.finish()
+
+    def _count_tokens(self, out: RequestOutput) -> None:
+        num_new = sum(len(c.token_ids) for c in out.outputs)
+        m = out.metrics
+        if not num_new or m is None or m.last_token_time is None:
+            return
+        metrics = self.metrics
+        metrics.generation_tokens.inc(num_new)
+        metrics.total_generation_tokens += num_new
+        self.num_generated += num_new
+        if self._last_time is None:  # prefill done
+            self.num_prompt_tokens = len(out.prompt_token_ids)
+            cached = getattr(out, "num_cached_tokens", None) or 0
+            metrics.prompt_tokens.inc(self.num_prompt_tokens)
+            metrics.prefix_cache_queries.inc(self.num_prompt_tokens)
+            metrics.prefix_cache_hits.inc(cached)
+            metrics.total_prompt_tokens += self.num_prompt_tokens
+            metrics.total_queries += self.num_prompt_tokens
+            metrics.total_hits += cached
+            first = m.first_token_time if m.first_token_time is not None else m.last_token_time
+            metrics.time_to_first_token.observe(max(0.0, first - m.arrival_time))
+            self._last_time, num_new = first, num_new - 1
+        if num_new > 0:
+            interval = max(0.0, m.last_token_time - self._last_time) / num_new
+            for _ in range(num_new):
+                metrics.inter_token_latency.observe(interval)
+        self._last_time = m.last_token_time
+
+    def reject(self) -> None:
+        """The engine refused the request: it counts in no metric."""
+        self._finished = True
+
+    def finish(self, default_reason: str = "abort") -> None:
+        """The request ended: each sample counts with its finish reason (`default_reason`
+        for one that had none: the client went away, the engine died)."""
+        if self._finished:
+            return
+        self._finished = True
+        metrics = self.metrics
+        for index in range(self.n):
+            metrics.request_success(self._finish_reasons.get(index, default_reason))
+        metrics.request_params_n.observe(self.n)
+        metrics.request_params_max_tokens.observe(self.max_tokens)
+        out = self._out
+        if out is None or out.metrics is None:
+            return
+        m = out.metrics
+        metrics.e2e_request_latency.observe(max(0.0, time.monotonic() - m.arrival_time))
+        metrics.request_prompt_tokens.observe(len(out.prompt_token_ids))
+        metrics.request_generation_tokens.observe(self.num_generated)
+        scheduled = getattr(m, "first_scheduled_time", None)
+        if scheduled is not None:
+            metrics.request_queue_time.observe(max(0.0, scheduled - m.arrival_time))
+        if m.first_token_time is None or m.last_token_time is None:
+            return
+        decode = max(0.0, m.last_token_time - m.first_token_time)
+        metrics.request_decode_time.observe(decode)
+        if self.num_generated > 1:
+            metrics.time_per_output_token.observe(decode / (self.num_generated - 1))
+        if scheduled is not None:
+            metrics.request_prefill_time.observe(max(0.0, m.first_token_time - scheduled))
+            metrics.request_inference_time.observe(max(0.0, m.last_token_time - scheduled))
+
+
+async def log_stats_periodically(engine, metrics: ServerMetrics, interval_s: float = LOG_STATS_INTERVAL_S) -> None:
+    """Every interval, one line of throughput and cache usage (as vLLM's LoggingStatLogger);
+    silent while the engine stays idle."""
+    last = time.monotonic()
+    last_prompt, last_generation, last_queries, last_hits = 0, 0, 0, 0
+    was_idle = True
+    while True:
+        await asyncio.sleep(interval_s)
+        if engine.errored:
+            return
+        try:
+            stats = await engine.get_stats()
+        except Exception:  # the engine died meanwhile: /health says so
+            return
+        metrics.update_from_stats(stats)
+        now = time.monotonic()
+        elapsed, last = now - last, now
+        prompt = metrics.total_prompt_tokens - last_prompt
+        generation = metrics.total_generation_tokens - last_generation
+        queries, hits = metrics.total_queries - last_queries, metrics.total_hits - last_hits
+        last_prompt, last_generation = metrics.total_prompt_tokens, metrics.total_generation_tokens
+        last_queries, last_hits = metrics.total_queries, metrics.total_hits
+        idle = not (prompt or generation or stats["num_running"] or stats["num_waiting"])
+        if idle and was_idle:
+            continue
+        was_idle = idle
+        usage = 1.0 - stats["num_free_blocks"] / stats["num_blocks"] if stats["num_blocks"] else 0.0
+        logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                    "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+                    prompt / elapsed, generation / elapsed, stats["num_running"], stats["num_waiting"],
+                    100 * usage, 100 * hits / queries if queries else 0.0)

@@ -1,0 +1,507 @@
+"""The OpenAI endpoints' work: a request body -> prompts and SamplingParams -> AsyncLLM ->
+a response body, or Server-Sent Events (`data: {json}` lines ending in `data: [DONE]`).
+
+Every check of the input happens before the response starts, so a bad request is a 400
+with OpenAI's error JSON, never a broken stream: the prompts are tokenized here, and each
+request's first output is awaited before the stream's headers go out. Leaving a stream
+early (the client went away) closes the engine's generator, which aborts the request.
+"""
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+
+from jaxllm.engine.exceptions import EngineDeadError
+from jaxllm.engine.processor import check_text
+from jaxllm.entrypoints.chat_utils import apply_chat_template, chat_messages
+from jaxllm.entrypoints.openai.metrics import RequestTracker, ServerMetrics
+from jaxllm.entrypoints.openai.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk,
+                                                ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
+                                                ChatStreamChoice, CompletionChoice, CompletionLogprobs,
+                                                CompletionRequest, CompletionResponse, DeltaMessage, ErrorInfo,
+                                                ErrorResponse, SamplingRequest, TokenLogprob, TopLogprob, UsageInfo,
+                                                random_id)
+from jaxllm.outputs import CompletionOutput, RequestOutput
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+_COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_DEFAULT_PARAMS = SamplingParams()  # the request log shows only the fields that differ
+
+
+class APIError(Exception):
+    """An error the client gets as OpenAI's error JSON, with this HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                             503: "service_unavailable"}.get(status, "server_error")
+
+    def body(self) -> dict:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                             code=self.code)).model_dump()
+
+
+def engine_dead_error() -> APIError:
+    return APIError(503, "the engine has died; restart the server", type="service_unavailable",
+                    code="engine_dead")
+
+
+def bad_request(error: Exception, fields) -> APIError:
+    """A ValueError or TypeError of the engine's checks as a 400: its message starts with the
+    field it names (`max_tokens must be >= 1, got 0`), which becomes the error's param."""
+    message = " ".join(str(error).splitlines())
+    match = re.match(r"(\w+)", message)
+    param = match.group(1) if match and match.group(1) in fields else None
+    return APIError(400, message, param=param)
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+def error_event(error: APIError) -> str:
+    return sse(json.dumps(error.body()))
+
+
+def _token_text(token_id: int, logprob) -> str:
+    return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
+
+
+class _Requests:
+    """The engine requests of one API request (one per prompt), each read by a task of its
+    own into one queue, so they run concurrently and their outputs interleave as they come.
+    `close()` (synchronous: it runs in a cancelled stream's cleanup) cancels the readers,
+    which aborts every unfinished request in the engine."""
+
+    def __init__(self, streams: list[AsyncIterator[RequestOutput]]):
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._buffer: list[tuple[int, RequestOutput]] = []
+        self._tasks = [asyncio.ensure_future(self._read(i, s)) for i, s in enumerate(streams)]
+        self._live = len(streams)
+
+    async def _read(self, i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    self._queue.put_nowait((i, out))
+        except Exception as e:
+            self._queue.put_nowait((i, e))
+        else:
+            self._queue.put_nowait((i, None))
+
+    async def _next(self) -> tuple[int, RequestOutput] | None:
+        """The next output of any request; None once all have ended. Raises what a request raised."""
+        while self._live:
+            i, item = await self._queue.get()
+            if item is None:
+                self._live -= 1
+            elif isinstance(item, Exception):
+                self.close()
+                raise item
+            else:
+                return i, item
+        return None
+
+    async def first_outputs(self) -> list[RequestOutput]:
+        firsts: dict[int, RequestOutput] = {}
+        try:
+            while len(firsts) < len(self._tasks):
+                item = await self._next()
+                if item is None:
+                    raise RuntimeError("a request ended without an output")
+                self._buffer.append(item)
+                firsts.setdefault(item[0], item[1])
+        except BaseException:
+            self.close()
+            raise
+        return [firsts[i] for i in range(len(self._tasks))]
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) as they come, from the first outputs on."""
+        try:
+            while self._buffer:
+                yield self._buffer.pop(0)
+            while (item := await self._next()) is not None:
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+
+class OpenAIServing:
+    def __init__(self, engine, served_model_names: list[str], metrics: ServerMetrics,
+                 chat_template: str | None = None, max_log_len: int | None = None):
+        self.engine = engine
+        self.model_names = served_model_names
+        self.metrics = metrics
+        self.chat_template = chat_template
+        self.max_log_len = max_log_len
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.config.model.max_model_len
+        self.default_fields = dict(engine.default_sampling_fields)
+
+    # ---- shared checks ----
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def check_alive(self) -> None:
+        if self.engine.errored:
+            raise engine_dead_error()
+
+    def tokenize_text(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            check_text(text, field)
+        except ValueError as e:
+            raise APIError(400, str(e), param=field) from e
+        if self.tokenizer is None:
+            raise APIError(400, "text prompts need a tokenizer, and this server's engine was started with "
+                           "skip_tokenizer_init: send token ids", param=field)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def chat_prompt(self, request) -> tuple[str, list[int]]:
+        """The chat template applied to request.messages (ChatCompletionRequest or TokenizeRequest)."""
+        messages = [m.model_dump(exclude_none=True) for m in request.messages]
+        for m in messages:
+            m.setdefault("content", "")
+        try:
+            return apply_chat_template(
+                self.tokenizer, chat_messages(0, messages),
+                getattr(request, "chat_template", None) or self.chat_template,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=getattr(request, "continue_final_message", False),
+                chat_template_kwargs=request.chat_template_kwargs)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e).replace("conversation 0, ", ""), param="messages") from e
+
+    def max_tokens(self, requested: int | None, field: str, num_prompt_tokens: int, prompt_field: str,
+                   default: int | None) -> int:
+        """What the request may generate: max_model_len bounds prompt + output."""
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens, and the "
+                           f"prompt has {num_prompt_tokens}: no room is left for output. Please shorten the "
+                           f"{prompt_field}.", param=prompt_field)
+        if requested is None:
+            return min(room, default or room)
+        if requested < 1:
+            raise APIError(400, f"{field} must be >= 1, got {requested}", param=field)
+        if requested > room:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                           f"you requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
+                           f"{prompt_field}, {requested} in the completion). Please reduce the {prompt_field} or "
+                           f"{field}.", param=field)
+        return requested
+
+    def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None,
+                        output_kind: RequestOutputKind) -> SamplingParams:
+        fields = {k: v for k, v in self.default_fields.items() if k != "max_tokens"}
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if getattr(request, name) is not None:
+                fields[name] = getattr(request, name)
+        logit_bias = None
+        if request.logit_bias is not None:
+            try:
+                logit_bias = {int(token): bias for token, bias in request.logit_bias.items()}
+            except ValueError as e:
+                raise APIError(400, f"logit_bias keys must be token ids (integers), got "
+                               f"{list(request.logit_bias)[:5]}", param="logit_bias") from e
+        try:
+            return SamplingParams(
+                n=request.n, max_tokens=max_tokens, stop=request.stop, seed=request.seed, logprobs=logprobs,
+                min_tokens=request.min_tokens, ignore_eos=request.ignore_eos, stop_token_ids=request.stop_token_ids,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                skip_special_tokens=request.skip_special_tokens,
+                spaces_between_special_tokens=request.spaces_between_special_tokens, logit_bias=logit_bias,
+                allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words,
+                structured_outputs=self._structured_outputs(request), output_kind=output_kind, **fields)
+        except (ValueError, TypeError) as e:
+            raise bad_request(e, type(request).model_fields) from e
+
+    @staticmethod
+    def _structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | None:
+        """response_format (OpenAI's) or structured_outputs (vLLM's) as the engine's params."""
+        fmt, so = request.response_format, request.structured_outputs
+        if fmt is not None and fmt.type != "text" and so is not None:
+            raise APIError(400, "set response_format or structured_outputs, not both", param="response_format")
+        try:
+            if so is not None:
+                return StructuredOutputsParams(**so.model_dump(exclude_none=True, by_alias=True))
+            if fmt is None or fmt.type == "text":
+                return None
+            if fmt.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise APIError(400, "response_format of type json_schema needs json_schema.schema",
+                               param="response_format")
+            return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+        except (ValueError, TypeError) as e:
+            param = "structured_outputs" if so is not None else "response_format"
+            raise APIError(400, f"{param}: {e}", param=param) from e
+
+    def log_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        if logger.isEnabledFor(logging.INFO):
+            shown = prompt if self.max_log_len is None else prompt[:self.max_log_len]
+            changed = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)
+                       if getattr(params, f.name) != getattr(_DEFAULT_PARAMS, f.name)}
+            logger.info("Received request %s: prompt: %r, params: %s", request_id, shown, changed)
+
+    # ---- running requests ----
+    async def _outputs(self, request_id: str, prompt: dict, params: SamplingParams,
+                       tracker: RequestTracker) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs of one request, counted in the metrics. Closing this
+        generator before the last output aborts the request in the engine."""
+        default_reason = "abort"
+        try:
+            async with contextlib.aclosing(self.engine.generate(prompt, params, request_id)) as outputs:
+                async for out in outputs:
+                    tracker.update(out)
+                    yield out
+        except EngineDeadError:
+            default_reason = "error"
+            raise
+        except (ValueError, TypeError):
+            tracker.reject()
+            raise
+        finally:
+            tracker.finish(default_reason)
+
+    def _start(self, request_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
+               max_tokens: int) -> "_Requests":
+        streams = []
+        for i, (text, token_ids) in enumerate(prompts):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            self.log_request(rid, text if text is not None else token_ids, params)
+            prompt = {"prompt_token_ids": token_ids} if text is None else {"prompt": text,
+                                                                          "prompt_token_ids": token_ids}
+            streams.append(self._outputs(rid, prompt, params, RequestTracker(self.metrics, params.n, max_tokens)))
+        return _Requests(streams)
+
+    @staticmethod
+    async def _first_outputs(requests: "_Requests", fields) -> list[RequestOutput]:
+        """Each request's first output (for FINAL_ONLY, its only one). The engine's own checks
+        (vocabulary, logprobs limit, ...) fail here, before any response starts."""
+        try:
+            return await requests.first_outputs()
+        except EngineDeadError as e:
+            raise engine_dead_error() from e
+        except (ValueError, TypeError) as e:
+            raise bad_request(e, fields) from e
+
+    # ---- /v1/completions ----
+    def _completion_prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "prompt is empty", param="prompt")
+        prompts = []
+        for p in prompt:
+            if isinstance(p, str):
+                prompts.append((p, self.tokenize_text(p, "prompt")))
+            elif not p:
+                raise APIError(400, "prompt is empty: it must hold at least one token", param="prompt")
+            else:
+                prompts.append((None, list(p)))
+        return prompts
+
+    async def create_completion(self, request: CompletionRequest):
+        """A CompletionResponse, or for stream=true an async iterator of SSE lines."""
+        self.check_model(request.model)
+        self.check_alive()
+        if request.best_of is not None and request.best_of != request.n:
+            raise APIError(400, f"best_of must equal n ({request.n}) or be unset, got {request.best_of}: the "
+                           "engine has no candidates to pick the best of", param="best_of")
+        if request.echo and request.logprobs is not None:
+            raise APIError(400, "echo with logprobs would need the prompt's logprobs, which the server does not "
+                           "return yet", param="echo")
+        prompts = self._completion_prompts(request)
+        longest = max(len(ids) for _, ids in prompts)
+        max_tokens = self.max_tokens(request.max_tokens, "max_tokens", longest, "prompt",
+                                     self.default_fields.get("max_tokens") or _COMPLETION_DEFAULT_MAX_TOKENS)
+        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        params = self.sampling_params(request, max_tokens, request.logprobs, kind)
+        request_id = random_id("cmpl")
+        model = request.model or self.model_names[0]
+        requests = self._start(request_id, prompts, params, max_tokens)
+        firsts = await self._first_outputs(requests, CompletionRequest.model_fields)
+        if request.stream:
+            return self._completion_stream(request, request_id, model, prompts, requests)
+        choices = []
+        for i, out in enumerate(firsts):
+            if out.error is not None:
+                raise APIError(500, f"the engine failed the request: {out.error}")
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                text = (prompts[i][0] or "") + c.text if request.echo else c.text
+                logprobs = None if c.logprobs is None else self._completion_logprobs(c, 0)
+                choices.append(CompletionChoice(index=i * request.n + c.index, text=text, logprobs=logprobs,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        completion_tokens = sum(len(c.token_ids) for out in firsts for c in out.outputs)
+        return CompletionResponse(id=request_id, model=model, choices=choices,
+                                  usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                                  total_tokens=prompt_tokens + completion_tokens))
+
+    @staticmethod
+    def _completion_logprobs(c: CompletionOutput, text_offset: int) -> CompletionLogprobs:
+        result = CompletionLogprobs()
+        for token_id, entries in zip(c.token_ids, c.logprobs):
+            sampled = entries[token_id]
+            text = _token_text(token_id, sampled)
+            result.tokens.append(text)
+            result.token_logprobs.append(sampled.logprob)
+            result.top_logprobs.append({_token_text(t, lp): lp.logprob for t, lp in entries.items()})
+            result.text_offset.append(text_offset)
+            text_offset += len(text)
+        return result
+
+    async def _completion_stream(self, request: CompletionRequest, request_id: str, model: str, prompts,
+                                 requests: _Requests) -> AsyncIterator[str]:
+        created = int(time.time())
+        options = request.stream_options
+        include_usage = options is not None and options.include_usage
+        continuous = include_usage and options.continuous_usage_stats
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        completion_tokens = 0
+        echoed: set[int] = set()
+        text_offsets: dict[int, int] = {}
+        try:
+            async for i, out in requests:
+                if out.error is not None:
+                    yield error_event(APIError(500, f"the engine failed the request: {out.error}"))
+                    break
+                for c in out.outputs:
+                    index = i * request.n + c.index
+                    completion_tokens += len(c.token_ids)
+                    text = c.text
+                    if request.echo and index not in echoed:
+                        echoed.add(index)
+                        text = (prompts[i][0] or "") + text
+                    logprobs = None
+                    if c.logprobs is not None:
+                        logprobs = self._completion_logprobs(c, text_offsets.get(index, 0))
+                        text_offsets[index] = text_offsets.get(index, 0) + len(c.text)
+                    if not text and c.finish_reason is None and not c.token_ids:
+                        continue
+                    usage = None
+                    if continuous:
+                        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                          total_tokens=prompt_tokens + completion_tokens)
+                    chunk = CompletionResponse(
+                        id=request_id, created=created, model=model, usage=usage,
+                        choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                    yield sse(chunk.model_dump_json())
+            else:
+                if include_usage:
+                    usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                      total_tokens=prompt_tokens + completion_tokens)
+                    chunk = CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage)
+                    yield sse(chunk.model_dump_json())
+        except EngineDeadError:
+            yield error_event(engine_dead_error())
+        yield sse("[DONE]")
+
+    # ---- /v1/chat/completions ----
+    async def create_chat_completion(self, request: ChatCompletionRequest):
+        self.check_model(request.model)
+        self.check_alive()
+        if request.max_tokens is not None and request.max_completion_tokens is not None:
+            raise APIError(400, "set max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
+        if request.top_logprobs is not None and not request.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        text, token_ids = self.chat_prompt(request)
+        field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        max_tokens = self.max_tokens(requested, field, len(token_ids), "messages", self.default_fields.get("max_tokens"))
+        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = self.sampling_params(request, max_tokens, logprobs, kind)
+        request_id = random_id("chatcmpl")
+        model = request.model or self.model_names[0]
+        requests = self._start(request_id, [(text, token_ids)], params, max_tokens)
+        firsts = await self._first_outputs(requests, ChatCompletionRequest.model_fields)
+        top = request.top_logprobs or 0
+        if request.stream:
+            return self._chat_stream(request, request_id, model, len(token_ids), requests, top)
+        out = firsts[0]
+        if out.error is not None:
+            raise APIError(500, f"the engine failed the request: {out.error}")
+        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                              logprobs=None if c.logprobs is None else self._chat_logprobs(c, top),
+                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                   for c in sorted(out.outputs, key=lambda c: c.index)]
+        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices,
+                                      usage=UsageInfo(prompt_tokens=len(token_ids),
+                                                      completion_tokens=completion_tokens,
+                                                      total_tokens=len(token_ids) + completion_tokens))
+
+    @staticmethod
+    def _chat_logprobs(c: CompletionOutput, top: int) -> ChatLogprobs:
+        content = []
+        for token_id, entries in zip(c.token_ids, c.logprobs):
+            sampled = entries[token_id]
+            text = _token_text(token_id, sampled)
+            best = sorted(entries.items(), key=lambda e: e[1].rank if e[1].rank is not None else 0)[:top]
+            content.append(TokenLogprob(token=text, logprob=sampled.logprob, bytes=list(text.encode()),
+                                        top_logprobs=[TopLogprob(token=_token_text(t, lp), logprob=lp.logprob,
+                                                                 bytes=list(_token_text(t, lp).encode()))
+                                                      for t, lp in best]))
+        return ChatLogprobs(content=content)
+
+    async def _chat_stream(self, request: ChatCompletionRequest, request_id: str, model: str, prompt_tokens: int,
+                           requests: _Requests, top: int) -> AsyncIterator[str]:
+        created = int(time.time())
+        options = request.stream_options
+        include_usage = options is not None and options.include_usage
+        continuous = include_usage and options.continuous_usage_stats
+        completion_tokens = 0
+
+        def usage():
+            return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                             total_tokens=prompt_tokens + completion_tokens)
+
+        for index in range(request.n):
+            chunk = ChatCompletionChunk(id=request_id, created=created, model=model,
+                                        choices=[ChatStreamChoice(index=index,
+                                                                  delta=DeltaMessage(role="assistant", content=""))],
+                                        usage=usage() if continuous else None)
+            yield sse(chunk.model_dump_json())
+        try:
+            async for _, out in requests:
+                if out.error is not None:
+                    yield error_event(APIError(500, f"the engine failed the request: {out.error}"))
+                    break
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    if not c.text and c.finish_reason is None and not (c.token_ids and c.logprobs):
+                        continue
+                    logprobs = None if c.logprobs is None else self._chat_logprobs(c, top)
+                    choice = ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text), logprobs=logprobs,
+                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                    chunk = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice],
+                                                usage=usage() if continuous else None)
+                    yield sse(chunk.model_dump_json())
+            else:
+                if include_usage:
+                    chunk = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
+                                                usage=usage())
+                    yield sse(chunk.model_dump_json())
+        except EngineDeadError:
+            yield error_event(engine_dead_error())
+        yield sse("[DONE]")
