@@ -1,0 +1,119 @@
+"""A real `jaxllm serve` in a subprocess on 127.0.0.1, for the server tests: the tiny Llama
+with a character tokenizer (text in, text out, stop strings match) and a chat template
+given by --chat-template. The server and its engine core are stopped at teardown, however
+the tests ended."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+API_KEY = "test-key"
+MAX_MODEL_LEN = 128
+MODEL_NAME = "tiny-llama"
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}|{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+_START_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RemoteServer:
+    def __init__(self, model: str, log_path: str, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "jaxllm.cli", "serve", model, "--port", str(self.port),
+                                      *args], stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode} during start-up:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"the server did not start in {_START_TIMEOUT_S} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-5000:]
+
+    def engine_core_pid(self) -> int:
+        """The engine core: the server's child process (from /proc)."""
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if int(fields[1]) == self.proc.pid and fields[0] != "Z":
+                    return int(entry)
+        raise RuntimeError("the server has no engine core process")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def start_server(model: str, tmp_path_factory, name: str, *args: str) -> RemoteServer:
+    template = tmp_path_factory.mktemp(name) / "chat_template.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    server = RemoteServer(model, str(template.parent / "server.log"), "--served-model-name", MODEL_NAME,
+                          "--chat-template", str(template), "--max-model-len", str(MAX_MODEL_LEN),
+                          "--max-num-seqs", "32", "--max-num-batched-tokens", "128", "--block-size", "16",
+                          "--num-gpu-blocks-override", "160", "--uvicorn-log-level", "warning", *args)
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="session")
+def server(char_llama, tmp_path_factory):
+    """One server for the tests that leave it serving (all but the engine death test)."""
+    server = start_server(char_llama, tmp_path_factory, "server", "--api-key", API_KEY)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def client(server):
+    """An httpx client with the API key."""
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60.0) as c:
+        yield c
+
+
+def metric_values(text: str, name: str) -> dict[str, float]:
+    """A Prometheus exposition's samples of one metric: {label text: value}."""
+    values = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            key, value = line.rsplit(" ", 1)
+            values[key[len(name):]] = float(value)
+    return values
