@@ -183,7 +183,8 @@ class OpenAIServing:
                 continue_final_message=getattr(request, "continue_final_message", False),
                 chat_template_kwargs=request.chat_template_kwargs)
         except (ValueError, TypeError) as e:
-            raise APIError(400, str(e).replace("conversation 0, ", ""), param="messages") from e
+            text = str(e).replace("conversation 0, message ", "message ").replace("conversation 0 ", "it ")
+            raise APIError(400, f"messages: {text}", param="messages") from e
 
     def max_tokens(self, requested: int | None, field: str, num_prompt_tokens: int, prompt_field: str,
                    default: int | None) -> int:

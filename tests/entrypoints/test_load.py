@@ -1,0 +1,128 @@
+"""Many clients at once: every streamed request completes with its full token count, clients
+that go away mid-request are aborted in the engine, and /metrics counts all of it and shows
+the KV cache empty afterwards."""
+import asyncio
+import json
+import time
+
+import aiohttp
+import httpx
+import pytest
+
+from tests.entrypoints.conftest import API_KEY, MODEL_NAME, metric_values
+
+pytestmark = pytest.mark.timeout(300)
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+LABEL = f'{{model_name="{MODEL_NAME}"}}'
+
+
+def scrape(server) -> str:
+    return httpx.get(server.url + "/metrics").text
+
+
+def metric(text: str, name: str, labels: str = LABEL) -> float:
+    return metric_values(text, name).get(labels, 0.0)
+
+
+def success(text: str, reason: str) -> float:
+    return metric(text, "jaxllm:request_success_total", f'{{finished_reason="{reason}",model_name="{MODEL_NAME}"}}')
+
+
+def wait_for_idle_engine(server, timeout_s: float = 20.0) -> str:
+    """/metrics once the engine holds no request (aborts reach the core asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = scrape(server)
+        busy = (metric(text, "jaxllm:num_requests_running") or metric(text, "jaxllm:num_requests_waiting")
+                or metric(text, "jaxllm:kv_cache_usage_perc"))
+        if not busy or time.monotonic() > deadline:
+            return text
+        time.sleep(0.1)
+
+
+async def stream_completion(session, url: str, body: dict, leave_after_first_text: bool = False) -> dict:
+    """A streamed completion's text, finish reason and usage (read from its SSE lines)."""
+    got = {"text": "", "finish_reason": None, "usage": None, "error": None}
+    async with session.post(url + "/v1/completions", json=body, headers=HEADERS) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            got["error"] = chunk.get("error") or got["error"]
+            got["usage"] = chunk.get("usage") or got["usage"]
+            for choice in chunk.get("choices", ()):
+                got["text"] += choice["text"]
+                got["finish_reason"] = choice["finish_reason"] or got["finish_reason"]
+            if leave_after_first_text and got["text"]:
+                r.close()  # drop the connection mid-stream
+                break
+    return got
+
+
+def test_1000_concurrent_streams_complete_and_metrics_count_them(server):
+    num_requests, max_tokens = 1000, 3
+    prompts = [[3 + (i * 7 + j) % 250 for j in range(1 + i % 4)] for i in range(num_requests)]
+    before = wait_for_idle_engine(server)
+
+    async def run():
+        connector = aiohttp.TCPConnector(limit=num_requests)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=240)) as session:
+            bodies = [{"model": MODEL_NAME, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                      for p in prompts]
+            return await asyncio.gather(*(stream_completion(session, server.url, b) for b in bodies))
+
+    results = asyncio.run(run())
+    assert [r["error"] for r in results] == [None] * num_requests
+    assert all(r["finish_reason"] == "length" for r in results)
+    assert all(r["usage"]["completion_tokens"] == max_tokens for r in results)
+    assert [r["usage"]["prompt_tokens"] for r in results] == [len(p) for p in prompts]
+
+    after = wait_for_idle_engine(server)
+    assert metric(after, "jaxllm:num_requests_running") == 0 and metric(after, "jaxllm:num_requests_waiting") == 0
+    assert metric(after, "jaxllm:kv_cache_usage_perc") == 0.0
+    assert success(after, "length") - success(before, "length") == num_requests
+    generated = metric(after, "jaxllm:generation_tokens_total") - metric(before, "jaxllm:generation_tokens_total")
+    assert generated == num_requests * max_tokens
+    prompted = metric(after, "jaxllm:prompt_tokens_total") - metric(before, "jaxllm:prompt_tokens_total")
+    assert prompted == sum(map(len, prompts))
+    ttfts = (metric(after, "jaxllm:time_to_first_token_seconds_count")
+             - metric(before, "jaxllm:time_to_first_token_seconds_count"))
+    e2es = (metric(after, "jaxllm:e2e_request_latency_seconds_count")
+            - metric(before, "jaxllm:e2e_request_latency_seconds_count"))
+    itls = (metric(after, "jaxllm:inter_token_latency_seconds_count")
+            - metric(before, "jaxllm:inter_token_latency_seconds_count"))
+    assert ttfts == e2es == num_requests and itls == num_requests * (max_tokens - 1)
+
+
+def test_clients_that_leave_are_aborted_in_the_engine_and_free_their_blocks(server):
+    num_streams, num_waiting, max_tokens = 100, 10, 100
+    before = wait_for_idle_engine(server)
+
+    async def run():
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=aiohttp.ClientTimeout(total=120)) as session:
+            streams = [stream_completion(session, server.url, {
+                "model": MODEL_NAME, "prompt": f"leave {i}", "max_tokens": max_tokens, "ignore_eos": True,
+                "stream": True}, leave_after_first_text=True) for i in range(num_streams)]
+
+            async def impatient(i):  # a whole-response request whose client gives up after 0.5 s
+                timeout = aiohttp.ClientTimeout(total=0.5)
+                with pytest.raises(asyncio.TimeoutError):
+                    await session.post(server.url + "/v1/completions", headers=HEADERS, timeout=timeout, json={
+                        "model": MODEL_NAME, "prompt": f"wait {i}", "max_tokens": max_tokens, "ignore_eos": True})
+
+            return await asyncio.gather(*streams, *(impatient(i) for i in range(num_waiting)))
+
+    results = asyncio.run(run())
+    assert all(r["text"] and r["finish_reason"] is None for r in results[:num_streams])
+    after = wait_for_idle_engine(server)
+    assert metric(after, "jaxllm:num_requests_running") == 0 and metric(after, "jaxllm:num_requests_waiting") == 0
+    assert metric(after, "jaxllm:kv_cache_usage_perc") == 0.0  # no block leaked
+    assert success(after, "abort") - success(before, "abort") == num_streams + num_waiting
+    assert success(after, "length") == success(before, "length")
+    generated = metric(after, "jaxllm:generation_tokens_total") - metric(before, "jaxllm:generation_tokens_total")
+    assert generated < (num_streams + num_waiting) * max_tokens / 4  # they stopped when their clients left
