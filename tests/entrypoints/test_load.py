@@ -41,7 +41,7 @@ def wait_for_idle_engine(server, timeout_s: float = 20.0) -> str:
         time.sleep(0.1)
 
 
-async def stream_completion(session, url: str, body: dict, leave_after_first_text: bool = False) -> dict:
+async def stream_completion(session, url: str, body: dict) -> dict:
     """A streamed completion's text, finish reason and usage (read from its SSE lines)."""
     got = {"text": "", "finish_reason": None, "usage": None, "error": None}
     async with session.post(url + "/v1/completions", json=body, headers=HEADERS) as r:
@@ -56,9 +56,6 @@ async def stream_completion(session, url: str, body: dict, leave_after_first_tex
             for choice in chunk.get("choices", ()):
                 got["text"] += choice["text"]
                 got["finish_reason"] = choice["finish_reason"] or got["finish_reason"]
-            if leave_after_first_text and got["text"]:
-                r.close()  # drop the connection mid-stream
-                break
     return got
 
 
@@ -98,31 +95,67 @@ def test_1000_concurrent_streams_complete_and_metrics_count_them(server):
     assert ttfts == e2es == num_requests and itls == num_requests * (max_tokens - 1)
 
 
-def test_clients_that_leave_are_aborted_in_the_engine_and_free_their_blocks(server):
-    num_streams, num_waiting, max_tokens = 100, 10, 100
+async def open_request(port: int, body: dict) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A POST /v1/completions on a bare connection, which the test can drop at any byte."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    payload = json.dumps(body).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s" % (API_KEY.encode(), len(payload),
+                                                                                 payload))
+    await writer.drain()
+    return reader, writer
+
+
+def drop(writer: asyncio.StreamWriter) -> None:
+    writer.transport.abort()  # at once, as a client that crashed or lost its network
+
+
+def test_clients_that_leave_mid_stream_are_aborted_in_the_engine_and_free_their_blocks(server):
+    num_streams, max_tokens = 100, 100
     before = wait_for_idle_engine(server)
 
+    async def leave_after_first_chunk(i: int) -> bytes:
+        reader, writer = await open_request(server.port, {"model": MODEL_NAME, "prompt": f"leave {i}",
+                                                          "max_tokens": max_tokens, "ignore_eos": True,
+                                                          "stream": True})
+        head = await asyncio.wait_for(reader.readuntil(b"data: "), 60)
+        drop(writer)
+        return head
+
     async def run():
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                         timeout=aiohttp.ClientTimeout(total=120)) as session:
-            streams = [stream_completion(session, server.url, {
-                "model": MODEL_NAME, "prompt": f"leave {i}", "max_tokens": max_tokens, "ignore_eos": True,
-                "stream": True}, leave_after_first_text=True) for i in range(num_streams)]
+        return await asyncio.gather(*(leave_after_first_chunk(i) for i in range(num_streams)))
 
-            async def impatient(i):  # a whole-response request whose client gives up after 0.5 s
-                timeout = aiohttp.ClientTimeout(total=0.5)
-                with pytest.raises(asyncio.TimeoutError):
-                    await session.post(server.url + "/v1/completions", headers=HEADERS, timeout=timeout, json={
-                        "model": MODEL_NAME, "prompt": f"wait {i}", "max_tokens": max_tokens, "ignore_eos": True})
-
-            return await asyncio.gather(*streams, *(impatient(i) for i in range(num_waiting)))
-
-    results = asyncio.run(run())
-    assert all(r["text"] and r["finish_reason"] is None for r in results[:num_streams])
+    heads = asyncio.run(run())
+    assert all(h.startswith(b"HTTP/1.1 200") for h in heads)
     after = wait_for_idle_engine(server)
     assert metric(after, "jaxllm:num_requests_running") == 0 and metric(after, "jaxllm:num_requests_waiting") == 0
     assert metric(after, "jaxllm:kv_cache_usage_perc") == 0.0  # no block leaked
-    assert success(after, "abort") - success(before, "abort") == num_streams + num_waiting
+    assert success(after, "abort") - success(before, "abort") == num_streams
     assert success(after, "length") == success(before, "length")
     generated = metric(after, "jaxllm:generation_tokens_total") - metric(before, "jaxllm:generation_tokens_total")
-    assert generated < (num_streams + num_waiting) * max_tokens / 4  # they stopped when their clients left
+    assert generated < num_streams * max_tokens / 4  # they stopped when their clients left
+
+
+def test_a_client_that_leaves_before_its_whole_response_is_aborted_in_the_engine(server):
+    num_clients, n, max_tokens = 10, 8, 100
+    before = wait_for_idle_engine(server)
+
+    async def run():
+        connections = [await open_request(server.port, {"model": MODEL_NAME, "prompt": f"wait {i}", "n": n,
+                                                        "max_tokens": max_tokens, "ignore_eos": True})
+                       for i in range(num_clients)]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the engine holds them all
+            text = await asyncio.to_thread(scrape, server)
+            if metric(text, "jaxllm:num_requests_running") + metric(text, "jaxllm:num_requests_waiting") \
+                    >= num_clients * n:
+                break
+            await asyncio.sleep(0.01)
+        for _, writer in connections:
+            drop(writer)
+
+    asyncio.run(run())
+    after = wait_for_idle_engine(server)
+    assert metric(after, "jaxllm:kv_cache_usage_perc") == 0.0
+    assert success(after, "abort") - success(before, "abort") == num_clients * n
+    assert success(after, "length") == success(before, "length")
