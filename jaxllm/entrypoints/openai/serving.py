@@ -250,7 +250,8 @@ class OpenAIServing:
             return StructuredOutputsParams(json=fmt.json_schema.json_schema)
         except (ValueError, TypeError) as e:
             param = "structured_outputs" if so is not None else "response_format"
-            raise APIError(400, f"{param}: {e}", param=param) from e
+            message = str(e) if str(e).startswith(param) else f"{param}: {e}"
+            raise APIError(400, message, param=param) from e
 
     def log_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         if logger.isEnabledFor(logging.INFO):
