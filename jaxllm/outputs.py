@@ -14,6 +14,10 @@ class Logprob:
 # (vLLM's SampleLogprobs; `logprobs` or `logprobs` + 1 entries, as the sampled one may be in the top).
 SampleLogprobs = list[dict[int, Logprob]]
 
+# Per prompt token: None for the first (nothing precedes it), then {token id: Logprob} for the
+# prompt token and the top `prompt_logprobs` tokens at that position (vLLM's PromptLogprobs).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
 
 @dataclasses.dataclass
 class CompletionOutput:
@@ -34,8 +38,11 @@ class RequestMetrics:
     """When things happened to a request, in time.monotonic() seconds (one clock for the
     front end and the engine core: they share a machine)."""
     arrival_time: float
+    first_scheduled_time: float | None = None  # when the engine core's scheduler first scheduled it
+    time_in_queue: float | None = None         # first_scheduled_time - arrival_time, in seconds
     first_token_time: float | None = None  # when the engine core applied the first output token
     last_token_time: float | None = None   # ... and the newest one
+    finished_time: float | None = None     # when the front end saw it finish
 
 
 @dataclasses.dataclass
@@ -46,8 +53,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     error: str | None = None  # set when the engine failed the request
-    prompt_logprobs: None = None
+    prompt_logprobs: PromptLogprobs | None = None  # if SamplingParams.prompt_logprobs, once the prompt is done
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held
 
     def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
         """Merge a later output of this request into this one (vLLM's RequestOutput.add): each

@@ -1,6 +1,7 @@
 """LLMEngine: prompts in, RequestOutputs out. Tokenizing, validation, detokenizing
 and stop strings happen here, in the caller's process; the engine core runs in a
 process of its own (SyncMPClient) or, with enable_multiprocessing=False, in this one."""
+import dataclasses
 import itertools
 import logging
 import os
@@ -64,7 +65,7 @@ class FrontEnd:
         the core runs: the request, or with n > 1 its n children (ParentRequest)."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        text, token_ids = self.processor.process(prompt, params)
+        processed = self.processor.process(prompt, params)
         arrival_time = time.monotonic()
         parent = ParentRequest(request_id, params, arrival_time) if params.n > 1 else None
         core_ids = parent.child_ids if parent is not None else [request_id]
@@ -74,14 +75,18 @@ class FrontEnd:
         requests = []
         for index, core_id in enumerate(core_ids):
             child_params = parent.child_params(index) if parent is not None else params
+            if index > 0 and child_params.prompt_logprobs is not None:
+                # The children share the prompt: child 0 computes its logprobs for all n.
+                child_params = dataclasses.replace(child_params, prompt_logprobs=None)
             # Without a seed of its own, a request draws from the engine seed and its arrival number.
             arrival = next(self._arrivals)
             seed = child_params.seed
             if seed is None:
                 seed = hash((self.config.seed, arrival)) & (2**63 - 1)
-            self.output_processor.add_request(core_id, text, token_ids, child_params, arrival_time, parent, index)
-            requests.append(EngineCoreRequest(core_id, token_ids, child_params, self.eos_token_ids, seed,
-                                              arrival_time))
+            self.output_processor.add_request(core_id, processed.prompt, processed.prompt_token_ids, child_params,
+                                              arrival_time, parent, index)
+            requests.append(EngineCoreRequest(core_id, processed.prompt_token_ids, child_params, self.eos_token_ids,
+                                              seed, arrival_time, processed.bad_words_token_ids))
         return requests
 
     def _forget(self, request_ids) -> list[str]:

@@ -1,12 +1,55 @@
 """OutputProcessor: incremental detokenization, stop strings, RequestOutputs."""
+import dataclasses
+import time
+from collections.abc import Callable
+
 from tokenizers.decoders import DecodeStream
 
 from jaxllm.engine import EngineCoreOutput, LogprobsArrays
 from jaxllm.engine.parallel_sampling import ParentRequest
-from jaxllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
+from jaxllm.outputs import (CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput,
+                            SampleLogprobs)
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 _PROMPT_CONTEXT_TOKENS = 6  # enough prompt context for the first output token's spacing
+
+DecodeEach = Callable[[list[int]], list[str | None]]
+
+
+def logprob_dicts(rows: LogprobsArrays, num_top: int, decode_each: DecodeEach) -> list[dict[int, Logprob]]:
+    """One {token id: Logprob} per row, vLLM's: column 0's token (sampled, or the prompt's own) with
+    its rank, then the top `num_top` with ranks 1, 2, ... (column 0's token among them keeps its top rank)."""
+    ranks = range(1, num_top + 1)
+    return [{token_id: Logprob(logprob, r, text) for token_id, logprob, r, text
+             in zip(token_ids, logprobs, (rank, *ranks), decode_each(token_ids))}
+            for logprobs, token_ids, rank in zip(rows.logprobs.tolist(), rows.token_ids.tolist(), rows.ranks.tolist())]
+
+
+class PromptLogprobsBuilder:
+    """A request's prompt logprobs (vLLM's PromptLogprobs), from the core's rows for prompt
+    positions 1, 2, ..., in order over one or more outputs (one per prefill chunk). They go out
+    once all have come: in every output after, or with DELTA in the first one only."""
+
+    def __init__(self, num_prompt_tokens: int, num_top: int, decode_each: DecodeEach):
+        self.num_prompt_tokens, self.num_top, self.decode_each = num_prompt_tokens, num_top, decode_each
+        self.logprobs: PromptLogprobs = [None]  # the first prompt token has nothing before it
+        self._sent = False
+
+    @property
+    def complete(self) -> bool:
+        return len(self.logprobs) == self.num_prompt_tokens
+
+    def append(self, rows: LogprobsArrays) -> None:
+        self.logprobs.extend(logprob_dicts(rows, self.num_top, self.decode_each))
+        if len(self.logprobs) > self.num_prompt_tokens:
+            raise RuntimeError(f"the engine core sent logprobs for {len(self.logprobs)} prompt positions "
+                               f"of a {self.num_prompt_tokens}-token prompt")
+
+    def for_output(self, delta: bool) -> PromptLogprobs | None:
+        if not self.complete or (delta and self._sent):
+            return None
+        self._sent = True
+        return self.logprobs if delta else list(self.logprobs)
 
 
 class RequestState:
@@ -14,13 +57,17 @@ class RequestState:
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, tokenizer, arrival_time: float,
-                 parent: ParentRequest | None = None, index: int = 0):
+                 parent: ParentRequest | None = None, index: int = 0,
+                 prompt_logprobs: PromptLogprobsBuilder | None = None, added_tokens: dict[int, str] | None = None):
+        """`prompt_logprobs`: shared by a parent's children (child 0 fills it), else this request's own.
+        `added_tokens`: the tokenizer's added tokens, {id: content}."""
         self.request_id = request_id
         self.parent, self.index = parent, index
         self.metrics = RequestMetrics(arrival_time) if parent is None else parent.metrics
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
+        self.num_cached_tokens = 0
         self.token_ids: list[int] = []
         self.text = ""
         # One dict per output token, and their sum: when the request asked for logprobs (vLLM's None otherwise).
@@ -30,11 +77,22 @@ class RequestState:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self._sent_tokens = self._sent_text = 0  # what DELTA outputs already carried
-        self._backend = tokenizer.backend_tokenizer if tokenizer is not None else None  # a tokenizers.Tokenizer
+        # A tokenizers.Tokenizer; None without a tokenizer or with detokenize=False (token ids only, no text).
+        self._backend = tokenizer.backend_tokenizer if tokenizer is not None and params.detokenize else None
         self._stream = None
-        if tokenizer is not None:
+        if self._backend is not None:
             self._stream = DecodeStream(ids=prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:],
                                         skip_special_tokens=params.skip_special_tokens)
+        # spaces_between_special_tokens=False, as vLLM does it for fast tokenizers: an added token
+        # right after another is its bare content, without the space a decoder (WordPiece's, say) puts
+        # before it. It matters only when special tokens are in the text.
+        self._added_tokens = None
+        if not params.spaces_between_special_tokens and not params.skip_special_tokens and added_tokens:
+            self._added_tokens = added_tokens
+        self._last_added = False
+        if prompt_logprobs is None and params.prompt_logprobs is not None:
+            prompt_logprobs = PromptLogprobsBuilder(len(prompt_token_ids), params.prompt_logprobs, self._decode_each)
+        self.prompt_logprobs = prompt_logprobs
 
     def append(self, token_ids: list[int], stop_terminated: bool) -> bool:
         """Add new tokens; True if a stop string ended the request. A token that
@@ -46,19 +104,23 @@ class RequestState:
         if stop_terminated and not self.params.include_stop_str_in_output:
             token_ids = token_ids[:-1]
         start = len(self.text)
-        pieces = [self._stream.step(self._backend, t) for t in token_ids]
-        self.text += "".join(p for p in pieces if p)
+        self.text += "".join(self._decode_next(t) for t in token_ids)
         return bool(self.params.stop) and not stop_terminated and self._check_stop_strings(start)
 
+    def _decode_next(self, token_id: int) -> str:
+        piece = self._stream.step(self._backend, token_id) or ""
+        if self._added_tokens is not None:
+            content = self._added_tokens.get(token_id)
+            if content is not None and self._last_added:
+                piece = content
+            self._last_added = content is not None
+        return piece
+
     def append_logprobs(self, new: LogprobsArrays) -> None:
-        """Add the new tokens' logprobs as vLLM's dicts: the sampled token with its rank,
-        then the top tokens with ranks 1, 2, ... (a sampled token among them keeps its top rank)."""
-        ranks = range(1, self.params.logprobs + 1)
-        for logprobs, token_ids, rank in zip(new.logprobs.tolist(), new.token_ids.tolist(), new.ranks.tolist()):
-            self.cumulative_logprob += logprobs[0]
-            decoded = self._decode_each(token_ids)
-            self.logprobs.append({token_id: Logprob(logprob, r, text) for token_id, logprob, r, text
-                                  in zip(token_ids, logprobs, (rank, *ranks), decoded)})
+        """Add the new tokens' logprobs (logprob_dicts) and their sampled tokens' to the sum."""
+        self.logprobs.extend(logprob_dicts(new, self.params.logprobs, self._decode_each))
+        for logprob in new.logprobs[:, 0].tolist():
+            self.cumulative_logprob += logprob
 
     def _decode_each(self, token_ids: list[int]) -> list[str | None]:
         """Each token decoded alone (vLLM's convert_ids_list_to_tokens), one tokenizer call for all."""
@@ -102,10 +164,14 @@ class RequestState:
             if not outputs:
                 return None
             request_id, finished, error = self.parent.request_id, self.parent.finished, self.parent.error
-        m = self.metrics
-        metrics = RequestMetrics(m.arrival_time, m.first_token_time, m.last_token_time)
-        return RequestOutput(request_id, self.prompt, self.prompt_token_ids, outputs,
-                             finished=finished, error=error, metrics=metrics)
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None:
+            prompt_logprobs = self.prompt_logprobs.for_output(delta=kind == RequestOutputKind.DELTA)
+        if finished and self.metrics.finished_time is None:
+            self.metrics.finished_time = time.monotonic()
+        return RequestOutput(request_id, self.prompt, self.prompt_token_ids, outputs, finished=finished,
+                             error=error, prompt_logprobs=prompt_logprobs, metrics=dataclasses.replace(self.metrics),
+                             num_cached_tokens=self.num_cached_tokens)
 
 
 class OutputProcessor:
@@ -113,6 +179,10 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}  # by the core's request ids (a parent's children)
         self.parents: dict[str, ParentRequest] = {}
+        self._added_tokens: dict[int, str] = {}  # for spaces_between_special_tokens
+        if tokenizer is not None:
+            self._added_tokens = {token_id: token.content for token_id, token
+                                  in tokenizer.backend_tokenizer.get_added_tokens_decoder().items()}
 
     def in_use(self, request_id: str) -> bool:
         return request_id in self.states or request_id in self.parents
@@ -120,11 +190,14 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float,
                     parent: ParentRequest | None = None, index: int = 0) -> None:
-        """Track one request the core runs; a parent's children are added one by one."""
+        """Track one request the core runs; a parent's children are added one by one, in index order."""
+        prompt_logprobs = None
         if parent is not None:
             self.parents[parent.request_id] = parent
+            if index > 0:  # the children share the prompt, and child 0's prompt logprobs
+                prompt_logprobs = self.states[parent.child_ids[0]].prompt_logprobs
         self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer,
-                                               arrival_time, parent, index)
+                                               arrival_time, parent, index, prompt_logprobs, self._added_tokens)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
@@ -138,12 +211,24 @@ class OutputProcessor:
             state = self.states.get(co.request_id)
             if state is None:
                 continue  # aborted here, or ended by a stop string, while the core ran on
+            metrics = state.metrics
+            if co.first_scheduled_time is not None and metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = co.first_scheduled_time
+                metrics.time_in_queue = co.first_scheduled_time - metrics.arrival_time
+            if co.num_cached_tokens:
+                state.num_cached_tokens = co.num_cached_tokens
             if co.new_token_ids:
-                if state.metrics.first_token_time is None:
-                    state.metrics.first_token_time = timestamp
-                state.metrics.last_token_time = timestamp
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = timestamp
+                metrics.last_token_time = timestamp
             if co.new_logprobs is not None:
                 state.append_logprobs(co.new_logprobs)
+            prompt_done = False
+            if co.new_prompt_logprobs is not None and state.index == 0 and state.prompt_logprobs is not None:
+                state.prompt_logprobs.append(co.new_prompt_logprobs)
+                prompt_done = state.prompt_logprobs.complete
+            if not co.new_token_ids and co.finish_reason is None and not prompt_done:
+                continue  # a prefill chunk's prompt logprobs: nothing to tell until the prompt is done
             if co.new_token_ids and state.append(co.new_token_ids, stop_terminated=co.finish_reason == "stop"):
                 stopped.append(co.request_id)
             elif co.finish_reason is not None:

@@ -1,4 +1,6 @@
 """Processor: turns a user's prompt into validated token ids, at the boundary."""
+import dataclasses
+
 from jaxllm.config import Config
 from jaxllm.sampling_params import SamplingParams
 
@@ -14,6 +16,14 @@ def check_text(text: str, field: str) -> None:
         raise ValueError(f"{field} is not valid text: {e.reason} (position {e.start}: {text[e.start]!r})") from None
 
 
+@dataclasses.dataclass
+class ProcessedRequest:
+    """What the Processor makes of one request's prompt and params, ready for the core."""
+    prompt: str | None                    # the prompt's text, as given (None for token ids)
+    prompt_token_ids: list[int]           # after truncate_prompt_tokens
+    bad_words_token_ids: list[list[int]]  # SamplingParams.bad_words, tokenized
+
+
 class Processor:
     def __init__(self, config: Config, tokenizer):
         self.max_model_len = config.model.max_model_len
@@ -21,15 +31,16 @@ class Processor:
         self.max_logprobs = config.model.max_logprobs
         self.tokenizer = tokenizer
 
-    def process(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
-        """Returns (prompt text or None, prompt token ids); raises ValueError naming the problem."""
+    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedRequest:
+        """Raises ValueError (TypeError for a wrong type) naming the problem."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate()  # again: the caller may have changed the params since they were made
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise ValueError(f"logprobs must be <= max_logprobs ({self.max_logprobs}, an engine arg), "
-                             f"got {params.logprobs}")
+        self._check_params(params)
         text, token_ids = self._tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:
+            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            token_ids = token_ids[-keep:]
         if not token_ids:
             raise ValueError("prompt is empty: it must hold at least one token")
         if len(token_ids) > self.max_model_len:
@@ -37,9 +48,49 @@ class Processor:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids hold ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this engine was started with skip_tokenizer_init")
-        return text, token_ids
+        return ProcessedRequest(text, token_ids, self._bad_words_token_ids(params.bad_words or []))
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: the limits of this engine and its model."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"{name} must be <= max_logprobs ({self.max_logprobs}, an engine arg), got {value}")
+        for name in ("logit_bias", "allowed_token_ids"):
+            outside = [t for t in getattr(params, name) or () if t >= self.vocab_size]
+            if outside:
+                raise ValueError(f"{name} holds token ids outside the vocabulary [0, {self.vocab_size}): "
+                                 f"{outside[:5]}")
+        if params.truncate_prompt_tokens is not None and params.truncate_prompt_tokens > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens must be <= max_model_len ({self.max_model_len}) or -1, "
+                             f"got {params.truncate_prompt_tokens}")
+        if self.tokenizer is None:
+            for name, why in (("stop", "to find stop strings in the text"), ("bad_words", "to tokenize them"),
+                              ("structured_outputs", "to map the constraint onto token ids")):
+                if getattr(params, name):
+                    raise ValueError(f"{name} needs a tokenizer ({why}), and this engine was started with "
+                                     "skip_tokenizer_init")
+
+    def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """vLLM's rule: each word, stripped of leading whitespace, is tokenized alone (as at the
+        start of a text) and after a space (as inside one); the spaced form is kept only when it
+        is a different word token of the same length (a tokenizer that splits the space into a
+        token of its own gives nothing new). Duplicates are dropped."""
+        sequences: list[list[int]] = []
+        for i, word in enumerate(bad_words):
+            check_text(word, f"bad_words[{i}]")
+            word = word.lstrip()
+            alone = self.tokenizer.encode(word, add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word, add_special_tokens=False)
+            if not alone:
+                raise ValueError(f"bad_words[{i}] ({word!r}) tokenizes to no tokens")
+            for ids in [alone] + ([spaced] if len(spaced) == len(alone) and spaced[0] != alone[0] else []):
+                if ids not in sequences:
+                    sequences.append(ids)
+        outside = [t for ids in sequences for t in ids if t >= self.vocab_size]
+        if outside:
+            raise ValueError(f"bad_words tokenize to ids outside the vocabulary [0, {self.vocab_size}): {outside[:5]}")
+        return sequences
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -140,6 +140,23 @@ SAMPLING_INVALID = {
     "include_stop_str_in_output": NOT_BOOL,
     "skip_special_tokens": NOT_BOOL,
     "logprobs": st.one_of(st.integers(max_value=-1), not_of(int, type(None))),
+    "presence_penalty": st.one_of(numbers_but(lambda x: -2 <= x <= 2), not_of(float)),
+    "frequency_penalty": st.one_of(numbers_but(lambda x: -2 <= x <= 2), not_of(float)),
+    "repetition_penalty": st.one_of(numbers_but(lambda x: 0 < x <= sys.float_info.max), not_of(float)),
+    "min_tokens": st.one_of(st.integers(max_value=-1), st.integers(min_value=17), not_of(int)),  # max_tokens 16
+    "logit_bias": st.one_of(st.dictionaries(st.integers(max_value=-1), st.floats(-1, 1), min_size=1),
+                            st.dictionaries(st.integers(0, 9), st.sampled_from([math.nan, math.inf]), min_size=1),
+                            not_of(type(None))),
+    "allowed_token_ids": st.one_of(st.lists(st.integers(max_value=-1), min_size=1), st.just([]),
+                                   not_of(list, type(None))),
+    "bad_words": st.one_of(st.lists(st.sampled_from(["", " ", "\t"]), min_size=1),
+                           st.lists(st.integers(), min_size=1), not_of(list, type(None))),
+    "spaces_between_special_tokens": NOT_BOOL,
+    "detokenize": NOT_BOOL,
+    "truncate_prompt_tokens": st.one_of(st.integers(max_value=0).filter(lambda k: k != -1), not_of(int, type(None))),
+    "prompt_logprobs": st.one_of(st.integers(max_value=-1), not_of(int, type(None))),
+    "structured_outputs": not_of(type(None)),
+    "extra_args": not_of(type(None)),
     "output_kind": st.one_of(st.sampled_from([k.name for k in RequestOutputKind]), st.integers(0, 2), st.none()),
 }
 _VALID_DTYPES = {"auto", *config_module._DTYPES, *config_module._DTYPE_ALIASES}
