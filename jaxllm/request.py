@@ -46,11 +46,13 @@ class Request:
         self.num_output_placeholders = 0
         self.stop_reason: int | str | None = None
         self.max_tokens = sampling_params.max_tokens
-        self.sampling_row = _sampling_row(sampling_params, seed, self.num_prompt_tokens)
         # Bad words of one token are masked always (the processors' bias row); longer ones
         # only after their first tokens, which the host checks each step.
         self.banned_token_ids = sorted({w[0] for w in bad_words_token_ids if len(w) == 1})
         self.bad_word_sequences = [list(w) for w in bad_words_token_ids if len(w) > 1]
+        # Whether the sampler runs the logits processors for it (jaxllm/sample/processors.py).
+        self.needs_processors = needs_processors(sampling_params) or bool(bad_words_token_ids)
+        self.sampling_row = _sampling_row(sampling_params, seed, self.num_prompt_tokens, self.needs_processors)
         self.grammar = None  # a structured_output.GrammarMatcher (EngineCore.add_request)
         # Prompt logprobs: the next prompt position whose logprobs are still to send (the first has none).
         self.next_prompt_logprob = 1
@@ -116,7 +118,7 @@ class Request:
         return False
 
 
-def _sampling_row(params: SamplingParams, seed: int, num_prompt_tokens: int) -> np.ndarray:
+def _sampling_row(params: SamplingParams, seed: int, num_prompt_tokens: int, processed: bool) -> np.ndarray:
     """The request's words of the sampler's inputs [NUM_REQUEST_WORDS] int32, in the order of
     sampler.SAMPLING_COLUMNS (floats as their bits). Made once per request."""
     row = np.zeros(NUM_REQUEST_WORDS, np.int32)
@@ -129,5 +131,5 @@ def _sampling_row(params: SamplingParams, seed: int, num_prompt_tokens: int) -> 
     row[COLUMN["seed_high"]], row[COLUMN["seed_low"]] = seed_words
     row[COLUMN["min_tokens"]] = min(params.min_tokens, int32_max)
     row[COLUMN["num_prompt_tokens"]] = num_prompt_tokens
-    row[COLUMN["processed"]] = needs_processors(params)
+    row[COLUMN["processed"]] = processed
     return row

@@ -5,10 +5,9 @@ import os
 
 from jaxllm.config import ModelConfig
 
-# generation_config.json's keys -> SamplingParams fields, vLLM's list (get_diff_sampling_param)
-# less repetition_penalty, which SamplingParams does not have yet.
-_HF_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                     "max_new_tokens": "max_tokens"}
+# generation_config.json's keys -> SamplingParams fields, vLLM's list (get_diff_sampling_param).
+_HF_SAMPLING_KEYS = {"repetition_penalty": "repetition_penalty", "temperature": "temperature", "top_p": "top_p",
+                     "top_k": "top_k", "min_p": "min_p", "max_new_tokens": "max_tokens"}
 
 
 def get_tokenizer(mc: ModelConfig):
@@ -56,8 +55,8 @@ def generation_eos_ids(mc: ModelConfig, tokenizer) -> tuple[int, ...]:
 
 def default_sampling_fields(mc: ModelConfig) -> dict:
     """The SamplingParams fields the model's authors set (vLLM's get_diff_sampling_param):
-    generation_config.json's temperature, top_p, top_k, min_p and max_new_tokens (as
-    max_tokens), or a GGUF file's general.sampling.* keys; {} for none. As in vLLM,
+    generation_config.json's repetition_penalty, temperature, top_p, top_k, min_p and
+    max_new_tokens (as max_tokens), or a GGUF file's general.sampling.* keys; {} for none. As in vLLM,
     do_sample is not read: a temperature of 0 is what makes a request greedy."""
     if mc.format == "hf":
         config = generation_config(mc)

@@ -2,7 +2,7 @@
 a structured output's grammar (llguidance, jaxllm.structured_output) and bad words of
 more than one token (the last token is masked while the output ends with the others).
 A mask row is [ceil(vocab / 32)] int32, bit t % 32 of word t // 32 set where token t
-is allowed; the FULL sampler applies it on the device (processors.apply_processors).
+is allowed; the sampler applies it on the device (processors.apply_processors).
 """
 import logging
 

@@ -1,4 +1,4 @@
-"""The built-in logits processors of a FULL step, on device, in vLLM's order: the host's
+"""The built-in logits processors, on device, in vLLM's order: the host's
 token mask (structured outputs, multi-token bad words), then the request's fixed bias
 row (logit_bias, allowed_token_ids, one-token bad words), then min_tokens (EOS and stop
 ids masked), then the repetition, frequency and presence penalties.

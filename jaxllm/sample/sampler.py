@@ -2,9 +2,9 @@
 
 Per request: temperature (0 = greedy), top-k (<= 0 disables), top-p, min-p, and a
 stateless key `fold_in(key(seed), position)`, so a request's samples depend only
-on its own seed and position, never on what else is in the batch. A FULL batch
-first runs the logits processors (jaxllm/sample/processors.py: penalties, logit
-bias, allowed and bad words, min_tokens, structured outputs' masks).
+on its own seed and position, never on what else is in the batch. A batch with a
+request that needs them first runs the logits processors (jaxllm/sample/processors.py:
+penalties, logit bias, allowed and bad words, min_tokens, structured outputs' masks).
 
 What the batch needs is decided on the host (`SampleMode`, a static argument), not
 with `lax.cond`: XLA on GPU runs a conditional by reading its predicate back to the
@@ -21,24 +21,21 @@ from jaxllm.sampling_params import SamplingParams
 
 class SampleMode(enum.IntEnum):
     """The least work that samples a batch right: all greedy skips the random draw; no
-    top-k, top-p or min-p skips the sort; no logits processor skips the processors.
-    A batch's mode is the highest of its requests'."""
+    top-k, top-p or min-p skips the sort. A batch's mode is the highest of its requests'.
+    Whether the batch runs the logits processors is decided beside it (needs_processors)."""
     GREEDY = 0
     RANDOM = 1
     FILTERED = 2
-    FULL = 3  # the logits processors, then as FILTERED
 
 
 def needs_processors(params: SamplingParams) -> bool:
-    """Whether a request changes its logits before sampling (the FULL mode)."""
+    """Whether a request changes its logits before sampling (processors.apply_processors)."""
     return (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
             or params.min_tokens > 0 or bool(params.logit_bias) or params.allowed_token_ids is not None
             or bool(params.bad_words) or params.structured_outputs is not None)
 
 
 def sample_mode(params: SamplingParams) -> SampleMode:
-    if needs_processors(params):
-        return SampleMode.FULL
     if params.temperature == 0.0:
         return SampleMode.GREEDY
     if params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0:
@@ -82,7 +79,7 @@ class SamplingMetadata:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ProcessorMetadata:
-    """What the FULL mode's logits processors read per request (jaxllm/sample/processors.py)."""
+    """What the logits processors read per request (jaxllm/sample/processors.py)."""
     presence_penalty: jax.Array    # [num_reqs] float32
     frequency_penalty: jax.Array   # [num_reqs] float32
     repetition_penalty: jax.Array  # [num_reqs] float32

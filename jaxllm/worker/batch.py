@@ -16,8 +16,7 @@ import numpy as np
 from jaxllm.core.kv_cache_manager import cdiv
 from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.kernels.attention import AttentionMetadata
-from jaxllm.sample.sampler import (COLUMN, NUM_REQUEST_WORDS, NUM_SAMPLING_WORDS, SampleMode,
-                                   needs_processors, sample_mode)
+from jaxllm.sample.sampler import COLUMN, NUM_REQUEST_WORDS, NUM_SAMPLING_WORDS, SampleMode, sample_mode
 
 
 _ALIGN = 64  # int32 words: 256 bytes
@@ -113,7 +112,7 @@ class RequestRows:
                 params = request.sampling_params
                 self.sampling[row] = request.sampling_row
                 self.sample_mode[row] = sample_mode(params)
-                self.processed[row] = needs_processors(params)
+                self.processed[row] = request.needs_processors
                 self.wants_logprobs[row] = params.logprobs is not None
                 self.host_masked[row] = request.needs_host_mask
                 self._num_blocks[row] = 0

@@ -93,8 +93,8 @@ class ModelRunner:
             buffers = [np.zeros(layout.size, np.int32) for _ in range(2)]
             self._host_buffers[layout.num_tokens] = [(b, layout.host_views(b)) for b in buffers]
         self._num_steps = 0
-        # (width, then the step's inputs: bucket, buffer, mode, with logprobs)
-        self._widest_step: tuple[tuple[int, int], int, np.ndarray, SampleMode, bool] | None = None
+        # (width, then the step's inputs: bucket, buffer, mode, with processors, with logprobs)
+        self._widest_step: tuple[tuple[int, int], int, np.ndarray, SampleMode, bool, bool] | None = None
         self._prev_sampled = self._zero_sampled()
         forward_fn = _make_forward_fn(self._graphdef, self._params_treedef, self._attn_fn,
                                       {layout.num_tokens: layout for layout in layouts}, sc.max_num_seqs)
@@ -106,8 +106,9 @@ class ModelRunner:
             [(kv_sharding, kv_sharding)] * mc.arch.num_layers))
         self._sample = jax.jit(functools.partial(_sample_padded, max_num_seqs=sc.max_num_seqs),
                                static_argnums=(2,), out_shardings=replicated(self.mesh))
-        self._sample_full = jax.jit(functools.partial(_sample_full, max_num_seqs=sc.max_num_seqs), donate_argnums=(2,),
-                                    out_shardings=(replicated(self.mesh), self._processor_state_sharding()))
+        self._sample_processed = jax.jit(functools.partial(_sample_processed, max_num_seqs=sc.max_num_seqs),
+                                         donate_argnums=(2,), static_argnums=(4,),
+                                         out_shardings=(replicated(self.mesh), self._processor_state_sharding()))
         self._write_rows = jax.jit(processors.write_rows, donate_argnums=(0,),
                                    out_shardings=self._processor_state_sharding())
         self.num_logprobs = min(mc.max_logprobs, mc.arch.vocab_size)  # K: the top tokens every request gets
@@ -120,11 +121,11 @@ class ModelRunner:
         # Per request bucket: a bitmask allowing every token, on the device, and a host buffer for masks.
         self._all_allowed: dict[int, jax.Array] = {}
         self._host_bitmasks: dict[int, np.ndarray] = {}
-        # Compiled executables: the forward per token bucket, the sampler per (request bucket, mode),
-        # the logprobs per request bucket, the prompt logprobs per token bucket; the forward's own
-        # argmax samples a greedy batch, with no second call.
+        # Compiled executables: the forward per token bucket, the sampler per (request bucket, mode,
+        # with the logits processors), the logprobs per request bucket, the prompt logprobs per token
+        # bucket; the forward's own argmax samples a greedy batch without processors, with no second call.
         self._forwards: dict[int, jax.stages.Compiled] = {}
-        self._samplers: dict[tuple[int, SampleMode], jax.stages.Compiled] = {}
+        self._samplers: dict[tuple[int, SampleMode, bool], jax.stages.Compiled] = {}
         self._logprob_fns: dict[int, jax.stages.Compiled] = {}
         self._prompt_logprob_fns: dict[int, jax.stages.Compiled] = {}
         self._write_rows_fn: jax.stages.Compiled | None = None
@@ -209,28 +210,31 @@ class ModelRunner:
         buffer = self._host_buffers[token_bucket][0][0]
         return self._forward.lower(self._params, self.kv_caches, self._prev_sampled, buffer, token_bucket)
 
-    def _dispatch(self, token_bucket: int, buffer: np.ndarray, mode: SampleMode, with_logprobs: bool = False,
-                  host_bitmask=None, prompt_inputs=()) -> tuple[jax.Array, "Logprobs | None", list["Logprobs"]]:
-        """Run a step's forward; unless the batch is greedy, its sampler (a FULL one with the
-        token mask that `host_bitmask()` makes once the forward is on its way, or with none);
-        if asked, the logprobs of its sampled ids, and the prompt logprobs of `prompt_inputs`
-        [(token indices [C], target ids [C])]. What warm_up did not compile compiles here.
-        Returns (the sampled ids, their Logprobs or None, the prompt inputs' Logprobs)."""
+    def _dispatch(self, token_bucket: int, buffer: np.ndarray, mode: SampleMode, processed: bool = False,
+                  with_logprobs: bool = False, host_bitmask=None,
+                  prompt_inputs=()) -> tuple[jax.Array, "Logprobs | None", list["Logprobs"]]:
+        """Run a step's forward; unless the batch is greedy with no logits processors, its
+        sampler (with `processed`, the processors', with the token mask that `host_bitmask()`
+        makes once the forward is on its way, or with none); if asked, the logprobs of its
+        sampled ids, and the prompt logprobs of `prompt_inputs` [(token indices [C], target ids
+        [C])]. What warm_up did not compile compiles here. Returns (the sampled ids, their
+        Logprobs or None, the prompt inputs' Logprobs)."""
         forward = _compiled(self._forwards, token_bucket, lambda: self._lower_forward(token_bucket))
         with TraceAnnotation("dispatch"):
             greedy, logits, words, hidden, self.kv_caches = forward(self._params, self.kv_caches,
                                                                     self._prev_sampled, buffer)
         num_reqs = logits.shape[0]
-        if mode == SampleMode.GREEDY:
-            self._prev_sampled = greedy
-        elif mode == SampleMode.FULL:
+        if processed:
             bitmask = self._all_allowed_bitmask(num_reqs) if host_bitmask is None else host_bitmask()
-            sampler = _compiled(self._samplers, (num_reqs, mode), lambda: self._sample_full.lower(
-                logits, words, self._processor_state, bitmask))
+            sampler = _compiled(self._samplers, (num_reqs, mode, True), lambda: self._sample_processed.lower(
+                logits, words, self._processor_state, bitmask, mode))
             with TraceAnnotation("dispatch"):
                 self._prev_sampled, self._processor_state = sampler(logits, words, self._processor_state, bitmask)
+        elif mode == SampleMode.GREEDY:
+            self._prev_sampled = greedy
         else:
-            sampler = _compiled(self._samplers, (num_reqs, mode), lambda: self._sample.lower(logits, words, mode))
+            sampler = _compiled(self._samplers, (num_reqs, mode, False), lambda: self._sample.lower(
+                logits, words, mode))
             with TraceAnnotation("dispatch"):
                 self._prev_sampled = sampler(logits, words)
         logprobs = None
@@ -291,14 +295,15 @@ class ModelRunner:
                 chunk = jax.ShapeDtypeStruct((self._prompt_logprobs_chunk(token_bucket),), jnp.int32)
                 jobs.append((self._prompt_logprob_fns, token_bucket, pool.submit(
                     self._prompt_logprobs.lower(self._params, hidden, chunk, chunk).compile)))
-                if any(key == (num_reqs, SampleMode.FULL) for _, key, _ in jobs):
+                if num_reqs in self._all_allowed:
                     continue  # the request bucket's executables are on their way
-                for mode in (SampleMode.RANDOM, SampleMode.FILTERED):
-                    jobs.append((self._samplers, (num_reqs, mode),
-                                 pool.submit(self._sample.lower(logits, words, mode).compile)))
                 bitmask = self._all_allowed_bitmask(num_reqs)
-                jobs.append((self._samplers, (num_reqs, SampleMode.FULL), pool.submit(
-                    self._sample_full.lower(logits, words, self._processor_state, bitmask).compile)))
+                for mode in SampleMode:
+                    if mode != SampleMode.GREEDY:
+                        jobs.append((self._samplers, (num_reqs, mode, False),
+                                     pool.submit(self._sample.lower(logits, words, mode).compile)))
+                    jobs.append((self._samplers, (num_reqs, mode, True), pool.submit(self._sample_processed.lower(
+                        logits, words, self._processor_state, bitmask, mode).compile)))
                 jobs.append((self._logprob_fns, num_reqs, pool.submit(self._logprobs.lower(logits, sampled).compile)))
             for executables, key, job in tqdm(jobs, desc="Compiling", disable=not show_progress):
                 executables[key] = job.result()
@@ -307,9 +312,11 @@ class ModelRunner:
             buffer, views = self._next_host_buffer(token_bucket)
             batching.fill_padding(views)
             zeros = np.zeros(self._prompt_logprobs_chunk(token_bucket), np.int32)
-            for mode in SampleMode:  # the logprobs once per bucket, with the greedy step
-                jax.block_until_ready(self._dispatch(token_bucket, buffer, mode, mode == SampleMode.GREEDY,
-                                                     prompt_inputs=[(zeros, zeros)] if mode == SampleMode.GREEDY else ()))
+            for mode in SampleMode:  # the logprobs and prompt logprobs once per bucket, with the greedy step
+                for processed in (False, True):
+                    first = mode == SampleMode.GREEDY and not processed
+                    jax.block_until_ready(self._dispatch(token_bucket, buffer, mode, processed, with_logprobs=first,
+                                                         prompt_inputs=[(zeros, zeros)] if first else ()))
         self.startup_s["compile"] = time.perf_counter() - start
 
     def execute_model(self, sched: SchedulerOutput) -> "StepOutput":
@@ -322,19 +329,20 @@ class ModelRunner:
         buffer, views = self._next_host_buffer(token_bucket)
         batching.pack(sched, rows, self.request_rows, views, self.block_size)
         mode = self.request_rows.batch_sample_mode(rows)
+        processed = bool(self.request_rows.processed[rows].any())
         with_logprobs = bool(self.request_rows.wants_logprobs[rows].any())
         prompt_inputs, prompt_segments = self._prompt_logprob_inputs(sched, views, token_bucket)
         host_bitmask = None
-        if mode == SampleMode.FULL and self.request_rows.host_masked[rows].any():
+        if self.request_rows.host_masked[rows].any():
             prev_sampled = self._prev_sampled
             host_bitmask = lambda: self._host_bitmask(sched, rows, views, prev_sampled)
-        sampled, logprobs, prompt_logprobs = self._dispatch(token_bucket, buffer, mode, with_logprobs,
+        sampled, logprobs, prompt_logprobs = self._dispatch(token_bucket, buffer, mode, processed, with_logprobs,
                                                             host_bitmask, prompt_inputs)
         for array in (sampled, *(logprobs or ()), *(a for p in prompt_logprobs for a in p)):
             array.copy_to_host_async()
         width = (len(sched.requests), -sched.num_scheduled_tokens)  # most requests, then fewest tokens
         if self._widest_step is None or width > self._widest_step[0]:
-            self._widest_step = (width, token_bucket, buffer.copy(), mode, with_logprobs)
+            self._widest_step = (width, token_bucket, buffer.copy(), mode, processed, with_logprobs)
         return StepOutput(sampled, len(sched.requests), logprobs, prompt_logprobs, prompt_segments)
 
     def _prompt_logprob_inputs(self, sched: SchedulerOutput, views, token_bucket: int):
@@ -392,7 +400,7 @@ class ModelRunner:
             raise RuntimeError("no step has run since the last call")
         step = self._widest_step[1:]
         self._widest_step = None
-        jax.block_until_ready(self._dispatch(*step))  # a FULL step replays with no host-made masks
+        jax.block_until_ready(self._dispatch(*step))  # a step replays with no host-made masks
         start = time.perf_counter()
         for _ in range(num_iters):
             outputs = self._dispatch(*step)
@@ -495,10 +503,10 @@ def _sample_padded(logits, words, mode: SampleMode, max_num_seqs: int) -> jax.Ar
     return jnp.pad(tokens, (0, max_num_seqs - tokens.shape[0]))
 
 
-def _sample_full(logits, words, state: ProcessorState, bitmask, max_num_seqs: int):
-    """The FULL mode: the logits processors, then any sampling; each request with processors
-    counts its sampled id. Returns (ids [max_num_seqs] int32, the new ProcessorState)."""
+def _sample_processed(logits, words, state: ProcessorState, bitmask, mode: SampleMode, max_num_seqs: int):
+    """The logits processors, then the sampler; each request with processors counts its
+    sampled id. Returns (ids [max_num_seqs] int32, the new ProcessorState)."""
     md = ProcessorMetadata.from_words(words)
     tokens = sample(processors.apply_processors(logits, md, state, bitmask), SamplingMetadata.from_words(words),
-                    SampleMode.FILTERED)
+                    mode)
     return jnp.pad(tokens, (0, max_num_seqs - tokens.shape[0])), processors.count_sampled(state, md, tokens)

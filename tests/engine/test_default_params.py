@@ -15,10 +15,11 @@ from tests.engine.test_core_process import engine_args
 
 pytestmark = pytest.mark.timeout(300)  # a hung step loop fails the test, never the CI run
 
-# Greedy, so the outputs are comparable; repetition_penalty and do_sample are not read.
+# Greedy, so the outputs are comparable; do_sample is not read (as vLLM: a temperature of 0 is greedy).
 GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.0, "top_p": 0.9,
                      "top_k": 20, "min_p": 0.05, "max_new_tokens": 5, "repetition_penalty": 1.3}
-MODEL_DEFAULTS = SamplingParams(temperature=0.0, top_p=0.9, top_k=20, min_p=0.05, max_tokens=5)
+MODEL_DEFAULTS = SamplingParams(temperature=0.0, top_p=0.9, top_k=20, min_p=0.05, max_tokens=5,
+                                repetition_penalty=1.3)
 
 
 def model_folder(char_llama: str, folder, generation_config: dict) -> str:

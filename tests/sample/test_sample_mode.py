@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxllm.config import EngineArgs
-from jaxllm.sample.sampler import SampleMode, sample, sample_mode
+from jaxllm.sample.sampler import SampleMode, needs_processors, sample, sample_mode
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.worker import batch as batching
 from jaxllm.worker.model_runner import ModelRunner
@@ -21,17 +21,23 @@ from tests.sample.test_sampler import metadata, random_logits
     (SamplingParams(temperature=0.7, top_k=1), SampleMode.FILTERED),
     (SamplingParams(temperature=0.7, top_p=0.999), SampleMode.FILTERED),
     (SamplingParams(temperature=0.7, min_p=0.01), SampleMode.FILTERED),
-    (SamplingParams(temperature=0.0, repetition_penalty=1.1), SampleMode.FULL),
-    (SamplingParams(temperature=0.7, presence_penalty=-0.5), SampleMode.FULL),
-    (SamplingParams(frequency_penalty=0.1), SampleMode.FULL),
-    (SamplingParams(min_tokens=1), SampleMode.FULL),
-    (SamplingParams(logit_bias={3: 0.5}), SampleMode.FULL),
-    (SamplingParams(allowed_token_ids=[3]), SampleMode.FULL),
-    (SamplingParams(bad_words=["no"]), SampleMode.FULL),
-    (SamplingParams(temperature=0.0, logit_bias={}), SampleMode.GREEDY),  # an empty bias changes nothing
 ])
 def test_a_request_needs_the_least_mode_that_samples_it(params, mode):
     assert sample_mode(params) == mode
+    assert not needs_processors(params)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, repetition_penalty=1.1), SamplingParams(temperature=0.7, presence_penalty=-0.5),
+    SamplingParams(frequency_penalty=0.1), SamplingParams(min_tokens=1), SamplingParams(logit_bias={3: 0.5}),
+    SamplingParams(allowed_token_ids=[3]), SamplingParams(bad_words=["no"]),
+])
+def test_a_request_that_changes_its_logits_needs_the_processors(params):
+    assert needs_processors(params)
+
+
+def test_an_empty_logit_bias_needs_no_processors():
+    assert not needs_processors(SamplingParams(logit_bias={}))
 
 
 def test_a_batch_takes_the_highest_mode_of_its_requests():
@@ -68,6 +74,7 @@ def test_the_step_holds_no_conditional():
                                                         buffer, token_bucket)
     texts += [runner._sample.lower(logits, words, mode).as_text() for mode in (SampleMode.RANDOM, SampleMode.FILTERED)]
     bitmask = runner._all_allowed_bitmask(logits.shape[0])
-    texts.append(runner._sample_full.lower(logits, words, runner._processor_state, bitmask).as_text())
+    texts += [runner._sample_processed.lower(logits, words, runner._processor_state, bitmask, mode).as_text()
+              for mode in SampleMode]
     for text in texts:
         assert "stablehlo.if" not in text and "stablehlo.case" not in text
