@@ -2,7 +2,9 @@
 with a character tokenizer (text in, text out, stop strings match) and a chat template
 given by --chat-template. The server and its engine core are stopped at teardown, however
 the tests ended."""
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -11,6 +13,8 @@ import time
 
 import httpx
 import pytest
+
+from tests.conftest import tiny_model
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 128
@@ -117,3 +121,36 @@ def metric_values(text: str, name: str) -> dict[str, float]:
             key, value = line.rsplit(" ", 1)
             values[key[len(name):]] = float(value)
     return values
+
+
+def write_byte_tokenizer(folder: str) -> None:
+    """A GPT-2-style byte-level tokenizer for the tiny models' 256 ids: 0-2 are <unk>, <s>,
+    </s>, every other id one byte (all but 0xF5-0xF7, which UTF-8 never uses). Unlike the
+    character tokenizer, llguidance can read it, so structured outputs work."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    # GPT-2's bytes-to-characters table: printable bytes stand for themselves, the rest for chr(256 + k).
+    others = [b for b in range(256) if b not in printable]
+    char_of = {**{b: chr(b) for b in printable}, **{b: chr(256 + k) for k, b in enumerate(others)}}
+    kept = [b for b in range(256) if b not in (0xF5, 0xF6, 0xF7)]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{char_of[b]: i + 3 for i, b in enumerate(kept)}}
+    tokenizer = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tokenizer.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                   "unk_token": "<unk>"}, f)
+
+
+@pytest.fixture(scope="session")
+def byte_llama(tmp_path_factory) -> str:
+    """The tiny Llama with a byte-level tokenizer."""
+    folder = tmp_path_factory.mktemp("byte_llama")
+    for name in os.listdir(tiny_model("llama")):
+        if name != "golden.npz":
+            shutil.copy(os.path.join(tiny_model("llama"), name), folder)
+    write_byte_tokenizer(str(folder))
+    return str(folder)
