@@ -66,6 +66,14 @@ def test_chat_prompt_is_the_chat_template_applied(api, client):
     assert out.usage.prompt_tokens == len(tokens)
 
 
+def test_a_request_chat_template_gets_the_chat_template_kwargs(api):
+    out = api.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "cd"}], max_tokens=1,
+        extra_body={"chat_template": "{{ prefix }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                    "chat_template_kwargs": {"prefix": "ab"}})
+    assert out.usage.prompt_tokens == len("abcd")  # one token a character
+
+
 def test_n_2_gives_two_choices_streamed_and_not(api):
     whole = api.completions.create(model=MODEL_NAME, prompt="abc", max_tokens=6, n=2, temperature=1.0, seed=3,
                                    extra_body={"ignore_eos": True})
@@ -180,3 +188,9 @@ def test_api_key_is_required_on_v1_routes_only(server):
     assert httpx.get(server.url + "/metrics").status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_serve_with_a_missing_chat_template_file_is_a_one_line_error(capsys):
+    from jaxllm.cli import main
+    assert main(["serve", "--chat-template", "/nonexistent/template.jinja"]) == 2
+    assert "jaxllm: error: chat template '/nonexistent/template.jinja'" in capsys.readouterr().err

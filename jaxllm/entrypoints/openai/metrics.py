@@ -185,7 +185,8 @@ class RequestTracker:
         if out is None or out.metrics is None:
             return
         m = out.metrics
-        metrics.e2e_request_latency.observe(max(0.0, time.monotonic() - m.arrival_time))
+        finished = getattr(m, "finished_time", None) or time.monotonic()
+        metrics.e2e_request_latency.observe(max(0.0, finished - m.arrival_time))
         metrics.request_prompt_tokens.observe(len(out.prompt_token_ids))
         metrics.request_generation_tokens.observe(self.num_generated)
         scheduled = getattr(m, "first_scheduled_time", None)
