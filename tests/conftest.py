@@ -16,6 +16,14 @@ def tiny_model(name: str) -> str:
     return os.path.join(FIXTURES, "tiny", name)
 
 
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded SmolLM2 (the default model), one engine for every module that needs it."""
+    from jaxllm import LLM
+    with LLM(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256, show_progress=False) as llm:
+        yield llm
+
+
 def pytest_collection_modifyitems(config, items):
     if jax.default_backend() == "gpu":
         return

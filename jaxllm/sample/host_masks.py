@@ -16,14 +16,13 @@ def fill_request_bitmask(request, pending: list[int], row: np.ndarray) -> None:
     sampled but not yet in request.output_token_ids (the previous step's, still in flight)."""
     if request.grammar is not None:
         grammar = request.grammar
-        for token_id in request.output_token_ids[grammar.num_accepted:] + pending:
-            if not grammar.accept_token(token_id):
-                # The mask forbade it, so only a bug gets here: end the request rather than sample garbage.
-                logger.error("request %s: the grammar rejected token %d; only EOS is allowed now",
-                             request.request_id, token_id)
-                row[:] = 0
-                allow(row, request.eos_token_ids[:1] or [token_id])
-                return
+        if not grammar.is_error():
+            for token_id in request.output_token_ids[grammar.num_accepted:] + pending:
+                if not grammar.accept_token(token_id):
+                    # The mask forbade it, so only a bug gets here; the grammar then allows only EOS.
+                    logger.error("request %s: the grammar rejected token %d (%s); only EOS is allowed now",
+                                 request.request_id, token_id, grammar.error())
+                    break
         grammar.fill_bitmask(row)
     if request.bad_word_sequences:
         longest = max(len(w) for w in request.bad_word_sequences)
@@ -32,12 +31,6 @@ def fill_request_bitmask(request, pending: list[int], row: np.ndarray) -> None:
             prefix = word[:-1]
             if tail[-len(prefix):] == prefix:
                 forbid(row, word[-1])
-
-
-def allow(row: np.ndarray, token_ids) -> None:
-    bits = row.view(np.uint32)
-    for t in token_ids:
-        bits[t >> 5] |= np.uint32(1 << (t & 31))
 
 
 def forbid(row: np.ndarray, token_id: int) -> None:

@@ -120,7 +120,7 @@ class ModelRunner:
         self.bitmask_words = cdiv(mc.arch.vocab_size, 32)
         # Per request bucket: a bitmask allowing every token, on the device, and a host buffer for masks.
         self._all_allowed: dict[int, jax.Array] = {}
-        self._host_bitmasks: dict[int, np.ndarray] = {}
+        self._host_bitmasks: dict[int, list[np.ndarray]] = {}
         # Compiled executables: the forward per token bucket, the sampler per (request bucket, mode,
         # with the logits processors), the logprobs per request bucket, the prompt logprobs per token
         # bucket; the forward's own argmax samples a greedy batch without processors, with no second call.
@@ -373,13 +373,16 @@ class ModelRunner:
         grammar or multi-token bad words. They need every token before the one being sampled,
         and the last may still be on the device: this waits for the previous step (its ids
         `prev_sampled`), while the device runs this step's forward."""
-        num_reqs = views["logits_indices"].shape[0]
-        if num_reqs not in self._host_bitmasks:
-            self._host_bitmasks[num_reqs] = np.empty((num_reqs, self.bitmask_words), np.int32)
-        bitmask = self._host_bitmasks[num_reqs]
-        bitmask[:] = -1
         with TraceAnnotation("wait"):
             prev_host = np.asarray(prev_sampled)
+        # Two buffers in turn, as the step's inputs: the step before may not have read its mask yet
+        # (a CPU device reads a numpy argument in place).
+        num_reqs = views["logits_indices"].shape[0]
+        buffers = self._host_bitmasks.setdefault(
+            num_reqs, [np.empty((num_reqs, self.bitmask_words), np.int32) for _ in range(2)])
+        buffers.reverse()
+        bitmask = buffers[0]
+        bitmask[:] = -1
         prev_rows, last_tokens = views["prev_rows"], views["logits_indices"]
         for i in np.flatnonzero(self.request_rows.host_masked[rows]):
             s = sched.requests[i]

@@ -125,14 +125,6 @@ def test_a_long_prompt_without_truncation_is_still_rejected(llm, reference):
 
 # -- with a tokenizer: the embedded SmolLM2 ---------------------------------------------------
 
-@pytest.fixture(scope="module")
-def smollm2():
-    # The shape of tests/engine/test_smollm2.py's engine: its executables are cached.
-    with LLM(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256, show_progress=False,
-             enable_multiprocessing=False) as llm:
-        yield llm
-
-
 def encode(llm, text: str) -> list[int]:
     return llm.get_tokenizer().encode(text, add_special_tokens=False)
 

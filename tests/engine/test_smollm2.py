@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from jaxllm import LLM, RequestOutputKind, SamplingParams
+from jaxllm import RequestOutputKind, SamplingParams
 from tests.conftest import FIXTURES
 
 with open(os.path.join(FIXTURES, "smollm2_golden.json")) as f:
@@ -14,8 +14,8 @@ with open(os.path.join(FIXTURES, "smollm2_golden.json")) as f:
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256, show_progress=False)
+def llm(smollm2):
+    return smollm2
 
 
 def greedy(n=GOLDEN["num_new_tokens"], **kwargs):

@@ -107,7 +107,7 @@ def test_the_host_bitmask_masks_exactly_the_cleared_bits():
     for t in (0, 31, 32, 69):
         host_masks.forbid(bitmask[0], t)
     bitmask[1] = 0
-    host_masks.allow(bitmask[1], [5, 63])
+    bitmask[1, 0], bitmask[1, 1] = 1 << 5, np.uint32(1 << 31).view(np.int32)  # tokens 5 and 63
     req = request()
     logits, out, _, _ = run([req, req], bitmask)
     for i in range(2):
