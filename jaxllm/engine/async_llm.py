@@ -127,6 +127,10 @@ class AsyncLLM(FrontEnd):
                         self._collectors.pop(out.request_id, None)
                 if stopped:
                     self.engine_core.abort_requests(stopped)
+                # A core that runs ahead leaves many steps queued, and a get from a non-empty
+                # queue never yields: without this, the consumers (a server's streams, its
+                # disconnect checks) would wait until the whole backlog was processed.
+                await asyncio.sleep(0)
         except Exception as e:
             if not isinstance(e, EngineDeadError):
                 logger.exception("AsyncLLM's output handler failed")

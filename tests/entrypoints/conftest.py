@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import tiny_model
 
 API_KEY = "test-key"
-MAX_MODEL_LEN = 128
+MAX_MODEL_LEN = 512  # long enough that a request outlives the disconnect of its client
 MODEL_NAME = "tiny-llama"
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}|{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -87,7 +87,7 @@ def start_server(model: str, tmp_path_factory, name: str, *args: str) -> RemoteS
     server = RemoteServer(model, str(template.parent / "server.log"), "--served-model-name", MODEL_NAME,
                           "--chat-template", str(template), "--max-model-len", str(MAX_MODEL_LEN),
                           "--max-num-seqs", "32", "--max-num-batched-tokens", "128", "--block-size", "16",
-                          "--num-gpu-blocks-override", "160", "--uvicorn-log-level", "warning", *args)
+                          "--num-gpu-blocks-override", "1200", "--uvicorn-log-level", "warning", *args)
     try:
         server.wait_ready()
     except BaseException:

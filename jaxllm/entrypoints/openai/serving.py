@@ -76,53 +76,65 @@ def _token_text(token_id: int, logprob) -> str:
 
 
 class _Requests:
-    """The engine requests of one API request (one per prompt), each read by a task of its
-    own into one queue, so they run concurrently and their outputs interleave as they come.
-    `close()` (synchronous: it runs in a cancelled stream's cleanup) cancels the readers,
-    which aborts every unfinished request in the engine."""
+    """The engine requests of one API request (one per prompt), their outputs interleaved as
+    they come. One request is read in place; several are each read by a task of their own
+    into one small queue. Either way a consumer that falls behind leaves outputs in AsyncLLM,
+    which merges a request's DELTA outputs: a slow client gets fewer, larger chunks, and the
+    server does less work per token, not more. Closing aborts every unfinished request."""
 
     def __init__(self, streams: list[AsyncIterator[RequestOutput]]):
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._streams = streams
         self._buffer: list[tuple[int, RequestOutput]] = []
-        self._tasks = [asyncio.ensure_future(self._read(i, s)) for i, s in enumerate(streams)]
         self._live = len(streams)
+        self._queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
+        self._tasks = [asyncio.ensure_future(self._read(i, s)) for i, s in enumerate(streams)] \
+            if len(streams) > 1 else []
 
     async def _read(self, i: int, stream: AsyncIterator[RequestOutput]) -> None:
         try:
             async with contextlib.aclosing(stream):
                 async for out in stream:
-                    self._queue.put_nowait((i, out))
+                    await self._queue.put((i, out))
         except Exception as e:
-            self._queue.put_nowait((i, e))
+            await self._queue.put((i, e))
         else:
-            self._queue.put_nowait((i, None))
+            await self._queue.put((i, None))
 
     async def _next(self) -> tuple[int, RequestOutput] | None:
         """The next output of any request; None once all have ended. Raises what a request raised."""
+        if not self._tasks:
+            if not self._live:
+                return None
+            try:
+                return 0, await anext(self._streams[0])
+            except StopAsyncIteration:
+                self._live = 0
+                return None
         while self._live:
             i, item = await self._queue.get()
             if item is None:
                 self._live -= 1
             elif isinstance(item, Exception):
-                self.close()
+                self._cancel_readers()
                 raise item
             else:
                 return i, item
         return None
 
     async def first_outputs(self) -> list[RequestOutput]:
+        """Each request's first output; if one fails (or this is cancelled), all are aborted."""
         firsts: dict[int, RequestOutput] = {}
         try:
-            while len(firsts) < len(self._tasks):
+            while len(firsts) < len(self._streams):
                 item = await self._next()
                 if item is None:
                     raise RuntimeError("a request ended without an output")
                 self._buffer.append(item)
                 firsts.setdefault(item[0], item[1])
         except BaseException:
-            self.close()
+            self._cancel_readers()  # a lone request's stream has already unwound (and aborted)
             raise
-        return [firsts[i] for i in range(len(self._tasks))]
+        return [firsts[i] for i in range(len(self._streams))]
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) as they come, from the first outputs on."""
@@ -132,9 +144,16 @@ class _Requests:
             while (item := await self._next()) is not None:
                 yield item
         finally:
-            self.close()
+            await self.aclose()
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
+        """Abort what has not finished. Nothing here waits on the event loop (each stream's
+        cleanup is synchronous), so it completes even inside a cancelled task."""
+        self._cancel_readers()
+        if not self._tasks:
+            await self._streams[0].aclose()
+
+    def _cancel_readers(self) -> None:
         for task in self._tasks:
             task.cancel()
 
@@ -343,6 +362,7 @@ class OpenAIServing:
         firsts = await self._first_outputs(requests, CompletionRequest.model_fields)
         if request.stream:
             return self._completion_stream(request, request_id, model, prompts, requests)
+        await requests.aclose()
         choices = []
         for i, out in enumerate(firsts):
             if out.error is not None:
@@ -416,6 +436,8 @@ class OpenAIServing:
                     yield sse(chunk.model_dump_json())
         except EngineDeadError:
             yield error_event(engine_dead_error())
+        finally:
+            await requests.aclose()  # also when the client left: the server closes this stream at a yield
         yield sse("[DONE]")
 
     # ---- /v1/chat/completions ----
@@ -440,6 +462,7 @@ class OpenAIServing:
         top = request.top_logprobs or 0
         if request.stream:
             return self._chat_stream(request, request_id, model, len(token_ids), requests, top)
+        await requests.aclose()
         out = firsts[0]
         if out.error is not None:
             raise APIError(500, f"the engine failed the request: {out.error}")
@@ -506,4 +529,6 @@ class OpenAIServing:
                     yield sse(chunk.model_dump_json())
         except EngineDeadError:
             yield error_event(engine_dead_error())
+        finally:
+            await requests.aclose()  # also when the client left: the server closes this stream at a yield
         yield sse("[DONE]")
