@@ -11,26 +11,39 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 
-def fill_request_bitmask(request, pending: list[int], row: np.ndarray) -> None:
-    """Narrow `row` (all allowed on entry) for the request's next token. `pending`: the tokens
-    sampled but not yet in request.output_token_ids (the previous step's, still in flight)."""
-    if request.grammar is not None:
-        grammar = request.grammar
-        if not grammar.is_error():
-            for token_id in request.output_token_ids[grammar.num_accepted:] + pending:
-                if not grammar.accept_token(token_id):
-                    # The mask forbade it, so only a bug gets here; the grammar then allows only EOS.
-                    logger.error("request %s: the grammar rejected token %d (%s); only EOS is allowed now",
-                                 request.request_id, token_id, grammar.error())
-                    break
-        grammar.fill_bitmask(row)
-    if request.bad_word_sequences:
-        longest = max(len(w) for w in request.bad_word_sequences)
-        tail = request.output_token_ids[-(longest - 1):] + pending
-        for word in request.bad_word_sequences:
-            prefix = word[:-1]
-            if tail[-len(prefix):] == prefix:
-                forbid(row, word[-1])
+def fill_bitmask(entries: list[tuple["Request", list[int], int]], bitmask: np.ndarray) -> None:
+    """Narrow the rows of `bitmask` [R, W] int32 (all allowed on entry) for each (request,
+    pending, i)'s next token, in row i. `pending`: the request's tokens sampled but not yet
+    in its output_token_ids (the previous step's, still in flight)."""
+    grammars = []
+    for request, pending, i in entries:
+        if request.grammar is not None:
+            _advance(request, pending)
+            grammars.append((request.grammar, i))
+    if grammars:
+        from jaxllm.structured_output import fill_bitmasks
+        fill_bitmasks(grammars, bitmask)
+    for request, pending, i in entries:
+        if request.bad_word_sequences:
+            longest = max(len(w) for w in request.bad_word_sequences)
+            tail = request.output_token_ids[-(longest - 1):] + pending
+            for word in request.bad_word_sequences:
+                prefix = word[:-1]
+                if tail[-len(prefix):] == prefix:
+                    forbid(bitmask[i], word[-1])
+
+
+def _advance(request, pending: list[int]) -> None:
+    """Feed the request's grammar the tokens it has not seen."""
+    grammar = request.grammar
+    if grammar.is_error():
+        return
+    for token_id in request.output_token_ids[grammar.num_accepted:] + pending:
+        if not grammar.accept_token(token_id):
+            # The mask forbade it, so only a bug gets here; the grammar then allows only EOS.
+            logger.error("request %s: the grammar rejected token %d (%s); only EOS is allowed now",
+                         request.request_id, token_id, grammar.error())
+            return
 
 
 def forbid(row: np.ndarray, token_id: int) -> None:

@@ -99,3 +99,22 @@ class GrammarMatcher:
 
     def error(self) -> str:
         return self._matcher.get_error()
+
+
+_executor: llguidance.LLExecutor | None = None  # llguidance's thread pool, made on first use
+
+
+def fill_bitmasks(grammars: list[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
+    """Each (matcher, i)'s allowed next tokens into row i of `bitmask` [R, W] int32, in
+    llguidance's threads (a JSON schema's mask takes about 0.1 ms of one core)."""
+    global _executor
+    if not grammars:
+        return
+    num_rows, words = bitmask.shape
+    if words != bitmask_words(grammars[0][0].vocab_size) or bitmask.dtype != np.int32 or not bitmask.flags["C_CONTIGUOUS"]:
+        raise ValueError(f"bitmask must be a contiguous [R, {bitmask_words(grammars[0][0].vocab_size)}] int32 "
+                         f"array, got {bitmask.dtype} {list(bitmask.shape)}")
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    _executor.unsafe_compute_mask_ptr([(g._matcher, i) for g, i in grammars], bitmask.ctypes.data,
+                                      words * 4, num_rows)

@@ -384,13 +384,12 @@ class ModelRunner:
         bitmask = buffers[0]
         bitmask[:] = -1
         prev_rows, last_tokens = views["prev_rows"], views["logits_indices"]
+        entries = []
         for i in np.flatnonzero(self.request_rows.host_masked[rows]):
-            s = sched.requests[i]
-            if not s.samples:
-                continue
-            in_flight = prev_rows[last_tokens[i]]  # where the previous step put this request's last token
-            pending = [int(prev_host[in_flight])] if in_flight >= 0 else []
-            host_masks.fill_request_bitmask(s.request, pending, bitmask[i])
+            if sched.requests[i].samples:
+                in_flight = prev_rows[last_tokens[i]]  # where the previous step put this request's last token
+                entries.append((sched.requests[i].request, [int(prev_host[in_flight])] if in_flight >= 0 else [], i))
+        host_masks.fill_bitmask(entries, bitmask)
         return bitmask
 
     def time_widest_step(self, num_iters: int) -> float:

@@ -10,7 +10,7 @@ import pytest
 
 from jaxllm.models.gguf import find_default_model, load_gguf_tokenizer
 from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
-from jaxllm.structured_output import (GrammarCompiler, apply_bitmask_numpy, bitmask_words,
+from jaxllm.structured_output import (GrammarCompiler, apply_bitmask_numpy, bitmask_words, fill_bitmasks,
                                       check_structured_outputs, grammar_text)
 
 PADDED_VOCAB = 49152 + 77  # the model's logits wider than SmolLM2's 49152 tokens, not a multiple of 32
@@ -246,3 +246,16 @@ def test_compiler_rejects_logits_narrower_than_the_tokenizer(tokenizer):
 
 def test_bitmask_words_is_ceil_of_vocab_over_32():
     assert [bitmask_words(v) for v in (1, 32, 33, 49152, 49229)] == [1, 1, 2, 1536, 1539]
+
+
+def test_fill_bitmasks_in_threads_writes_what_each_matcher_writes_alone(compiler):
+    kinds = [{"json_object": True}, {"regex": r"[0-9]{3}"}, {"choice": ["yes", "no"]}, {"json": {"type": "array"}}]
+    matchers = [compiler.matcher(StructuredOutputsParams(**kind)) for kind in kinds]
+    words = bitmask_words(compiler.vocab_size)
+    alone = np.zeros((len(kinds), words), np.int32)
+    for i, m in enumerate(matchers):
+        m.fill_bitmask(alone[i])
+    together = np.full((len(kinds) + 2, words), -1, np.int32)
+    fill_bitmasks([(m, i + 1) for i, m in enumerate(matchers)], together)  # rows 1..4: rows 0 and 5 untouched
+    np.testing.assert_array_equal(together[1:-1], alone)
+    assert (together[[0, -1]] == -1).all()
