@@ -65,11 +65,28 @@ async def _unless_disconnected(request: Request, work):
     return task.result()
 
 
+class _EventStreamResponse(StreamingResponse):
+    """Server-Sent Events whose stream is cancelled when the client goes away. Starlette's
+    own cancellation (its task group's cancel scope) was seen not to reach a stream task
+    under load (20 concurrent streams on two CPU cores): the stream ran to its end, for
+    nobody. A plain task.cancel() does."""
+
+    async def stream_response(self, send) -> None:
+        self._stream_task = asyncio.current_task()
+        await super().stream_response(send)
+
+    async def listen_for_disconnect(self, receive) -> None:
+        await super().listen_for_disconnect(receive)
+        task = getattr(self, "_stream_task", None)
+        if task is not None and not task.done():
+            task.cancel()
+
+
 def _respond(result):
     if isinstance(result, Response):
         return result
     if hasattr(result, "__aiter__"):
-        return StreamingResponse(result, media_type="text/event-stream")
+        return _EventStreamResponse(result, media_type="text/event-stream")
     return JSONResponse(result.model_dump())
 
 
