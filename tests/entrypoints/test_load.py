@@ -127,12 +127,7 @@ def test_clients_that_leave_mid_stream_are_aborted_in_the_engine_and_free_their_
         return head
 
     async def run():
-        # In waves: on two CPU cores a front end reading a hundred streams of the tiny model at
-        # once lags its engine core by tens of steps.
-        heads = []
-        for wave in range(0, num_streams, 20):
-            heads += await asyncio.gather(*(leave_after_first_chunk(i) for i in range(wave, wave + 20)))
-        return heads
+        return await asyncio.gather(*(leave_after_first_chunk(i) for i in range(num_streams)))
 
     heads = asyncio.run(run())
     assert all(h.startswith(b"HTTP/1.1 200") for h in heads)
@@ -142,7 +137,7 @@ def test_clients_that_leave_mid_stream_are_aborted_in_the_engine_and_free_their_
     assert success(after, "abort") - success(before, "abort") == num_streams
     assert success(after, "length") == success(before, "length")
     generated = metric(after, "jaxllm:generation_tokens_total") - metric(before, "jaxllm:generation_tokens_total")
-    assert generated < num_streams * max_tokens / 2  # they stopped when their clients left
+    assert generated < num_streams * max_tokens / 4  # they stopped when their clients left
 
 
 def test_a_client_that_leaves_before_its_whole_response_is_aborted_in_the_engine(server):
