@@ -31,6 +31,7 @@ class ModelConfig:
     load_format: str     # "auto" | "dummy"
     skip_tokenizer_init: bool
     max_logprobs: int    # the most SamplingParams.logprobs a request may ask for
+    tokenizer: str | None = None  # a tokenizer's HF folder or .gguf file; None: the model's own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,7 @@ class EngineArgs:
     attention_backend: str | None = None
     tensor_parallel_size: int = 1
     skip_tokenizer_init: bool = False
+    tokenizer: str | None = None  # vLLM's: another tokenizer than the model's (an HF folder or a .gguf file)
     max_logprobs: int = 20  # vLLM's default; each step that returns logprobs computes this many
     async_scheduling: bool = True
     # The engine core in its own process (EngineCoreProc); None reads $JAXLLM_ENABLE_MULTIPROCESSING (on unless "0").
@@ -105,6 +107,9 @@ class EngineArgs:
         _check(self.attention_backend in (None, *BACKENDS),
                f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
 
+        _check(self.tokenizer is None or os.path.isdir(self.tokenizer) or
+               (os.path.isfile(self.tokenizer) and self.tokenizer.endswith(".gguf")),
+               f"tokenizer must be an HF folder or a .gguf file, got {self.tokenizer!r}")
         path, fmt, hf_config, arch = _resolve_model(self.model, self.load_format)
         tp = self.tensor_parallel_size
         _check(arch.num_heads % tp == 0 and arch.num_kv_heads % tp == 0,
@@ -121,7 +126,7 @@ class EngineArgs:
             model=ModelConfig(path=path, format=fmt, hf_config=hf_config, arch=arch,
                               dtype=_resolve_dtype(self.dtype, hf_config), max_model_len=max_len,
                               load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
-                              max_logprobs=self.max_logprobs),
+                              max_logprobs=self.max_logprobs, tokenizer=self.tokenizer),
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.num_gpu_blocks_override),
             scheduler=SchedulerConfig(self.max_num_seqs, batched, max_len, self.async_scheduling),
             parallel=ParallelConfig(self.tensor_parallel_size),

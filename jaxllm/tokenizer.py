@@ -11,19 +11,21 @@ _HF_SAMPLING_KEYS = {"repetition_penalty": "repetition_penalty", "temperature": 
 
 
 def get_tokenizer(mc: ModelConfig):
-    if mc.skip_tokenizer_init or mc.format == "bundled":
-        return None  # bundled configs ship no vocabulary: token-id prompts only
-    if mc.format == "gguf":
+    """The tokenizer of EngineArgs.tokenizer if set, else the model's own; None under
+    skip_tokenizer_init and for a bundled config (which ships no vocabulary)."""
+    if mc.skip_tokenizer_init or (mc.format == "bundled" and mc.tokenizer is None):
+        return None
+    path = mc.tokenizer or mc.path
+    if path.endswith(".gguf"):
         from jaxllm.models.gguf import load_gguf_tokenizer
-        return load_gguf_tokenizer(mc.path)
-    if mc.format == "hf":
-        from transformers import AutoTokenizer
-        try:
-            return AutoTokenizer.from_pretrained(mc.path)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"model folder {mc.path!r} has no usable tokenizer ({e}); "
-                             "pass skip_tokenizer_init=True to feed token ids") from e
-    raise ValueError(f"model {mc.path!r} has no tokenizer: pass skip_tokenizer_init=True and token-id prompts")
+        return load_gguf_tokenizer(path)
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        what = "tokenizer" if mc.tokenizer else "model"
+        raise ValueError(f"{what} folder {path!r} has no usable tokenizer ({e}); "
+                         "pass skip_tokenizer_init=True to feed token ids") from e
 
 
 def generation_config(mc: ModelConfig) -> dict:

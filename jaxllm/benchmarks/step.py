@@ -8,8 +8,11 @@ in which all B requests decode, replayed back to back on the device with no host
 between: the floor the step time would reach if the host cost nothing. With --profile-dir,
 the core records a jax.profiler trace of `profile_steps` steps in the middle of the decode
 (left out of the step time), and the table adds the device's busy and idle time per step in that trace (jaxllm.profiling):
-idle time is the host on the critical path. Exits 1 when a request got the wrong number of
-tokens or anything compiled after warm-up.
+idle time is the host on the critical path. `--sampling all` turns on every sampling
+feature's cost at once (penalties, top-p, logprobs; with --structured-requests N, N of
+each batch's requests JSON-constrained, which needs a tokenizer: `--tokenizer` for a
+dummy model). Exits 1 when a request got the wrong number of tokens or anything compiled
+after warm-up.
 """
 import dataclasses
 import os
@@ -35,11 +38,33 @@ def add_cli_args(parser) -> None:
     parser.add_argument("--output-len", type=positive_int, default=128)
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--profile-dir", help="record a jax.profiler trace of each batch's decode here, and summarize it")
+    parser.add_argument("--sampling", choices=("greedy", "all"), default="greedy",
+                        help="greedy, or every feature's cost: temperature 0.8, top-p 0.9, repetition, presence and "
+                             "frequency penalties, logprobs=5")
+    parser.add_argument("--structured-requests", type=int, default=0,
+                        help="with --sampling all: this many requests of each batch follow a JSON schema")
+
+
+# A schema whose output a random model never finishes (strings run on): the mask is made every step.
+BENCH_SCHEMA = {"type": "array", "items": {"type": "object", "required": ["name", "tags"], "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}}}}
+
+
+def sampling_params(sampling: str, output_len: int, structured: bool):
+    from jaxllm import RequestOutputKind, SamplingParams
+    from jaxllm.sampling_params import StructuredOutputsParams
+    fields = {"temperature": 0.0}
+    if sampling == "all":
+        fields = {"temperature": 0.8, "top_p": 0.9, "repetition_penalty": 1.1, "presence_penalty": 0.2,
+                  "frequency_penalty": 0.2, "logprobs": 5}
+        if structured:
+            fields["structured_outputs"] = StructuredOutputsParams(json=BENCH_SCHEMA)
+    return SamplingParams(max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA, **fields)
 
 
 def run_step_bench(engine_args, batch_sizes: list[int], input_len: int, output_len: int, seed: int = 0,
-                   profile_dir: str | None = None, profile_steps: int = 32) -> dict:
-    from jaxllm import RequestOutputKind, SamplingParams
+                   profile_dir: str | None = None, profile_steps: int = 32, sampling: str = "greedy",
+                   structured_requests: int = 0) -> dict:
     from jaxllm.engine.llm_engine import LLMEngine
 
     start = time.perf_counter()
@@ -50,11 +75,9 @@ def run_step_bench(engine_args, batch_sizes: list[int], input_len: int, output_l
     compiles_before = engine.get_stats()["num_compilations"]
     rows = []
     for batch in batch_sizes:
-        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
-                                output_kind=RequestOutputKind.DELTA)
         for i in range(batch):
             engine.add_request(f"b{batch}-{i}", {"prompt_token_ids": rng.integers(0, vocab, input_len).tolist()},
-                               params)
+                               sampling_params(sampling, output_len, i < structured_requests))
         tokens: dict[str, list[int]] = {}
         full_steps = []  # core timestamps of the steps that gave every request a token
         # The trace covers `profile_steps` steps in mid-decode; the step time leaves them out.
@@ -96,6 +119,7 @@ def run_step_bench(engine_args, batch_sizes: list[int], input_len: int, output_l
             from jaxllm.profiling import latest_trace, summarize_trace
             rows[-1]["profile"] = summarize_trace(latest_trace(trace_dir))
     result = {"model": engine.config.model.path, "dtype": str(np.dtype(engine.config.model.dtype)),
+              "sampling": sampling, "structured_requests": structured_requests,
               "attention_backend": engine.config.attention_backend,
               "async_scheduling": engine.config.scheduler.async_scheduling,
               "startup_s": round(startup_s, 1), "kv_cache": engine.engine_core.description,
@@ -106,7 +130,8 @@ def run_step_bench(engine_args, batch_sizes: list[int], input_len: int, output_l
 
 def print_table(res: dict) -> None:
     print(f"\n{res['model']} ({res['dtype']}, attention={res['attention_backend']}, "
-          f"async_scheduling={res['async_scheduling']}), startup {res['startup_s']} s, "
+          f"async_scheduling={res['async_scheduling']}, sampling={res['sampling']}, "
+          f"structured_requests={res['structured_requests']}), startup {res['startup_s']} s, "
           f"compiles after warm-up: {res['compiles_after_warm_up']}")
     profiled = any("profile" in r for r in res["rows"])
     print(f"{'batch':>6} {'in':>6} {'out':>5} {'step ms':>9} {'device ms':>10} {'tok/s':>9} {'wall s':>8} {'ok':>4}"
@@ -124,7 +149,10 @@ def print_table(res: dict) -> None:
 def main(ns, engine_args) -> int:
     batch_sizes = [int(b) for b in ns.batch_sizes.split(",")]
     engine_args = dataclasses.replace(engine_args, max_num_seqs=max(engine_args.max_num_seqs, max(batch_sizes)))
-    result = run_step_bench(engine_args, batch_sizes, ns.input_len, ns.output_len, profile_dir=ns.profile_dir)
+    if ns.structured_requests and ns.sampling != "all":
+        raise ValueError("--structured-requests needs --sampling all")
+    result = run_step_bench(engine_args, batch_sizes, ns.input_len, ns.output_len, profile_dir=ns.profile_dir,
+                            sampling=ns.sampling, structured_requests=ns.structured_requests)
     write_json(ns.json, result)
     print_table(result)
     failed = [f"batch {r['batch']}: wrong output lengths" for r in result["rows"] if not r["all_lengths_ok"]]

@@ -260,9 +260,10 @@ class ModelRunner:
         return min(_PROMPT_LOGPROBS_CHUNK, token_bucket)
 
     def _write_processor_rows(self, new_rows: list[tuple[int, "Request"]]) -> None:
-        """Write the ProcessorState rows of requests that took a row this step, WRITE_ROWS at a time."""
+        """Write the ProcessorState rows of requests that took a row this step, WRITE_ROWS at a
+        time (with none, one call that writes nothing: warm_up's)."""
         vocab = self.config.model.arch.vocab_size
-        for start in range(0, len(new_rows), processors.WRITE_ROWS):
+        for start in range(0, max(len(new_rows), 1), processors.WRITE_ROWS):
             chunk = new_rows[start:start + processors.WRITE_ROWS]
             rows = np.full(processors.WRITE_ROWS, self.request_rows.num_rows, np.int32)  # out of range: skipped
             values = [np.zeros((processors.WRITE_ROWS, vocab), dtype)

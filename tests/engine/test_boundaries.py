@@ -177,6 +177,7 @@ ENGINE_INVALID = {
     "tensor_parallel_size": st.one_of(st.integers(max_value=0), st.integers(min_value=jax.device_count() + 1),
                                       not_of(int)),
     "skip_tokenizer_init": NOT_BOOL,
+    "tokenizer": st.one_of(st.text(max_size=6).map(lambda s: f"/no/such/tokenizer{s}"), not_of(str, type(None))),
     "max_logprobs": st.one_of(st.integers(max_value=-1), not_of(int)),
     "async_scheduling": NOT_BOOL,
     "enable_multiprocessing": not_of(bool, type(None)),

@@ -74,3 +74,18 @@ def test_bundled_config_needs_dummy_weights():
 def test_non_finite_or_non_integer_sampling_params_raise(kwargs, error, message):
     with pytest.raises(error, match=message):
         SamplingParams(**kwargs)
+
+
+def test_the_tokenizer_engine_arg_gives_a_dummy_model_text_prompts(char_llama):
+    from jaxllm import LLM, SamplingParams
+    with LLM(tiny_model("llama"), tokenizer=char_llama, max_model_len=64, max_num_seqs=4,
+             max_num_batched_tokens=16, num_gpu_blocks_override=8, show_progress=False,
+             enable_multiprocessing=False) as llm:
+        (out,) = llm.generate("abc", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+        assert out.prompt_token_ids == llm.get_tokenizer().encode("abc") and out.outputs[0].text
+
+
+@pytest.mark.parametrize("tokenizer", ["/no/such/folder", __file__])
+def test_a_tokenizer_that_is_neither_a_folder_nor_a_gguf_file_is_an_error(tokenizer):
+    with pytest.raises(ValueError, match="tokenizer must be an HF folder or a .gguf file"):
+        EngineArgs(model=tiny_model("llama"), tokenizer=tokenizer).create_config()

@@ -47,6 +47,12 @@ def generate(llm, prompts, params):
     return [o.outputs[0].token_ids for o in outs]
 
 
+def test_the_first_request_with_processors_compiles_nothing(llm):
+    before = llm.llm_engine.get_stats()["num_compilations"]  # the module's engine: nothing ran before
+    generate(llm, PROMPTS, SamplingParams(temperature=0.0, max_tokens=2, repetition_penalty=1.2))
+    assert llm.llm_engine.get_stats()["num_compilations"] == before
+
+
 CASES = [
     ({"repetition_penalty": 1.8}, {"rep": 1.8}),
     ({"repetition_penalty": 0.5}, {"rep": 0.5}),
