@@ -9,9 +9,10 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 # jax-triton 0.4.x needs triton >= 3.7; the image has triton 3.6. Their other needs
 # (jax, triton, absl-py) are already in the image.
-WHEELS=("jax-triton==0.3.1" "gguf==0.19.0" "pyzmq==27.3.0" "msgspec==0.23.0")  # gguf: GGUF files; pyzmq, msgspec: the engine-core process
+# gguf: GGUF files; pyzmq, msgspec: the engine-core process; llguidance: structured outputs
+WHEELS=("jax-triton==0.3.1" "gguf==0.19.0" "pyzmq==27.3.0" "msgspec==0.23.0" "llguidance==1.9.1")
 "$PYTHON" -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+  --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform manylinux1_x86_64 --platform any -d .whl "${WHEELS[@]}"
 ls -l .whl
