@@ -23,6 +23,7 @@ BAD_REQUESTS = {
     "wrong type": (COMPLETIONS, completion(max_tokens="many"), 400, "max_tokens"),
     "wrong type in chat": (CHAT, chat(temperature="hot"), 400, "temperature"),
     "messages not a list": (CHAT, chat(messages="hi"), 400, "messages"),
+    "prompt of no allowed type": (COMPLETIONS, completion(prompt=["a", 3]), 400, "prompt"),
     "negative max_tokens": (COMPLETIONS, completion(max_tokens=-3), 400, "max_tokens"),
     "zero max_completion_tokens": (CHAT, chat(max_tokens=None, max_completion_tokens=0), 400,
                                    "max_completion_tokens"),

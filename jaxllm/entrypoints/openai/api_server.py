@@ -91,19 +91,27 @@ def _respond(result):
 
 
 def _validation_error(error: RequestValidationError) -> APIError:
-    """pydantic's errors as one 400 whose message and param name the first bad field."""
-    parts, param = [], None
-    for e in error.errors()[:3]:
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    """pydantic's errors as one 400 whose message and param name the bad fields. A value
+    that fits none of a union's types gives one error per type: they become one line."""
+    by_field: dict[str, list[dict]] = {}
+    for e in error.errors():
         if e.get("type") == "json_invalid":
             return APIError(400, f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e['msg'])}")
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        by_field.setdefault(loc[0] if loc else "body", []).append({**e, "loc": loc})
+    parts = []
+    for field, errors in list(by_field.items())[:3]:
+        e = errors[0]
         if e.get("type") == "extra_forbidden":
-            message = f"Unrecognized request argument supplied: {'.'.join(loc)}"
+            parts.append(f"Unrecognized request argument supplied: {'.'.join(e['loc'])}")
+        elif len({x["loc"][1] for x in errors if len(x["loc"]) > 1}) > 1:  # the branches of a union
+            kinds = ", ".join(dict.fromkeys(x["loc"][1] for x in errors if len(x["loc"]) > 1))
+            value = min(errors, key=lambda x: len(x["loc"])).get("input")
+            parts.append(f"{field}: {value!r} is none of the allowed types ({kinds})")
         else:
-            message = f"{'.'.join(loc) or 'body'}: {e['msg']}"
-        parts.append(message)
-        param = param or (loc[0] if loc else None)
-    return APIError(400, "; ".join(parts) or "invalid request", param=param)
+            parts.append(f"{'.'.join(e['loc']) or 'body'}: {e['msg']}")
+    param = next(iter(by_field)) if by_field else None
+    return APIError(400, "; ".join(parts) or "invalid request", param=None if param == "body" else param)
 
 
 def build_app(engine, model_names: list[str], api_key: str | None = None, chat_template: str | None = None,
