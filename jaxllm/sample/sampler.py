@@ -124,19 +124,46 @@ def _request_key(seed, position):
 
 
 def _filter(logits, md):
-    """Mask to -inf every token under min-p, then outside top-k, then outside the
-    top-p nucleus of what is left (vLLM's order). The kept set is always a prefix of
-    the tokens sorted by logit, so one threshold logit per row describes it."""
+    """Mask to -inf every token under min-p, then outside top-k, then outside the top-p
+    nucleus of what is left (vLLM's order). Each kept set is every token at or above a
+    threshold, found without a sort (a full sort of [R, vocab] costs several passes over
+    it): the top-k logit and the top-p probability are searched bit by bit (_search)."""
     vocab = logits.shape[-1]
-    sorted_logits = -jnp.sort(-logits, axis=-1)  # descending
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    probs = jax.nn.softmax(logits, axis=-1)
+    keep = probs >= md.min_p[:, None] * probs.max(-1, keepdims=True)
     k = jnp.where(md.top_k > 0, jnp.minimum(md.top_k, vocab), vocab)
-    keep = (probs >= md.min_p[:, None] * probs[:, :1]) & (jnp.arange(vocab)[None, :] < k[:, None])
-    probs = jnp.where(keep, probs, 0.0)
-    probs = probs / probs.sum(-1, keepdims=True)
-    # A token stays while the mass before it is < top_p (top_p = 1 keeps all: no float32 cumsum tail).
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep &= (mass_before < md.top_p[:, None]) | (md.top_p[:, None] >= 1.0)
-    num_kept = jnp.maximum(keep.sum(-1), 1)
-    threshold = jnp.take_along_axis(sorted_logits, (num_kept - 1)[:, None], axis=-1)
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
+    # The k-th largest logit: the largest t with at least k logits >= t (ties at it stay).
+    ordered = _ordered_bits(logits)
+    num_reqs = logits.shape[0]
+    kth = _search(lambda t: jnp.sum(ordered >= t[:, None], -1) >= k, 32, num_reqs)
+    keep &= ordered >= kth[:, None]
+    # The nucleus: the largest probability t whose tokens >= t hold top_p of the mass left
+    # (vLLM's: a token stays while the mass before it is < top_p); top_p = 1 keeps all.
+    bits = jax.lax.bitcast_convert_type(probs, jnp.uint32)  # non-negative floats order as their bits
+    mass = jnp.sum(jnp.where(keep, probs, 0.0), -1)
+    nucleus = _search(lambda t: jnp.sum(jnp.where(keep & (bits >= t[:, None]), probs, 0.0), -1)
+                      >= md.top_p * mass, 30, num_reqs)  # probabilities <= 1.0 = 0x3F800000 < 2**30
+    keep &= (bits >= nucleus[:, None]) | (md.top_p[:, None] >= 1.0)
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def _ordered_bits(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 that order as the floats do: negatives flipped, then the sign bit set."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+_SEARCH_BITS = 3  # bits decided per pass: 7 candidate thresholds, summed in one pass over the row
+
+
+def _search(ok, num_bits: int, num_rows: int) -> jax.Array:
+    """The largest t [R] uint32 below 2**num_bits with ok(t) [R] bool, for an ok that holds
+    up to some t and not above it, and holds at 0. Decides _SEARCH_BITS bits per pass from
+    the top: of the candidate prefixes, as many hold as the next digit's value."""
+    prefix, shift = jnp.zeros(num_rows, jnp.uint32), num_bits
+    while shift > 0:
+        step = min(_SEARCH_BITS, shift)
+        shift -= step
+        holds = jnp.stack([ok(prefix + jnp.uint32(j << shift)) for j in range(1, 2 ** step)], -1)
+        prefix = prefix + (holds.sum(-1, dtype=jnp.uint32) << shift)
+    return prefix

@@ -75,8 +75,8 @@ class BatchLayout:
 
 class RequestRows:
     """The runner's persistent host state, one row per request that holds KV blocks: its
-    block table, its sampling words (Request.sampling_row), SampleMode, whether it wants
-    logprobs or a host-made token mask (structured outputs, multi-token bad words), and its
+    block table, its sampling words (Request.sampling_row), SampleMode, how many logprobs
+    it wants, whether it needs a host-made token mask (structured outputs, multi-token bad words), and its
     row in the last step's sampled ids. A step gathers its requests' rows in one copy each
     and writes only the blocks the scheduler added: packing costs O(new blocks), not
     O(context). A request gives its row back when it finishes or is preempted, so
@@ -88,7 +88,7 @@ class RequestRows:
         self.sampling = np.zeros((num_rows, NUM_REQUEST_WORDS), np.int32)
         self.sample_mode = np.zeros(num_rows, np.int8)
         self.processed = np.zeros(num_rows, bool)
-        self.wants_logprobs = np.zeros(num_rows, bool)
+        self.num_logprobs = np.full(num_rows, -1, np.int32)  # SamplingParams.logprobs, -1 for None
         self.host_masked = np.zeros(num_rows, bool)
         self.prev_sampled_row = np.full(num_rows, -1, np.int32)
         self._num_blocks = [0] * num_rows
@@ -113,7 +113,7 @@ class RequestRows:
                 self.sampling[row] = request.sampling_row
                 self.sample_mode[row] = sample_mode(params)
                 self.processed[row] = request.needs_processors
-                self.wants_logprobs[row] = params.logprobs is not None
+                self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
                 self.host_masked[row] = request.needs_host_mask
                 self._num_blocks[row] = 0
                 if self.processed[row]:

@@ -122,3 +122,33 @@ def test_64_bit_seeds_that_share_low_words_give_different_streams():
     streams = [[int(t) for t in sample(logits, metadata(2, seeds=[5, 5 + 2**32], positions=[p, p]))]
                for p in range(8)]
     assert [a for a, _ in streams] != [b for _, b in streams]
+
+
+def sorted_filter(logits, top_k, top_p, min_p):
+    """The filter by its definition, with a sort (numpy, one row): min-p, top-k, then the
+    top-p nucleus of what is left; a threshold logit, so ties at it stay."""
+    order = np.argsort(-logits, kind="stable")
+    ranked = logits[order]
+    probs = np.exp(ranked - ranked[0]) / np.exp(ranked - ranked[0]).sum()
+    keep = probs >= min_p * probs[0]
+    keep[(top_k if top_k > 0 else len(logits)):] = False
+    kept = np.where(keep, probs, 0.0) / np.where(keep, probs, 0.0).sum()
+    if top_p < 1.0:
+        keep &= np.cumsum(kept) - kept < top_p
+    return np.where(logits >= ranked[max(keep.sum(), 1) - 1], logits, -np.inf)
+
+
+def test_the_filter_keeps_what_a_sort_keeps():
+    rng = np.random.default_rng(7)
+    n, vocab = 64, 500
+    logits = (rng.standard_normal((n, vocab)) * rng.uniform(0.3, 4, (n, 1))).astype(np.float32)
+    logits[:8, :20] = logits[:8, :1]  # ties at the top
+    top_k = rng.choice([0, 1, 5, 50, 499, 600], n)
+    top_p = rng.choice([1.0, 0.99, 0.9, 0.5, 0.1, 1e-6], n).astype(np.float32)
+    min_p = rng.choice([0.0, 0.0, 0.05, 0.3], n).astype(np.float32)
+    md = SamplingMetadata(jnp.ones(n, jnp.float32), jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p),
+                          jnp.asarray(min_p), seed_words(np.arange(n)), jnp.zeros(n, jnp.int32))
+    got = np.asarray(jax.jit(sampler._filter)(jnp.asarray(logits), md))
+    for i in range(n):
+        want = sorted_filter(logits[i].astype(np.float64), top_k[i], top_p[i], min_p[i])
+        np.testing.assert_array_equal(np.isfinite(got[i]), np.isfinite(want), err_msg=f"row {i}")
