@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.sample import processors
+from jaxllm.sample import processors, sampler
 from jaxllm.sample.logprobs import compute_logprobs
 from jaxllm.sample.sampler import ProcessorMetadata, SampleMode, SamplingMetadata, sample
 
@@ -23,6 +23,17 @@ def median_ms(fn, *args, iters: int = 20) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return 1e3 * float(np.median(times))
+
+
+def with_search_bits(bits: int, fn):
+    """fn traced with the filter's search deciding `bits` bits a pass (a variant to time)."""
+    def traced(*args):
+        saved, sampler._SEARCH_BITS = sampler._SEARCH_BITS, bits
+        try:
+            return fn(*args)
+        finally:
+            sampler._SEARCH_BITS = saved
+    return traced
 
 
 def main() -> None:
@@ -48,7 +59,9 @@ def main() -> None:
     rows = [
         ("argmax (greedy)", jax.jit(lambda x: jnp.argmax(x, -1)), (logits,)),
         ("random draw (RANDOM)", jax.jit(lambda x, m: sample(x, m, SampleMode.RANDOM)), (logits, md())),
-        ("top-p 0.9 (FILTERED)", jax.jit(lambda x, m: sample(x, m, SampleMode.FILTERED)), (logits, md(top_p=full(0.9, jnp.float32)))),
+        ("top-p 0.9 (NUCLEUS)", jax.jit(lambda x, m: sample(x, m, SampleMode.NUCLEUS)), (logits, md(top_p=full(0.9, jnp.float32)))),
+        *[(f"top-p 0.9, {bits} bits a pass", jax.jit(with_search_bits(bits, lambda x, m: sample(
+            x, m, SampleMode.NUCLEUS))), (logits, md(top_p=full(0.9, jnp.float32)))) for bits in (2, 4, 5)],
         ("top-k 50 (FILTERED)", jax.jit(lambda x, m: sample(x, m, SampleMode.FILTERED)), (logits, md(top_k=full(50, jnp.int32)))),
         ("top-p, top-k, min-p", jax.jit(lambda x, m: sample(x, m, SampleMode.FILTERED)),
          (logits, md(top_p=full(0.9, jnp.float32), top_k=full(50, jnp.int32), min_p=full(0.05, jnp.float32)))),

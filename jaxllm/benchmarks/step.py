@@ -117,7 +117,10 @@ def run_step_bench(engine_args, batch_sizes: list[int], input_len: int, output_l
         })
         if trace_dir and len(full_steps) >= window.start:
             from jaxllm.profiling import latest_trace, summarize_trace
-            rows[-1]["profile"] = summarize_trace(latest_trace(trace_dir))
+            try:
+                rows[-1]["profile"] = summarize_trace(latest_trace(trace_dir))
+            except ValueError as e:  # a trace the profiler cut short: the timings still stand
+                rows[-1]["profile_error"] = str(e)
     result = {"model": engine.config.model.path, "dtype": str(np.dtype(engine.config.model.dtype)),
               "sampling": sampling, "structured_requests": structured_requests,
               "attention_backend": engine.config.attention_backend,

@@ -21,11 +21,13 @@ from jaxllm.sampling_params import SamplingParams
 
 class SampleMode(enum.IntEnum):
     """The least work that samples a batch right: all greedy skips the random draw; no
-    top-k, top-p or min-p skips the sort. A batch's mode is the highest of its requests'.
-    Whether the batch runs the logits processors is decided beside it (needs_processors)."""
+    top-p or min-p skips the filter; no top-k skips its threshold's search. A batch's mode
+    is the highest of its requests'. Whether the batch runs the logits processors is
+    decided beside it (needs_processors)."""
     GREEDY = 0
     RANDOM = 1
-    FILTERED = 2
+    NUCLEUS = 2   # top-p and min-p
+    FILTERED = 3  # top-k too
 
 
 def needs_processors(params: SamplingParams) -> bool:
@@ -38,8 +40,10 @@ def needs_processors(params: SamplingParams) -> bool:
 def sample_mode(params: SamplingParams) -> SampleMode:
     if params.temperature == 0.0:
         return SampleMode.GREEDY
-    if params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0:
+    if params.top_k > 0:
         return SampleMode.FILTERED
+    if params.top_p < 1.0 or params.min_p > 0.0:
+        return SampleMode.NUCLEUS
     return SampleMode.RANDOM
 
 
@@ -105,14 +109,14 @@ def sample(logits: jax.Array, md: SamplingMetadata, mode: SampleMode = SampleMod
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if mode == SampleMode.GREEDY:
         return greedy_tokens
-    return jnp.where(md.temperature == 0.0, greedy_tokens, _random_sample(logits, md, mode == SampleMode.FILTERED))
+    return jnp.where(md.temperature == 0.0, greedy_tokens, _random_sample(logits, md, mode))
 
 
-def _random_sample(logits, md, filtered: bool):
+def _random_sample(logits, md, mode: SampleMode):
     temperature = jnp.where(md.temperature == 0.0, 1.0, md.temperature)
     logits = logits / temperature[:, None]
-    if filtered:
-        logits = _filter(logits, md)
+    if mode >= SampleMode.NUCLEUS:
+        logits = _filter(logits, md, with_top_k=mode == SampleMode.FILTERED)
     keys = jax.vmap(_request_key)(md.seeds, md.positions)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:], jnp.float32))(keys)
     return jnp.argmax(logits + gumbel, axis=-1).astype(jnp.int32)
@@ -123,20 +127,22 @@ def _request_key(seed, position):
     return jax.random.fold_in(key, position)
 
 
-def _filter(logits, md):
-    """Mask to -inf every token under min-p, then outside top-k, then outside the top-p
-    nucleus of what is left (vLLM's order). Each kept set is every token at or above a
-    threshold, found without a sort (a full sort of [R, vocab] costs several passes over
-    it): the top-k logit and the top-p probability are searched bit by bit (_search)."""
+def _filter(logits, md, with_top_k: bool = True):
+    """Mask to -inf every token under min-p, then outside top-k (unless `with_top_k` is off:
+    no request has one), then outside the top-p nucleus of what is left (vLLM's order). Each
+    kept set is every token at or above a threshold, found without a sort (a sort of [256,
+    128k] takes 2.5 ms on an H200): the top-k logit and the top-p probability are searched
+    bit by bit (_search)."""
     vocab = logits.shape[-1]
     probs = jax.nn.softmax(logits, axis=-1)
     keep = probs >= md.min_p[:, None] * probs.max(-1, keepdims=True)
-    k = jnp.where(md.top_k > 0, jnp.minimum(md.top_k, vocab), vocab)
-    # The k-th largest logit: the largest t with at least k logits >= t (ties at it stay).
-    ordered = _ordered_bits(logits)
     num_reqs = logits.shape[0]
-    kth = _search(lambda t: jnp.sum(ordered >= t[:, None], -1) >= k, 32, num_reqs)
-    keep &= ordered >= kth[:, None]
+    if with_top_k:
+        k = jnp.where(md.top_k > 0, jnp.minimum(md.top_k, vocab), vocab)
+        # The k-th largest logit: the largest t with at least k logits >= t (ties at it stay).
+        ordered = _ordered_bits(logits)
+        kth = _search(lambda t: jnp.sum(ordered >= t[:, None], -1) >= k, 32, num_reqs)
+        keep &= ordered >= kth[:, None]
     # The nucleus: the largest probability t whose tokens >= t hold top_p of the mass left
     # (vLLM's: a token stays while the mass before it is < top_p); top_p = 1 keeps all.
     bits = jax.lax.bitcast_convert_type(probs, jnp.uint32)  # non-negative floats order as their bits

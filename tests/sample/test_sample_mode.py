@@ -19,8 +19,9 @@ from tests.sample.test_sampler import metadata, random_logits
     (SamplingParams(temperature=0.7, top_k=-1, top_p=1.0, min_p=0.0), SampleMode.RANDOM),
     (SamplingParams(temperature=0.7, top_k=0), SampleMode.RANDOM),
     (SamplingParams(temperature=0.7, top_k=1), SampleMode.FILTERED),
-    (SamplingParams(temperature=0.7, top_p=0.999), SampleMode.FILTERED),
-    (SamplingParams(temperature=0.7, min_p=0.01), SampleMode.FILTERED),
+    (SamplingParams(temperature=0.7, top_p=0.999), SampleMode.NUCLEUS),
+    (SamplingParams(temperature=0.7, min_p=0.01), SampleMode.NUCLEUS),
+    (SamplingParams(temperature=0.7, top_p=0.5, top_k=3), SampleMode.FILTERED),
 ])
 def test_a_request_needs_the_least_mode_that_samples_it(params, mode):
     assert sample_mode(params) == mode
@@ -48,16 +49,16 @@ def test_a_batch_takes_the_highest_mode_of_its_requests():
     assert rows.batch_sample_mode(np.array([2, 1])) == SampleMode.FILTERED
 
 
-@pytest.mark.parametrize("mode", [SampleMode.GREEDY, SampleMode.RANDOM])
+@pytest.mark.parametrize("mode", [SampleMode.GREEDY, SampleMode.RANDOM, SampleMode.NUCLEUS])
 def test_a_lower_mode_samples_its_batches_as_the_general_path(mode):
     n = 16
-    temperature = np.where(np.arange(n) % 2, 0.8, 0.0) if mode == SampleMode.RANDOM else 0.0
-    md = metadata(n, positions=np.arange(n))
+    temperature = np.where(np.arange(n) % 2, 0.8, 0.0) if mode != SampleMode.GREEDY else 0.0
+    md = metadata(n, positions=np.arange(n), top_p=0.8 if mode == SampleMode.NUCLEUS else 1.0)
     md = type(md)(**{**vars(md), "temperature": jax.numpy.asarray(np.broadcast_to(temperature, (n,)), "float32")})
     logits = random_logits(n, vocab=200)
     general = jax.jit(sample, static_argnums=2)(logits, md, SampleMode.FILTERED)
     np.testing.assert_array_equal(jax.jit(sample, static_argnums=2)(logits, md, mode), general)
-    if mode == SampleMode.RANDOM:  # the random rows did draw: not every one is the argmax
+    if mode != SampleMode.GREEDY:  # the random rows did draw: not every one is the argmax
         assert np.any(np.asarray(general)[1::2] != np.argmax(np.asarray(logits), -1)[1::2])
 
 
@@ -72,7 +73,7 @@ def test_the_step_holds_no_conditional():
     texts = [forward.as_text()]
     _, logits, words, _, _ = runner._forward.eval_shape(runner._params, runner.kv_caches, runner._prev_sampled,
                                                         buffer, token_bucket)
-    texts += [runner._sample.lower(logits, words, mode).as_text() for mode in (SampleMode.RANDOM, SampleMode.FILTERED)]
+    texts += [runner._sample.lower(logits, words, mode).as_text() for mode in list(SampleMode)[1:]]
     bitmask = runner._all_allowed_bitmask(logits.shape[0])
     texts += [runner._sample_processed.lower(logits, words, runner._processor_state, bitmask, mode).as_text()
               for mode in SampleMode]

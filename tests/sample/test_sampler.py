@@ -149,6 +149,9 @@ def test_the_filter_keeps_what_a_sort_keeps():
     md = SamplingMetadata(jnp.ones(n, jnp.float32), jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p),
                           jnp.asarray(min_p), seed_words(np.arange(n)), jnp.zeros(n, jnp.int32))
     got = np.asarray(jax.jit(sampler._filter)(jnp.asarray(logits), md))
+    no_top_k = np.asarray(jax.jit(sampler._filter, static_argnums=2)(jnp.asarray(logits), md, False))
     for i in range(n):
         want = sorted_filter(logits[i].astype(np.float64), top_k[i], top_p[i], min_p[i])
         np.testing.assert_array_equal(np.isfinite(got[i]), np.isfinite(want), err_msg=f"row {i}")
+        if top_k[i] <= 0:  # NUCLEUS skips the top-k search: the same for a row without one
+            np.testing.assert_array_equal(np.isfinite(no_top_k[i]), np.isfinite(want), err_msg=f"row {i}")
