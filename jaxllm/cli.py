@@ -31,6 +31,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if base is bool:  # --flag / --no-flag
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
             continue
+        if typing.get_origin(base) is list:  # names: --logits-processors mod:A mod:B
+            parser.add_argument(flag, nargs="+", default=field.default)
+            continue
         parser.add_argument(flag, type=base, default=field.default)
 
 

@@ -62,6 +62,7 @@ class Config:
     parallel: ParallelConfig
     attention_backend: str
     seed: int
+    logits_processors: tuple = ()  # LogitsProcessor subclasses (jaxllm/sample/logits_processor.py)
 
 
 @dataclasses.dataclass
@@ -82,6 +83,8 @@ class EngineArgs:
     tokenizer: str | None = None  # vLLM's: another tokenizer than the model's (an HF folder or a .gguf file)
     max_logprobs: int = 20  # vLLM's default; each step that returns logprobs computes this many
     async_scheduling: bool = True
+    # Users' LogitsProcessor classes, or their "module:Class" names (jaxllm/sample/logits_processor.py)
+    logits_processors: list[type | str] | None = None
     # The engine core in its own process (EngineCoreProc); None reads $JAXLLM_ENABLE_MULTIPROCESSING (on unless "0").
     enable_multiprocessing: bool | None = None
 
@@ -110,6 +113,8 @@ class EngineArgs:
         _check(self.tokenizer is None or os.path.isdir(self.tokenizer) or
                (os.path.isfile(self.tokenizer) and self.tokenizer.endswith(".gguf")),
                f"tokenizer must be an HF folder or a .gguf file, got {self.tokenizer!r}")
+        from jaxllm.sample.logits_processor import resolve_logits_processors
+        logits_processors = resolve_logits_processors(self.logits_processors)
         path, fmt, hf_config, arch = _resolve_model(self.model, self.load_format)
         tp = self.tensor_parallel_size
         _check(arch.num_heads % tp == 0 and arch.num_kv_heads % tp == 0,
@@ -132,6 +137,7 @@ class EngineArgs:
             parallel=ParallelConfig(self.tensor_parallel_size),
             attention_backend=self.attention_backend or default_backend(),
             seed=self.seed,
+            logits_processors=logits_processors,
         )
 
 

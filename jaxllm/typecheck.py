@@ -42,7 +42,9 @@ def _describe(annotation) -> str:
     if isinstance(annotation, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(annotation))
     if typing.get_origin(annotation) is list:
-        return f"a list of {typing.get_args(annotation)[0].__name__}"
+        (item,) = typing.get_args(annotation)
+        kinds = typing.get_args(item) if isinstance(item, types.UnionType) else (item,)
+        return f"a list of {' or '.join(k.__name__ for k in kinds)}"
     if typing.get_origin(annotation) is dict:
         key, item = typing.get_args(annotation)
         return f"a dict of {key.__name__} to {item.__name__ if isinstance(item, type) else 'anything'}"

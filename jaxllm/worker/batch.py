@@ -95,15 +95,16 @@ class RequestRows:
         self._rows: dict[str, int] = {}  # request id -> its row
         self._free_rows = list(range(num_rows - 1, -1, -1))
 
-    def update(self, sched: SchedulerOutput) -> tuple[np.ndarray, list[tuple[int, "Request"]]]:
-        """Apply the step's new requests and blocks. Returns each scheduled request's row, and
-        the (row, request) pairs that took a row this step and have logits processors (their
-        ProcessorState rows must be written before the step runs)."""
+    def update(self, sched: SchedulerOutput) -> tuple[np.ndarray, list[tuple[int, "Request"]], list[int]]:
+        """Apply the step's new requests and blocks. Returns each scheduled request's row, the
+        (row, request) pairs that took a row this step, and the rows given back."""
+        removed = []
         for request_id in (*sched.finished_req_ids, *sched.preempted_req_ids):
             row = self._rows.pop(request_id, None)
             if row is not None:
                 self._free_rows.append(row)
-        rows, new_processed = [], []
+                removed.append(row)
+        rows, added = [], []
         for s in sched.requests:
             request = s.request
             row = self._rows.get(request.request_id)
@@ -116,14 +117,13 @@ class RequestRows:
                 self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
                 self.host_masked[row] = request.needs_host_mask
                 self._num_blocks[row] = 0
-                if self.processed[row]:
-                    new_processed.append((row, request))
+                added.append((row, request))
             if s.new_block_ids:
                 n = self._num_blocks[row]
                 self.block_table[row, n:n + len(s.new_block_ids)] = s.new_block_ids
                 self._num_blocks[row] = n + len(s.new_block_ids)
             rows.append(row)
-        return np.array(rows, np.int32), new_processed
+        return np.array(rows, np.int32), added, removed
 
     def _new_row(self) -> int:
         if not self._free_rows:

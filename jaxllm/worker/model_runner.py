@@ -34,6 +34,7 @@ from jaxllm.engine import LogprobsArrays
 from jaxllm.kernels.attention import get_attention_fn
 from jaxllm.models.loader import create_model
 from jaxllm.sample import processors
+from jaxllm.sample.logits_processor import AddedRequest, BatchUpdate
 from jaxllm.sample.logprobs import compute_logprobs
 from jaxllm.sample.processors import ProcessorState
 from jaxllm.sample.sampler import ProcessorMetadata, SampleMode, SamplingMetadata, sample
@@ -108,8 +109,11 @@ class ModelRunner:
             [(kv_sharding, kv_sharding)] * mc.arch.num_layers))
         self._sample = jax.jit(functools.partial(_sample_padded, max_num_seqs=sc.max_num_seqs),
                                static_argnums=(2,), out_shardings=replicated(self.mesh))
-        self._sample_processed = jax.jit(functools.partial(_sample_processed, max_num_seqs=sc.max_num_seqs),
-                                         donate_argnums=(2,), static_argnums=(4,),
+        # Users' processors (EngineArgs.logits_processors): every step runs them, in the processed sampler.
+        self.logits_processors = tuple(cls(config) for cls in config.logits_processors)
+        self._sample_processed = jax.jit(functools.partial(_sample_processed, max_num_seqs=sc.max_num_seqs,
+                                                           user_processors=self.logits_processors),
+                                         donate_argnums=(2,), static_argnums=(5,),
                                          out_shardings=(replicated(self.mesh), self._processor_state_sharding()))
         self._write_rows = jax.jit(processors.write_rows, donate_argnums=(0,),
                                    out_shardings=self._processor_state_sharding())
@@ -215,14 +219,15 @@ class ModelRunner:
         return self._forward.lower(self._params, self.kv_caches, self._prev_sampled, buffer, token_bucket)
 
     def _dispatch(self, token_bucket: int, buffer: np.ndarray, mode: SampleMode, processed: bool = False,
-                  num_logprobs: int | None = None, host_bitmask=None,
-                  prompt_inputs=()) -> tuple[jax.Array, "Logprobs | None", list["Logprobs"]]:
+                  num_logprobs: int | None = None, host_bitmask=None, prompt_inputs=(),
+                  user_rows: np.ndarray | None = None) -> tuple[jax.Array, "Logprobs | None", list["Logprobs"]]:
         """Run a step's forward; unless the batch is greedy with no logits processors, its
         sampler (with `processed`, the processors', with the token mask that `host_bitmask()`
         makes once the forward is on its way, or with none); if asked, the logprobs of its
         sampled ids, and the prompt logprobs of `prompt_inputs` [(token indices [C], target ids
-        [C])]. What warm_up did not compile compiles here. Returns (the sampled ids, their
-        Logprobs or None, the prompt inputs' Logprobs)."""
+        [C])]. `user_rows`: the step's rows, for the users' processors' states. What warm_up
+        did not compile compiles here. Returns (the sampled ids, their Logprobs or None, the
+        prompt inputs' Logprobs)."""
         forward = _compiled(self._forwards, token_bucket, lambda: self._lower_forward(token_bucket))
         with TraceAnnotation("dispatch"):
             greedy, logits, words, hidden, self.kv_caches = forward(self._params, self.kv_caches,
@@ -230,10 +235,12 @@ class ModelRunner:
         num_reqs = logits.shape[0]
         if processed:
             bitmask = self._all_allowed_bitmask(num_reqs) if host_bitmask is None else host_bitmask()
+            user_states = self._user_states(user_rows, num_reqs)
             sampler = _compiled(self._samplers, (num_reqs, mode, True), lambda: self._sample_processed.lower(
-                logits, words, self._processor_state, bitmask, mode))
+                logits, words, self._processor_state, bitmask, user_states, mode))
             with TraceAnnotation("dispatch"):
-                self._prev_sampled, self._processor_state = sampler(logits, words, self._processor_state, bitmask)
+                self._prev_sampled, self._processor_state = sampler(logits, words, self._processor_state, bitmask,
+                                                                    user_states)
         elif mode == SampleMode.GREEDY:
             self._prev_sampled = greedy
         else:
@@ -254,6 +261,13 @@ class ModelRunner:
             with TraceAnnotation("dispatch"):
                 prompt_logprobs.append(Logprobs(*fn(self._params, hidden, indices, targets)))
         return self._prev_sampled, logprobs, prompt_logprobs
+
+    def _user_states(self, rows: np.ndarray | None, num_reqs: int) -> tuple:
+        """The users' processors' states for the step: rows [n] int32, padded with -1 to num_reqs."""
+        padded = np.full(num_reqs, -1, np.int32)
+        if rows is not None:
+            padded[:len(rows)] = rows
+        return tuple(p.state(padded) for p in self.logits_processors)
 
     def _all_allowed_bitmask(self, num_reqs: int) -> jax.Array:
         if num_reqs not in self._all_allowed:
@@ -309,7 +323,8 @@ class ModelRunner:
                         jobs.append((self._samplers, (num_reqs, mode, False),
                                      pool.submit(self._sample.lower(logits, words, mode).compile)))
                     jobs.append((self._samplers, (num_reqs, mode, True), pool.submit(self._sample_processed.lower(
-                        logits, words, self._processor_state, bitmask, mode).compile)))
+                        logits, words, self._processor_state, bitmask, self._user_states(None, num_reqs),
+                        mode).compile)))
                 for k in self.logprob_buckets:
                     jobs.append((self._logprob_fns, (num_reqs, k),
                                  pool.submit(self._logprobs.lower(logits, sampled, k).compile)))
@@ -331,14 +346,20 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> "StepOutput":
         """Dispatch one step and return at once; its sampled ids land later (but a step with
         host-made token masks first waits for the previous step's ids, see _host_bitmask)."""
-        rows, new_processed = self.request_rows.update(sched)
+        rows, added, removed = self.request_rows.update(sched)
+        new_processed = [(row, request) for row, request in added if self.request_rows.processed[row]]
         if new_processed:
             self._write_processor_rows(new_processed)
+        if self.logits_processors and (added or removed):
+            update = BatchUpdate([AddedRequest(row, r.sampling_params, r.prompt_token_ids, list(r.output_token_ids))
+                                  for row, r in added], removed)
+            for processor in self.logits_processors:
+                processor.update_state(update)
         token_bucket = self._token_bucket(sched.num_scheduled_tokens)
         buffer, views = self._next_host_buffer(token_bucket)
         batching.pack(sched, rows, self.request_rows, views, self.block_size)
         mode = self.request_rows.batch_sample_mode(rows)
-        processed = bool(self.request_rows.processed[rows].any())
+        processed = bool(self.logits_processors) or bool(self.request_rows.processed[rows].any())
         most = int(self.request_rows.num_logprobs[rows].max())
         num_logprobs = None if most < 0 else next(k for k in self.logprob_buckets if k >= most)
         prompt_inputs, prompt_segments = self._prompt_logprob_inputs(sched, views, token_bucket)
@@ -347,7 +368,7 @@ class ModelRunner:
             prev_sampled = self._prev_sampled
             host_bitmask = lambda: self._host_bitmask(sched, rows, views, prev_sampled)
         sampled, logprobs, prompt_logprobs = self._dispatch(token_bucket, buffer, mode, processed, num_logprobs,
-                                                            host_bitmask, prompt_inputs)
+                                                            host_bitmask, prompt_inputs, rows)
         for array in (sampled, *(logprobs or ()), *(a for p in prompt_logprobs for a in p)):
             array.copy_to_host_async()
         width = (len(sched.requests), -sched.num_scheduled_tokens)  # most requests, then fewest tokens
@@ -515,10 +536,14 @@ def _sample_padded(logits, words, mode: SampleMode, max_num_seqs: int) -> jax.Ar
     return jnp.pad(tokens, (0, max_num_seqs - tokens.shape[0]))
 
 
-def _sample_processed(logits, words, state: ProcessorState, bitmask, mode: SampleMode, max_num_seqs: int):
-    """The logits processors, then the sampler; each request with processors counts its
-    sampled id. Returns (ids [max_num_seqs] int32, the new ProcessorState)."""
+def _sample_processed(logits, words, state: ProcessorState, bitmask, user_states: tuple, mode: SampleMode,
+                      max_num_seqs: int, user_processors: tuple):
+    """The logits processors (the built-in ones, then the users'), then the sampler; each
+    request with built-in processors counts its sampled id. Returns (ids [max_num_seqs]
+    int32, the new ProcessorState)."""
     md = ProcessorMetadata.from_words(words)
-    tokens = sample(processors.apply_processors(logits, md, state, bitmask), SamplingMetadata.from_words(words),
-                    mode)
+    logits = processors.apply_processors(logits, md, state, bitmask)
+    for processor, user_state in zip(user_processors, user_states):
+        logits = processor.apply(user_state, logits)
+    tokens = sample(logits, SamplingMetadata.from_words(words), mode)
     return jnp.pad(tokens, (0, max_num_seqs - tokens.shape[0])), processors.count_sampled(state, md, tokens)
