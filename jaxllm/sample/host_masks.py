@@ -5,8 +5,12 @@ A mask row is [ceil(vocab / 32)] int32, bit t % 32 of word t // 32 set where tok
 is allowed; the sampler applies it on the device (processors.apply_processors).
 """
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from jaxllm.request import Request
 
 logger = logging.getLogger(__name__)
 

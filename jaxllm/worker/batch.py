@@ -9,6 +9,7 @@ bucket and written in place.
 """
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -17,6 +18,9 @@ from jaxllm.core.kv_cache_manager import cdiv
 from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.kernels.attention import AttentionMetadata
 from jaxllm.sample.sampler import COLUMN, NUM_REQUEST_WORDS, NUM_SAMPLING_WORDS, SampleMode, sample_mode
+
+if TYPE_CHECKING:
+    from jaxllm.request import Request
 
 
 _ALIGN = 64  # int32 words: 256 bytes

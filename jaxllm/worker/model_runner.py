@@ -17,7 +17,7 @@ import functools
 import logging
 import os
 import time
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,9 @@ from jaxllm.sample.sampler import ProcessorMetadata, SampleMode, SamplingMetadat
 from jaxllm.sharding import kv_cache_sharding, make_mesh, named_sharding, replicated
 from jaxllm.sample import host_masks
 from jaxllm.worker import batch as batching
+
+if TYPE_CHECKING:
+    from jaxllm.request import Request
 
 logger = logging.getLogger(__name__)
 
