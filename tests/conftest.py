@@ -73,15 +73,19 @@ def write_char_tokenizer(folder: str) -> None:
                    "unk_token": "<unk>"}, f)
 
 
-@pytest.fixture(scope="session")
-def char_llama(tmp_path_factory) -> str:
-    """The tiny Llama with a character tokenizer (text prompts, text outputs, stop strings)."""
-    folder = tmp_path_factory.mktemp("char_llama")
+def tiny_llama_with_tokenizer(folder, write_tokenizer) -> str:
+    """A copy of the tiny Llama in `folder` (its goldens left out), with `write_tokenizer(folder)`'s tokenizer."""
     for name in os.listdir(tiny_model("llama")):
         if name != "golden.npz":
             shutil.copy(os.path.join(tiny_model("llama"), name), folder)
-    write_char_tokenizer(str(folder))
+    write_tokenizer(str(folder))
     return str(folder)
+
+
+@pytest.fixture(scope="session")
+def char_llama(tmp_path_factory) -> str:
+    """The tiny Llama with a character tokenizer (text prompts, text outputs, stop strings)."""
+    return tiny_llama_with_tokenizer(tmp_path_factory.mktemp("char_llama"), write_char_tokenizer)
 
 
 def child_pids() -> list[int]:

@@ -67,10 +67,8 @@ class EngineCore:
             from jaxllm.structured_output import GrammarCompiler
             from jaxllm.tokenizer import generation_eos_ids, get_tokenizer
             tokenizer = get_tokenizer(self.config.model)
-            # The model's EOS ends a grammar; a tokenizer of another model (EngineArgs.tokenizer) may lack it.
-            eos = [t for t in generation_eos_ids(self.config.model, tokenizer) if t < len(tokenizer)]
             self._grammar_compiler = GrammarCompiler(tokenizer, self.config.model.arch.vocab_size,
-                                                     tuple(eos) or (tokenizer.eos_token_id,))
+                                                     generation_eos_ids(self.config.model, tokenizer))
         return self._grammar_compiler.matcher(params)
 
     def abort_requests(self, request_ids) -> None:

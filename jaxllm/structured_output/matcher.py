@@ -38,15 +38,18 @@ def apply_bitmask_numpy(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
 class GrammarCompiler:
     """Builds matchers for one model: its tokenizer (a transformers fast tokenizer), its
     logits width `vocab_size` (>= the tokenizer's; ids past the tokenizer's are padding,
-    never allowed) and its EOS ids (the first is the one a finished grammar allows)."""
+    never allowed) and its EOS ids (the first the tokenizer holds is the one a finished grammar allows)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
         if vocab_size < len(tokenizer):
             raise ValueError(f"vocab_size ({vocab_size}) must be >= the tokenizer's {len(tokenizer)} tokens")
-        if not eos_token_ids:
+        # The model's EOS ends a grammar; a tokenizer of another model (EngineArgs.tokenizer) may
+        # lack it, and then its own EOS does.
+        eos = [t for t in eos_token_ids if t < len(tokenizer)] or [tokenizer.eos_token_id]
+        if eos[0] is None:
             raise ValueError("eos_token_ids must hold the model's EOS id (a grammar ends with it)")
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_ids[0]
+        self.eos_token_id = eos[0]
         import llguidance.hf  # imports transformers (2 s): not on SamplingParams' path through grammar.py
 
         # About 0.5 s for a 50k vocabulary: once per engine.

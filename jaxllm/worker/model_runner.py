@@ -267,6 +267,8 @@ class ModelRunner:
 
     def _user_states(self, rows: np.ndarray | None, num_reqs: int) -> tuple:
         """The users' processors' states for the step: rows [n] int32, padded with -1 to num_reqs."""
+        if not self.logits_processors:
+            return ()
         padded = np.full(num_reqs, -1, np.int32)
         if rows is not None:
             padded[:len(rows)] = rows

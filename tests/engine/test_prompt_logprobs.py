@@ -5,28 +5,12 @@ preemption, with sample logprobs beside them and no compilation after warm-up.""
 import numpy as np
 import pytest
 
-from jaxllm import LLM, SamplingParams
-from tests.engine.test_core_process import engine_args
-from tests.engine.test_logprobs import log_softmax
-from tests.models.test_llama import golden_prompts, load_fixture
+from jaxllm import SamplingParams
+from tests.engine.test_logprobs import golden, llm, log_softmax  # noqa: F401 (fixtures: the same engine shape)
 
 pytestmark = pytest.mark.timeout(300)
 
 NUM_LOGPROBS = 3
-
-
-@pytest.fixture(scope="module")
-def llm(char_llama):
-    # The shapes of tests/engine/test_logprobs.py's engine: its executables are cached.
-    with LLM(**vars(engine_args(char_llama, dtype="float32", enable_multiprocessing=False)),
-             show_progress=False) as llm:
-        yield llm
-
-
-@pytest.fixture(scope="module")
-def golden():
-    _, _, golden = load_fixture("llama")
-    return golden_prompts(golden)
 
 
 def params(**kwargs) -> SamplingParams:

@@ -4,7 +4,6 @@ given by --chat-template. The server and its engine core are stopped at teardown
 the tests ended."""
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -14,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import tiny_model
+from tests.conftest import tiny_llama_with_tokenizer, tiny_model
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 512  # long enough that a request outlives the disconnect of its client
@@ -148,9 +147,4 @@ def write_byte_tokenizer(folder: str) -> None:
 @pytest.fixture(scope="session")
 def byte_llama(tmp_path_factory) -> str:
     """The tiny Llama with a byte-level tokenizer."""
-    folder = tmp_path_factory.mktemp("byte_llama")
-    for name in os.listdir(tiny_model("llama")):
-        if name != "golden.npz":
-            shutil.copy(os.path.join(tiny_model("llama"), name), folder)
-    write_byte_tokenizer(str(folder))
-    return str(folder)
+    return tiny_llama_with_tokenizer(tmp_path_factory.mktemp("byte_llama"), write_byte_tokenizer)

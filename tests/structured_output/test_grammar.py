@@ -259,3 +259,10 @@ def test_fill_bitmasks_in_threads_writes_what_each_matcher_writes_alone(compiler
     fill_bitmasks([(m, i + 1) for i, m in enumerate(matchers)], together)  # rows 1..4: rows 0 and 5 untouched
     np.testing.assert_array_equal(together[1:-1], alone)
     assert (together[[0, -1]] == -1).all()
+
+
+def test_an_eos_the_tokenizer_lacks_gives_way_to_the_tokenizers_own(tokenizer):
+    # EngineArgs.tokenizer may pair a model with another model's tokenizer, which lacks its EOS ids.
+    compiler = GrammarCompiler(tokenizer, PADDED_VOCAB, (PADDED_VOCAB - 1,))
+    assert compiler.eos_token_id == tokenizer.eos_token_id
+    assert GrammarCompiler(tokenizer, PADDED_VOCAB, (PADDED_VOCAB - 1, 7)).eos_token_id == 7
