@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import tiny_llama_with_tokenizer, tiny_model
+from tests.conftest import tiny_llama_with_tokenizer
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 512  # long enough that a request outlives the disconnect of its client
