@@ -39,6 +39,7 @@ class CacheConfig:
     block_size: int
     gpu_memory_utilization: float
     num_gpu_blocks_override: int | None
+    enable_prefix_caching: bool = True  # reuse the KV blocks of a cached prefix (jaxllm/core/block_pool.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +76,7 @@ class EngineArgs:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
     seed: int = 0
     load_format: str = "auto"
     attention_backend: str | None = None
@@ -132,7 +134,8 @@ class EngineArgs:
                               dtype=_resolve_dtype(self.dtype, hf_config), max_model_len=max_len,
                               load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
                               max_logprobs=self.max_logprobs, tokenizer=self.tokenizer),
-            cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.num_gpu_blocks_override),
+            cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.num_gpu_blocks_override,
+                              self.enable_prefix_caching),
             scheduler=SchedulerConfig(self.max_num_seqs, batched, max_len, self.async_scheduling),
             parallel=ParallelConfig(self.tensor_parallel_size),
             attention_backend=self.attention_backend or default_backend(),
