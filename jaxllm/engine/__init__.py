@@ -59,6 +59,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0  # share of the KV cache's blocks in use
     num_preemptions: int = 0     # since start-up
+    # The prefix cache since the last stats: prompt tokens looked up at admission, and those it held.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
