@@ -1,18 +1,35 @@
 #!/usr/bin/env bash
-# Downloads into .whl/ the wheels the GPU image lacks (../shared/GPU.md), for its
-# Python 3.12 on x86-64 Linux. A device command that needs them carries .whl and
+# Downloads into .whl/ (or $WHEEL_DIR) the wheels the GPU image lacks (../shared/GPU.md),
+# for its Python 3.12 on x86-64 Linux. A device command that needs them carries .whl and
 # starts with:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
 #     --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit;
+# (scripts/gpu_setup.sh does that.) /tmp/site comes first on the path, so a wheel here
+# shadows the image's copy of the same package: every pin below is what our .venv runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+DEST=${WHEEL_DIR:-.whl}
 # jax-triton 0.4.x needs triton >= 3.7; the image has triton 3.6. Their other needs
 # (jax, triton, absl-py) are already in the image.
 # gguf: GGUF files; pyzmq, msgspec: the engine-core process; llguidance: structured outputs
 WHEELS=("jax-triton==0.3.1" "gguf==0.19.0" "pyzmq==27.3.0" "msgspec==0.23.0" "llguidance==1.9.1")
-"$PYTHON" -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+# `jaxllm serve` (fastapi, uvicorn, prometheus-client) and `jaxllm bench serve` (aiohttp),
+# with everything they import in turn. pydantic-core, aiohttp, multidict, yarl, frozenlist
+# and propcache are compiled (cp312 manylinux); the rest are pure Python.
+WHEELS+=(
+  "fastapi==0.165.0" "starlette==1.10.0" "anyio==4.16.0" "idna==3.20" "annotated-doc==0.0.7"
+  "opentelemetry-api==1.45.2"  # fastapi.telemetry imports it whether or not tracing is on
+  "pydantic==2.14.4" "pydantic-core==2.50.5" "annotated-types==0.8.0" "typing-inspection==0.4.5"
+  "typing-extensions==4.16.0"  # pydantic 2.14 needs >= 4.16
+  "uvicorn==0.54.0" "click==8.5.1" "h11==0.16.0"
+  "prometheus-client==0.26.0"
+  "aiohttp==3.14.5" "aiohappyeyeballs==2.7.1" "aiosignal==1.4.0" "attrs==26.1.0" "frozenlist==1.8.0"
+  "multidict==7.2.1" "propcache==0.5.4" "yarl==1.25.1"
+)
+"$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  --platform manylinux1_x86_64 --platform any -d .whl "${WHEELS[@]}"
-ls -l .whl
+  --platform manylinux1_x86_64 --platform any -d "$DEST" "${WHEELS[@]}"
+ls -l "$DEST"
+echo "total: $(du -ch "$DEST"/*.whl | tail -1 | cut -f1) in $(ls "$DEST"/*.whl | wc -l) wheels"
