@@ -53,6 +53,16 @@ def random_prompt(length: int, vocab_size: int, rng: np.random.Generator) -> dic
     return {"prompt_token_ids": rng.integers(0, vocab_size, length).tolist()}
 
 
+def random_token_prompts(own_lens: list[int], vocab_size: int, rng: np.random.Generator,
+                         prefix_len: int = 0) -> list[list[int]]:
+    """vLLM's random dataset with a shared prefix (--random-prefix-len): one prefix of
+    `prefix_len` token ids uniform over the vocabulary, the same for every prompt, then
+    each prompt's own `own_lens[i]` uniform ids; a prompt has prefix_len + own_lens[i]
+    tokens. With no prefix, the draws are those of random_prompt, one prompt after another."""
+    prefix = rng.integers(0, vocab_size, prefix_len).tolist() if prefix_len else []
+    return [prefix + rng.integers(0, vocab_size, n).tolist() for n in own_lens]
+
+
 def check_fits(engine, max_total_len: int) -> None:
     """A request longer than max_model_len would stop short of its output length."""
     max_model_len = engine.config.model.max_model_len

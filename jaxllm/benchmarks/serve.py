@@ -2,8 +2,9 @@
 `vllm bench serve` measures them, over streamed /v1/completions requests.
 
 Datasets: `random` (prompts of token ids uniform in [0, --random-vocab-size), each length
-uniform in [len * (1 - r), len * (1 + r)] as in `bench throughput`; a token-id prompt needs
-no tokenizer on either side) or `sharegpt` (a ShareGPT-format JSON file: each entry's first
+uniform in [len * (1 - r), len * (1 + r)] as in `bench throughput`, after a prefix of
+--random-prefix-len random ids shared by every prompt; a token-id prompt needs no
+tokenizer on either side) or `sharegpt` (a ShareGPT-format JSON file: each entry's first
 turn is the prompt, the second's length, counted by the server's /tokenize, the output
 length; entries that are too short or too long are skipped, as vLLM does).
 
@@ -23,7 +24,8 @@ from datetime import datetime
 
 import numpy as np
 
-from jaxllm.benchmarks.common import non_negative_int, positive_int, random_lengths, range_ratio, write_json
+from jaxllm.benchmarks.common import (non_negative_int, positive_int, random_lengths, random_token_prompts,
+                                      range_ratio, write_json)
 
 HELP = "a running server's latency and throughput (vLLM's bench serve figures)"
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -50,6 +52,8 @@ def add_cli_args(parser) -> None:
     parser.add_argument("--random-input-len", type=positive_int, default=1024)
     parser.add_argument("--random-output-len", type=positive_int, default=128)
     parser.add_argument("--random-range-ratio", type=range_ratio, default=0.0)
+    parser.add_argument("--random-prefix-len", "--prefix-len", type=non_negative_int, default=0,
+                        help="random token ids shared by every prompt, before its own --random-input-len ones")
     parser.add_argument("--random-vocab-size", type=positive_int, default=256,
                         help="random prompts' ids are uniform in [0, this): 256 is valid for every model")
     parser.add_argument("--sharegpt-output-len", type=positive_int, default=None,
@@ -69,10 +73,11 @@ def add_cli_args(parser) -> None:
 
 # ---- datasets: (prompt, prompt length, output length) ----
 def random_requests(num_prompts: int, input_len: int, output_len: int, ratio: float, vocab_size: int,
-                    seed: int) -> list[tuple[list[int], int, int]]:
+                    seed: int, prefix_len: int = 0) -> list[tuple[list[int], int, int]]:
     rng = np.random.default_rng(seed)
-    prompt_lens, output_lens = random_lengths(num_prompts, input_len, output_len, ratio, rng)
-    return [(rng.integers(0, vocab_size, n).tolist(), n, m) for n, m in zip(prompt_lens, output_lens)]
+    own_lens, output_lens = random_lengths(num_prompts, input_len, output_len, ratio, rng)
+    prompts = random_token_prompts(own_lens, vocab_size, rng, prefix_len)
+    return [(prompt, len(prompt), m) for prompt, m in zip(prompts, output_lens)]
 
 
 async def sharegpt_requests(session, base_url: str, path: str, num_prompts: int, output_len: int | None,
@@ -227,7 +232,7 @@ async def run_serve_bench(ns) -> dict:
                                                ns.sharegpt_output_len, max_model_len, ns.seed)
         else:
             requests = random_requests(ns.num_prompts, ns.random_input_len, ns.random_output_len,
-                                       ns.random_range_ratio, ns.random_vocab_size, ns.seed)
+                                       ns.random_range_ratio, ns.random_vocab_size, ns.seed, ns.random_prefix_len)
             longest = max(n + m for _, n, m in requests)
             if longest > max_model_len:
                 raise ValueError(f"the longest request needs {longest} tokens (prompt + output), more than the "
@@ -258,6 +263,7 @@ async def run_serve_bench(ns) -> dict:
         duration = time.perf_counter() - start
     result = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai", "base_url": base_url,
               "endpoint": ns.endpoint, "model_id": model, "dataset_name": ns.dataset_name,
+              "random_prefix_len": ns.random_prefix_len if ns.dataset_name == "random" else 0,
               "num_prompts": len(requests), "request_rate": ns.request_rate, "burstiness": ns.burstiness,
               "max_concurrency": ns.max_concurrency, "ignore_eos": ns.ignore_eos, "seed": ns.seed}
     result.update(summarize(outputs, requests, duration, percentiles))

@@ -3,7 +3,10 @@
 The random dataset: `num_prompts` prompts of random token ids, each prompt's length
 uniform in [input_len * (1 - r), input_len * (1 + r)] and its output length likewise
 around output_len (r = --random-range-ratio; --seed seeds the dataset and the engine,
-as in vLLM). Every request samples at temperature 1.0, top_p 1.0 with ignore_eos, so it
+as in vLLM). --prefix-len N puts one shared prefix of N random token ids before every
+prompt (vLLM's: a prompt is then N + its own input length), for the prefix cache to
+find; the result reports the prefix cache's hit rate over the timed call (its prompt
+tokens found in the cache over those looked up). Every request samples at temperature 1.0, top_p 1.0 with ignore_eos, so it
 generates exactly its output length. One `LLM.generate` call over all of them is timed,
 after the engine is built and warmed up; total_num_tokens counts prompt and output
 tokens. Exits 1 if a request got the wrong number of tokens or anything compiled
@@ -14,14 +17,17 @@ import time
 
 import numpy as np
 
-from jaxllm.benchmarks.common import (check_fits, check_result, engine_settings, positive_int, print_engine,
-                                      random_lengths, random_prompt, range_ratio, write_json)
+from jaxllm.benchmarks.common import (check_fits, check_result, engine_settings, non_negative_int, positive_int,
+                                      print_engine, random_lengths, random_token_prompts, range_ratio, write_json)
 
 HELP = "offline throughput over random prompts (vLLM's definitions)"
 
 
 def add_cli_args(parser) -> None:
-    parser.add_argument("--input-len", type=positive_int, required=True, help="prompt length of each request")
+    parser.add_argument("--input-len", type=positive_int, required=True,
+                        help="prompt length of each request (after the shared prefix, if any)")
+    parser.add_argument("--prefix-len", type=non_negative_int, default=0,
+                        help="random token ids shared by every prompt, before its own --input-len ones")
     parser.add_argument("--output-len", type=positive_int, default=128, help="output length of each request")
     parser.add_argument("--num-prompts", type=positive_int, default=1000)
     parser.add_argument("--random-range-ratio", type=range_ratio, default=0.0,
@@ -29,12 +35,20 @@ def add_cli_args(parser) -> None:
     parser.add_argument("--output-json", help="write the results to this file")
 
 
+def _prefix_cache_stats(engine) -> tuple[int, int] | None:
+    """The engine's prefix-cache counters since start-up, (queries, hits) in prompt tokens,
+    or None from an engine that does not count them."""
+    stats = getattr(engine, "prefix_cache_stats", None)
+    return tuple(stats()) if stats is not None else None
+
+
 def run_throughput_bench(engine_args, num_prompts: int, input_len: int, output_len: int,
-                         random_range_ratio: float = 0.0) -> dict:
+                         random_range_ratio: float = 0.0, prefix_len: int = 0) -> dict:
     from jaxllm import LLM, SamplingParams
 
     rng = np.random.default_rng(engine_args.seed)
-    prompt_lens, output_lens = random_lengths(num_prompts, input_len, output_len, random_range_ratio, rng)
+    own_lens, output_lens = random_lengths(num_prompts, input_len, output_len, random_range_ratio, rng)
+    prompt_lens = [prefix_len + n for n in own_lens]
     start = time.perf_counter()
     llm = LLM(**dataclasses.asdict(engine_args))
     startup_s = time.perf_counter() - start
@@ -42,20 +56,26 @@ def run_throughput_bench(engine_args, num_prompts: int, input_len: int, output_l
         engine = llm.llm_engine
         check_fits(engine, max(map(sum, zip(prompt_lens, output_lens))))
         vocab = engine.config.model.arch.vocab_size
-        prompts = [random_prompt(n, vocab, rng) for n in prompt_lens]
+        prompts = [{"prompt_token_ids": ids} for ids in random_token_prompts(own_lens, vocab, rng, prefix_len)]
         params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n) for n in output_lens]
 
         compiles_before = engine.get_stats()["num_compilations"]
+        cache_before = _prefix_cache_stats(engine)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)
         elapsed_time = time.perf_counter() - start
         compiles = engine.get_stats()["num_compilations"] - compiles_before
+        cache_after = _prefix_cache_stats(engine)
         settings = engine_settings(engine)
     finally:
         llm.shutdown()
 
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    queries = hits = hit_rate = None
+    if cache_before is not None and cache_after is not None:
+        queries, hits = cache_after[0] - cache_before[0], cache_after[1] - cache_before[1]
+        hit_rate = hits / queries if queries else 0.0
     return {
         "elapsed_time": elapsed_time,
         "num_requests": len(outputs),
@@ -66,6 +86,9 @@ def run_throughput_bench(engine_args, num_prompts: int, input_len: int, output_l
         "total_prompt_tokens": prompt_tokens,
         "total_output_tokens": output_tokens,
         "input_len": input_len, "output_len": output_len, "random_range_ratio": random_range_ratio,
+        "prefix_len": prefix_len,
+        # Over the timed call, in prompt tokens; None from an engine that does not count them.
+        "prefix_cache_queries": queries, "prefix_cache_hits": hits, "prefix_cache_hit_rate": hit_rate,
         "seed": engine_args.seed,
         "prompt_lens": prompt_lens,
         "output_lens": output_lens,
@@ -77,7 +100,8 @@ def run_throughput_bench(engine_args, num_prompts: int, input_len: int, output_l
 
 
 def main(ns, engine_args) -> int:
-    result = run_throughput_bench(engine_args, ns.num_prompts, ns.input_len, ns.output_len, ns.random_range_ratio)
+    result = run_throughput_bench(engine_args, ns.num_prompts, ns.input_len, ns.output_len, ns.random_range_ratio,
+                                  ns.prefix_len)
     write_json(ns.output_json, result)
     elapsed = result["elapsed_time"]
     print_engine(result)
@@ -85,4 +109,9 @@ def main(ns, engine_args) -> int:
           f"total tokens/s, {result['output_tokens_per_second']:.2f} output tokens/s ({elapsed:.2f} s)")
     print(f"Total num prompt tokens:  {result['total_prompt_tokens']}")
     print(f"Total num output tokens:  {result['total_output_tokens']}")
+    if result["prefix_cache_hit_rate"] is None:
+        print("Prefix cache hit rate: n/a (this engine does not count prefix-cache hits)")
+    else:
+        print(f"Prefix cache hit rate: {100 * result['prefix_cache_hit_rate']:.1f}% "
+              f"({result['prefix_cache_hits']} of {result['prefix_cache_queries']} prompt tokens)")
     return check_result(result, "during the timed run")
