@@ -57,6 +57,8 @@ class Request:
         # Prompt logprobs: the next prompt position whose logprobs are still to send (the first has none).
         self.next_prompt_logprob = 1
         self.first_scheduled_time: float | None = None
+        self.block_hashes: list[bytes] = []  # of its full blocks, for the prefix cache (core/kv_cache_utils.py)
+        self.num_cached_tokens = -1  # prompt tokens the prefix cache held when first scheduled; -1 until then
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> "Request":

@@ -14,12 +14,19 @@ from jaxllm.kernels import reference
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
-    """Per-step, static-shape description of the ragged batch (see reference.py)."""
-    slot_mapping: jax.Array     # [num_tokens] int32, -1 for padding
+    """Per-step, static-shape description of the ragged batch (see reference.py). The slot
+    mapping and block tables have one row per KV cache group (models/kv_layout.py); a
+    layer takes its group's with `group(g)`."""
+    slot_mapping: jax.Array     # [num_groups, num_tokens] int32, -1 for padding
     query_start_loc: jax.Array  # [max_num_reqs + 1] int32
     seq_lens: jax.Array         # [max_num_reqs] int32
-    block_tables: jax.Array     # [max_num_reqs, max_blocks_per_seq] int32
+    block_tables: jax.Array     # [num_groups, max_num_reqs, max_blocks_per_seq] int32
     num_seqs: jax.Array         # [1] int32
+
+    def group(self, g: int) -> "AttentionMetadata":
+        """The metadata of KV cache group `g`: its slot mapping [num_tokens] and block tables
+        [max_num_reqs, max_blocks_per_seq], as the backends take them."""
+        return dataclasses.replace(self, slot_mapping=self.slot_mapping[g], block_tables=self.block_tables[g])
 
 
 BACKENDS = ("reference", "pallas", "triton", "mosaic")

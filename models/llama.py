@@ -19,6 +19,7 @@ from flax import nnx
 
 from jaxllm.kernels.attention import AttentionMetadata, write_kv
 from jaxllm.models.config import ModelArchConfig
+from jaxllm.models.kv_layout import model_kv_layout
 
 INIT_STD = 0.02  # HF's initializer_range; keeps random-weight activations sane
 
@@ -102,7 +103,8 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def __call__(self, x, cos, sin, kv_cache, md: AttentionMetadata, attn_fn):
-        """x [num_tokens, hidden] -> ([num_tokens, hidden], (k_cache, v_cache))."""
+        """x [num_tokens, hidden] -> ([num_tokens, hidden], (k_cache, v_cache)); md: the layer's
+        KV cache group's (AttentionMetadata.group)."""
         n = x.shape[0]
         q = self.q_proj(x).reshape(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(n, self.num_kv_heads, self.head_dim)
@@ -131,6 +133,7 @@ class MLP(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     def __init__(self, config: ModelArchConfig, layer: int, *, dtype, rngs):
+        self.kv_group, self.kv_tensor = model_kv_layout(config).layer_slot(layer)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.self_attn = Attention(config, layer, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
@@ -165,17 +168,18 @@ class LlamaForCausalLM(nnx.Module):
         """One step over a flattened, padded ragged batch.
 
         input_ids, positions: [num_tokens] int32
-        kv_caches: per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim]
+        kv_caches: per KV tensor (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim];
+          a layer uses its tensor (model_kv_layout)
         Returns (hidden [num_tokens, hidden_size], the updated kv_caches list).
         """
         angles = positions.astype(jnp.float32)[:, None] * rope_inv_freq(self.config)[None, :]
         cos, sin = jnp.cos(angles), jnp.sin(angles)
         x = self.embed_tokens(input_ids)
-        new_caches = []
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, kv_cache = layer(x, cos, sin, kv_cache, md, attn_fn)
-            new_caches.append(kv_cache)
-        return self.norm(x), new_caches
+        kv_caches = list(kv_caches)
+        for layer in self.layers:
+            t = layer.kv_tensor
+            x, kv_caches[t] = layer(x, cos, sin, kv_caches[t], md.group(layer.kv_group), attn_fn)
+        return self.norm(x), kv_caches
 
     def compute_logits(self, hidden):
         """hidden [n, hidden_size] -> logits [n, vocab_size] float32."""

@@ -1,33 +1,61 @@
-"""KVCacheManager: which blocks each request holds."""
-from jaxllm.core.block_pool import BlockPool, KVCacheBlock
+"""KVCacheManager: the scheduler's view of the KV cache: which blocks each request
+holds in each group, and the prefix a waiting request finds already cached."""
+from jaxllm.core.block_pool import BlockPool
+from jaxllm.core.kv_cache_coordinator import make_coordinator
+from jaxllm.core.kv_cache_utils import update_block_hashes
+from jaxllm.core.single_type_kv_cache_manager import Blocks
+from jaxllm.models.kv_layout import KVCacheGroup, KVCacheLayout
 from jaxllm.request import Request
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, layout: KVCacheLayout | None = None,
+                 enable_caching: bool = True):
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.layout = layout or KVCacheLayout((KVCacheGroup(None, (0,)),), 1)
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.coordinator = make_coordinator(self.layout, self.pool, block_size)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Make room for `num_new_tokens` more tokens of `request`: the ids of the blocks
-        this adds (often none), or None if the pool is short."""
-        blocks = self.req_to_blocks.get(request.request_id)
-        if blocks is None:
-            blocks = self.req_to_blocks[request.request_id] = []
-        needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(blocks)
-        if needed <= 0:
-            return []
-        if needed > self.pool.num_free_blocks:
+    @property
+    def enable_caching(self) -> bool:
+        return self.pool.enable_caching
+
+    @property
+    def usage(self) -> float:
+        """The share of blocks requests hold (cached blocks no request holds count as free)."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[Blocks], int]:
+        """The longest cached prefix of a request about to be admitted: (per group, its
+        blocks; its length in tokens). Never the whole request: its last token is computed,
+        so the step has its logits. Requests asking for prompt logprobs compute every
+        position (as vLLM)."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return self.coordinator.no_hit, 0
+        hashes = update_block_hashes(request, self.block_size, request.num_tokens)
+        return self.coordinator.find_longest_cache_hit(hashes, request.num_tokens - 1)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, num_computed_tokens: int = 0,
+                       computed_blocks: list[Blocks] | None = None) -> list[list[int]] | None:
+        """Make room for `num_new_tokens` more tokens of `request`, after the prefix hit
+        (`computed_blocks`, `num_computed_tokens` tokens) of a request being admitted.
+        Returns, per group, the block ids this adds to its block table (0 where the group
+        holds no block), or None if the pool is short (and then takes nothing)."""
+        request_id = request.request_id
+        self.coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
+        computed = computed_blocks or self.coordinator.no_hit
+        num_tokens = request.num_computed_tokens + num_computed_tokens + num_new_tokens
+        if self.coordinator.num_blocks_needed(request_id, num_tokens, computed) > self.pool.num_free_blocks:
             return None
-        new = self.pool.get_new_blocks(needed)
-        blocks.extend(new)
-        return [b.block_id for b in new]
+        added = self.coordinator.allocate(request_id, num_tokens, computed)
+        if self.enable_caching:  # blocks whose tokens are all known (an in-flight one is not yet)
+            num_full_blocks = min(num_tokens, request.num_tokens) // self.block_size
+            hashes = update_block_hashes(request, self.block_size, num_full_blocks * self.block_size)
+            self.coordinator.cache_blocks(request_id, hashes, num_full_blocks)
+        return [[0 if b is None else b.block_id for b in blocks] for blocks in added]
 
     def free(self, request: Request) -> None:
-        # Tail blocks first into the free queue, so they are the first to be reused.
-        self.pool.free_blocks(reversed(self.req_to_blocks.pop(request.request_id, [])))
+        self.coordinator.free(request.request_id)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

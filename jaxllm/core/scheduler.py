@@ -6,6 +6,8 @@ then waiting ones in arrival order, all under one token budget
 `num_tokens - num_computed_tokens`, so prefill chunks, decodes and recomputation
 after preemption are one case. When blocks run out, the newest running request
 is preempted (its blocks freed, its progress reset) back to the head of waiting.
+A request admitted from waiting starts after the longest prefix the KV cache holds
+(prefix caching: KVCacheManager.get_computed_blocks), a resumed one included.
 
 Asynchronous scheduling: step N+1 is scheduled while step N runs, so a token that
 step N samples is not known yet. It counts as a placeholder
@@ -30,7 +32,9 @@ class ScheduledRequest:
     request: Request
     num_computed_tokens: int  # before this step
     num_new_tokens: int
-    new_block_ids: list[int]  # blocks added this step; all of them when num_computed_tokens == 0
+    # Per KV cache group, the block ids added to the request's table this step (0: a position the
+    # group holds no block for); all of them when the request is admitted (its table starts empty).
+    new_block_ids: list[list[int]]
     samples: bool  # the step reaches the request's last token, so it samples the next one
     # SamplingParams.prompt_logprobs: the prompt positions [start, end) whose logprobs this step computes
     prompt_logprobs: tuple[int, int] | None = None
@@ -57,6 +61,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._prefix_cache_queries = self._prefix_cache_hits = 0  # tokens, since the last stats
+        self.prefix_cache_totals = [0, 0]  # tokens since start-up: looked up, found
         self._finished_req_ids: list[str] = []
         self._preempted_req_ids: list[str] = []
 
@@ -95,11 +101,20 @@ class Scheduler:
         # Admit waiting requests only in a step that preempted nothing: blocks are short.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(self._num_pending_tokens(request), budget)
-            new_blocks = self.kv.allocate_slots(request, num_new)
+            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            num_new = min(self._num_pending_tokens(request) - num_cached, budget)
+            new_blocks = self.kv.allocate_slots(request, num_new, num_cached, computed_blocks)
             if new_blocks is None:
                 break
             self.waiting.popleft()
+            if self.kv.enable_caching:
+                self._prefix_cache_queries += request.num_tokens
+                self._prefix_cache_hits += num_cached
+                self.prefix_cache_totals[0] += request.num_tokens
+                self.prefix_cache_totals[1] += num_cached
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.append(self._schedule(request, num_new, new_blocks))
@@ -173,6 +188,7 @@ class Scheduler:
             output = EngineCoreOutput(request.request_id, [token_id], new_prompt_logprobs=new_prompt_logprobs)
             if request.num_output_tokens == 1:
                 output.first_scheduled_time = request.first_scheduled_time
+                output.num_cached_tokens = request.num_cached_tokens
             num_logprobs = request.sampling_params.logprobs
             if num_logprobs is not None and logprobs is not None:
                 output.new_logprobs = _columns(logprobs, num_logprobs, row=i)
@@ -192,9 +208,14 @@ class Scheduler:
             self._free(request)
 
     def make_stats(self) -> SchedulerStats:
-        pool = self.kv.pool
-        return SchedulerStats(len(self.running), len(self.waiting),
-                              1.0 - pool.num_free_blocks / pool.num_blocks, self.num_preemptions)
+        stats = SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions,
+                               self._prefix_cache_queries, self._prefix_cache_hits)
+        self._prefix_cache_queries = self._prefix_cache_hits = 0
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefixes (vLLM's reset_prefix_cache): False while a request holds blocks."""
+        return self.kv.reset_prefix_cache()
 
     def _free(self, request: Request) -> None:
         if request in self.running:

@@ -145,6 +145,12 @@ class AsyncLLM(FrontEnd):
             raise self._dead
         return await self.engine_core.call_utility_async("get_stats")
 
+    async def reset_prefix_cache(self) -> bool:
+        """As LLMEngine.reset_prefix_cache."""
+        if self._dead is not None:
+            raise self._dead
+        return await self.engine_core.call_utility_async("reset_prefix_cache")
+
     async def start_profile(self, log_dir: str | None = None) -> None:
         """As LLMEngine.start_profile."""
         await self.engine_core.call_utility_async("start_profile", self._profile_dir(log_dir))

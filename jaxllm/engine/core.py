@@ -43,7 +43,9 @@ class EngineCore:
         self.runner = ModelRunner(config)
         self.runner.warm_up(show_progress)
         logger.info(self.runner.describe())
-        self.scheduler = Scheduler(config.scheduler, KVCacheManager(self.runner.num_blocks, config.cache.block_size))
+        kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, self.runner.kv_layout,
+                            config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, kv)
         self.batch_queue_size = 2 if config.scheduler.async_scheduling else 1
         self.batch_queue: collections.deque[tuple[SchedulerOutput, StepOutput]] = collections.deque()
         self._grammar_compiler = None  # made for the first request with structured outputs
@@ -121,6 +123,8 @@ class EngineCore:
             r.num_output_placeholders = 0
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
         self.runner.reset_kv_caches()
+        if not self.scheduler.reset_prefix_cache():  # the cached blocks' KV is gone with the caches
+            logger.error("the prefix cache could not be reset after a failed step: a request still holds blocks")
         message = f"{type(error).__name__}: {error}"
         return EngineCoreOutputs([EngineCoreOutput(i, [], "error", error=message) for i in ids],
                                  time.monotonic(), self.scheduler.make_stats())
@@ -131,10 +135,15 @@ class EngineCore:
         return {"num_blocks": pool.num_blocks, "num_free_blocks": pool.num_free_blocks,
                 "num_requests": len(self.scheduler.requests), "num_running": len(self.scheduler.running),
                 "num_waiting": len(self.scheduler.waiting), "num_preemptions": self.scheduler.num_preemptions,
-                "num_compilations": compilation.num_compilations()}
+                "num_cached_blocks": pool.num_cached_blocks, "num_compilations": compilation.num_compilations(),
+                "prefix_cache_queries": self.scheduler.prefix_cache_totals[0],
+                "prefix_cache_hits": self.scheduler.prefix_cache_totals[1]}
 
     def describe(self) -> str:
         return self.runner.describe()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
 
     def time_widest_step(self, num_iters: int = 20) -> float:
         if self.scheduler.has_unfinished_requests():

@@ -137,8 +137,18 @@ class LLMEngine(FrontEnd):
         return outputs
 
     def get_stats(self) -> dict:
-        """The core's counters: KV blocks (total, free), requests, preemptions, compilations."""
+        """The core's counters: KV blocks (total, free, cached), requests, preemptions, compilations,
+        and the prefix cache's tokens looked up and found since start-up."""
         return self.engine_core.call_utility("get_stats")
+
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        """(prompt tokens looked up in the prefix cache, tokens it held) since start-up."""
+        stats = self.get_stats()
+        return stats["prefix_cache_queries"], stats["prefix_cache_hits"]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (and nothing forgotten) while requests run."""
+        return self.engine_core.call_utility("reset_prefix_cache")
 
     def start_profile(self, log_dir: str | None = None) -> None:
         """Record a jax.profiler trace of the engine core into `log_dir` (default

@@ -63,6 +63,11 @@ class LLM:
         file's general.sampling.* keys) over SamplingParams' defaults, as vLLM does."""
         return self.llm_engine.get_default_sampling_params()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (after new weights, or to time without the cache).
+        Returns False, forgetting nothing, while requests hold blocks."""
+        return self.llm_engine.reset_prefix_cache()
+
     def start_profile(self, log_dir: str | None = None) -> None:
         """Trace the engine core with jax.profiler into `log_dir` (default $JAXLLM_PROFILER_DIR)
         until stop_profile(); open it in TensorBoard or XProf, or read it with jaxllm.profiling."""

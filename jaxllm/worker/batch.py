@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from jaxllm.core.kv_cache_manager import cdiv
+from jaxllm.core.kv_cache_utils import cdiv
 from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.kernels.attention import AttentionMetadata
 from jaxllm.sample.sampler import COLUMN, NUM_REQUEST_WORDS, NUM_SAMPLING_WORDS, SampleMode, sample_mode
@@ -41,12 +41,12 @@ class StepBatch:
 class BatchLayout:
     """Offsets and shapes of a bucket's fields in its int32 buffer."""
 
-    def __init__(self, num_tokens: int, num_reqs: int, max_blocks_per_seq: int):
-        T, R = num_tokens, num_reqs
+    def __init__(self, num_tokens: int, num_reqs: int, max_blocks_per_seq: int, num_groups: int = 1):
+        T, R, G = num_tokens, num_reqs, num_groups
         shapes = {
-            "input_ids": (T,), "prev_rows": (T,), "positions": (T,), "slot_mapping": (T,),
+            "input_ids": (T,), "prev_rows": (T,), "positions": (T,), "slot_mapping": (G, T),
             "logits_indices": (R,), "query_start_loc": (R + 1,), "seq_lens": (R,), "num_seqs": (1,),
-            "sampling": (R, NUM_SAMPLING_WORDS), "block_tables": (R, max_blocks_per_seq),
+            "sampling": (R, NUM_SAMPLING_WORDS), "block_tables": (G, R, max_blocks_per_seq),
         }
         self.num_tokens, self.num_reqs = T, R
         self.fields: dict[str, tuple[int, tuple[int, ...]]] = {}
@@ -79,23 +79,23 @@ class BatchLayout:
 
 class RequestRows:
     """The runner's persistent host state, one row per request that holds KV blocks: its
-    block table, its sampling words (Request.sampling_row), SampleMode, how many logprobs
+    block table in each KV cache group, its sampling words (Request.sampling_row), SampleMode, how many logprobs
     it wants, whether it needs a host-made token mask (structured outputs, multi-token bad words), and its
     row in the last step's sampled ids. A step gathers its requests' rows in one copy each
     and writes only the blocks the scheduler added: packing costs O(new blocks), not
     O(context). A request gives its row back when it finishes or is preempted, so
     max_num_seqs rows always suffice (and index the device's ProcessorState)."""
 
-    def __init__(self, max_blocks_per_seq: int, num_rows: int):
+    def __init__(self, max_blocks_per_seq: int, num_rows: int, num_groups: int = 1):
         self.num_rows = num_rows
-        self.block_table = np.zeros((num_rows, max_blocks_per_seq), np.int32)
+        self.block_table = np.zeros((num_groups, num_rows, max_blocks_per_seq), np.int32)
         self.sampling = np.zeros((num_rows, NUM_REQUEST_WORDS), np.int32)
         self.sample_mode = np.zeros(num_rows, np.int8)
         self.processed = np.zeros(num_rows, bool)
         self.num_logprobs = np.full(num_rows, -1, np.int32)  # SamplingParams.logprobs, -1 for None
         self.host_masked = np.zeros(num_rows, bool)
         self.prev_sampled_row = np.full(num_rows, -1, np.int32)
-        self._num_blocks = [0] * num_rows
+        self._num_blocks = np.zeros((num_groups, num_rows), np.int32)  # a group's table entries of a row
         self._rows: dict[str, int] = {}  # request id -> its row
         self._free_rows = list(range(num_rows - 1, -1, -1))
 
@@ -120,12 +120,13 @@ class RequestRows:
                 self.processed[row] = request.needs_processors
                 self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
                 self.host_masked[row] = request.needs_host_mask
-                self._num_blocks[row] = 0
+                self._num_blocks[:, row] = 0
                 added.append((row, request))
-            if s.new_block_ids:
-                n = self._num_blocks[row]
-                self.block_table[row, n:n + len(s.new_block_ids)] = s.new_block_ids
-                self._num_blocks[row] = n + len(s.new_block_ids)
+            for g, block_ids in enumerate(s.new_block_ids):
+                if block_ids:
+                    n = self._num_blocks[g, row]
+                    self.block_table[g, row, n:n + len(block_ids)] = block_ids
+                    self._num_blocks[g, row] = n + len(block_ids)
             rows.append(row)
         return np.array(rows, np.int32), added, removed
 
@@ -159,7 +160,7 @@ def fill_padding(v: dict[str, np.ndarray]) -> None:
     """An all-padding batch (warm-up compiles with these): no request, no KV writes."""
     for view in v.values():
         view[...] = 0
-    v["slot_mapping"][:] = -1
+    v["slot_mapping"][...] = -1
     v["prev_rows"][:] = -1
 
 
@@ -191,7 +192,7 @@ def pack(sched: SchedulerOutput, rows: np.ndarray, state: RequestRows, v: dict[s
     v["seq_lens"][n:] = 0
     v["num_seqs"][0] = n
     block_tables = v["block_tables"]
-    np.take(state.block_table, rows, axis=0, out=block_tables[:n])
+    np.take(state.block_table, rows, axis=1, out=block_tables[:, :n])
     last = qsl[1:n + 1] - 1
     v["logits_indices"][:n] = last
     sampling = v["sampling"]
@@ -220,8 +221,8 @@ def pack(sched: SchedulerOutput, rows: np.ndarray, state: RequestRows, v: dict[s
         pos = np.arange(total, dtype=np.int32) - qsl[req_of_token] + starts[req_of_token]
     v["positions"][:total] = pos
     slots = v["slot_mapping"]
-    slots[:total] = block_tables[req_of_token, pos // block_size] * block_size + pos % block_size
-    slots[total:] = -1
+    slots[:, :total] = block_tables[:, req_of_token, pos // block_size] * block_size + pos % block_size
+    slots[:, total:] = -1
 
     # Where this step's samples land, for the next step.
     state.prev_sampled_row[rows] = -1

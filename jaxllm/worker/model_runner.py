@@ -28,10 +28,11 @@ from tqdm import tqdm
 
 from jaxllm import compilation
 from jaxllm.config import Config, ModelConfig
-from jaxllm.core.kv_cache_manager import cdiv
+from jaxllm.core.kv_cache_utils import cdiv
 from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.engine import LogprobsArrays
 from jaxllm.kernels.attention import get_attention_fn
+from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.models.loader import create_model
 from jaxllm.sample import processors
 from jaxllm.sample.logits_processor import AddedRequest, BatchUpdate
@@ -80,20 +81,23 @@ class ModelRunner:
         jax.block_until_ready(self._params)
         self.startup_s = {"weights": time.perf_counter() - start}  # then "kv_cache", "compile" (warm_up)
         self._attn_fn = get_attention_fn(config.attention_backend, self.mesh)
+        self.kv_layout = model_kv_layout(mc.arch)  # the KV cache groups: one block table each
+        num_groups = len(self.kv_layout.groups)
 
         self.num_blocks = self._num_blocks()
-        if self.num_blocks * self.block_size < mc.max_model_len:
+        if self.num_blocks < self._blocks_per_request():
             raise ValueError(
-                f"the KV cache holds {self.num_blocks * self.block_size} tokens, fewer than max_model_len "
-                f"({mc.max_model_len}): raise gpu_memory_utilization or num_gpu_blocks_override, or lower max_model_len")
+                f"the KV cache's {self.num_blocks} blocks cannot hold one request of max_model_len "
+                f"({mc.max_model_len}) tokens, which takes {self._blocks_per_request()}: raise "
+                "gpu_memory_utilization or num_gpu_blocks_override, or lower max_model_len")
         start = time.perf_counter()
         self.kv_caches = jax.block_until_ready(self._allocate_kv_caches())
         self.startup_s["kv_cache"] = time.perf_counter() - start
         self.token_buckets = batching.token_buckets(sc.max_num_batched_tokens)
-        self.request_rows = batching.RequestRows(self.max_blocks_per_seq, sc.max_num_seqs)
+        self.request_rows = batching.RequestRows(self.max_blocks_per_seq, sc.max_num_seqs, num_groups)
         self._processor_state = self._zero_processor_state()
-        layouts = [batching.BatchLayout(t, batching.request_bucket(t, sc.max_num_seqs), self.max_blocks_per_seq)
-                   for t in self.token_buckets]
+        layouts = [batching.BatchLayout(t, batching.request_bucket(t, sc.max_num_seqs), self.max_blocks_per_seq,
+                                        num_groups) for t in self.token_buckets]
         self._host_buffers = {}
         for layout in layouts:
             buffers = [np.zeros(layout.size, np.int32) for _ in range(2)]
@@ -109,7 +113,7 @@ class ModelRunner:
         vocab_sharded = named_sharding(self.mesh, (None, "vocab"))
         self._forward = jax.jit(forward_fn, donate_argnums=(1,), static_argnums=(4,), out_shardings=(
             replicated(self.mesh), vocab_sharded, replicated(self.mesh), replicated(self.mesh),
-            [(kv_sharding, kv_sharding)] * mc.arch.num_layers))
+            [(kv_sharding, kv_sharding)] * self.kv_layout.num_tensors))
         self._sample = jax.jit(functools.partial(_sample_padded, max_num_seqs=sc.max_num_seqs),
                                static_argnums=(2,), out_shardings=replicated(self.mesh))
         # Users' processors (EngineArgs.logits_processors): every step runs them, in the processed sampler.
@@ -143,9 +147,10 @@ class ModelRunner:
 
     # ---- memory ----
     def _kv_bytes_per_block(self) -> int:
+        """A block id holds one block in each KV tensor (a layer of each group)."""
         arch = self.config.model.arch
         itemsize = jnp.dtype(self.config.model.dtype).itemsize
-        return 2 * arch.num_layers * self.block_size * arch.num_kv_heads * arch.head_dim * itemsize
+        return 2 * self.kv_layout.num_tensors * self.block_size * arch.num_kv_heads * arch.head_dim * itemsize
 
     def _num_blocks(self) -> int:
         if self.config.cache.num_gpu_blocks_override:
@@ -156,9 +161,18 @@ class ModelRunner:
             budget = (stats["bytes_limit"] * self.config.cache.gpu_memory_utilization
                       - stats["bytes_in_use"] - self._activation_bytes() - self._processor_state_bytes())
         else:
-            sc = self.config.scheduler
-            budget = min(_CPU_KV_CACHE_BYTES, sc.max_num_seqs * cdiv(sc.max_model_len, self.block_size) * per_block)
+            budget = min(_CPU_KV_CACHE_BYTES,
+                         self.config.scheduler.max_num_seqs * self._blocks_per_request() * per_block)
         return max(int(budget // per_block), 0)
+
+    def _blocks_per_request(self) -> int:
+        """The most blocks one request of max_model_len tokens holds, over every KV cache group: a
+        sliding window's group holds its window and a prefill chunk (a bound)."""
+        sc = self.config.scheduler
+        full = cdiv(sc.max_model_len, self.block_size)
+        return sum(full if group.sliding_window is None else
+                   min(full, cdiv(group.sliding_window + sc.max_num_batched_tokens, self.block_size) + 1)
+                   for group in self.kv_layout.groups)
 
     def _activation_bytes(self) -> int:
         """A generous bound on the step's transient memory at the largest bucket."""
@@ -196,7 +210,7 @@ class ModelRunner:
         sharding = kv_cache_sharding(self.mesh)
         dtype = self.config.model.dtype
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-        return [(zeros(), zeros()) for _ in range(arch.num_layers)]
+        return [(zeros(), zeros()) for _ in range(self.kv_layout.num_tensors)]
 
     def _zero_sampled(self) -> jax.Array:
         return jax.device_put(np.zeros(self.config.scheduler.max_num_seqs, np.int32), replicated(self.mesh))
@@ -510,7 +524,7 @@ def _compiled(executables: dict, key, lower) -> jax.stages.Compiled:
 def _make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout], max_num_seqs: int):
     """The jitted forward's function (a closure, not a method: the runner is not kept alive by its executables)."""
     def step(params, kv_caches, prev_sampled, buffer, token_bucket: int):
-        """params: flat weights; kv_caches: per layer (K, V) [num_blocks, block_size, kv_heads, head_dim];
+        """params: flat weights; kv_caches: per KV tensor (K, V) [num_blocks, block_size, kv_heads, head_dim];
         prev_sampled [max_num_seqs] int32: the previous step's ids; buffer [size] int32: this step's inputs,
         laid out as `token_bucket`'s BatchLayout. Returns (the greedy ids [max_num_seqs] int32, the logits
         [R, vocab] float32 at each request's last token, the R requests' sampling words, the final hidden

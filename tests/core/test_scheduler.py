@@ -9,14 +9,20 @@ from jaxllm.request import Request, RequestStatus
 from jaxllm.sampling_params import SamplingParams
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=64):
-    kv = KVCacheManager(num_blocks, block_size)
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=64, enable_caching=False):
+    """Without the prefix cache unless asked: these prompts share their prefixes."""
+    kv = KVCacheManager(num_blocks, block_size, enable_caching=enable_caching)
     return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, async_scheduling=False), kv)
 
 
 def make_request(i, prompt_len, max_tokens=4):
     return Request(str(i), list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, temperature=0),
                    eos_token_ids=(), seed=hash(i) & 0xFFFF)
+
+
+def held_blocks(scheduler) -> dict:
+    """request id -> its blocks, in the one KV cache group of these schedulers."""
+    return scheduler.kv.coordinator.managers[0].req_to_blocks
 
 
 def run_step(scheduler, token=7):
@@ -79,7 +85,7 @@ def test_preempted_request_goes_back_ahead_of_the_requests_that_never_ran():
 def test_preemption_frees_every_block_of_the_preempted_request():
     s = preempting_scheduler()
     run_step(s)
-    assert list(s.kv.req_to_blocks) == ["0"] and s.kv.pool.num_free_blocks == 1  # 0 holds the other 3
+    assert list(held_blocks(s)) == ["0"] and s.kv.pool.num_free_blocks == 1  # 0 holds the other 3
 
 
 def test_a_step_that_preempts_admits_no_waiting_request():
@@ -141,7 +147,7 @@ def test_every_block_returns_to_the_pool():
         s.add_request(make_request(i, 5 + i, max_tokens=3 + i))
     while s.has_unfinished_requests():
         run_step(s)
-    assert s.kv.pool.num_free_blocks == 10 and not s.kv.req_to_blocks
+    assert s.kv.pool.num_free_blocks == 10 and not held_blocks(s)
 
 
 def test_aborted_request_frees_its_blocks():
@@ -176,7 +182,7 @@ def test_block_pool_rejects_double_free():
 def test_scheduler_output_carries_only_new_blocks_and_finished_ids():
     s = make_scheduler(block_size=4, budget=16)
     s.add_request(make_request(0, 6, max_tokens=4))
-    new_blocks = [len(run_step(s)[0].requests[0].new_block_ids) for _ in range(4)]
+    new_blocks = [len(run_step(s)[0].requests[0].new_block_ids[0]) for _ in range(4)]
     assert new_blocks == [2, 0, 0, 1]  # tokens 1-6, 7, 8, then 9 opens a third block
     assert not s.has_unfinished_requests()
     s.add_request(make_request(1, 2))

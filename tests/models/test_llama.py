@@ -20,6 +20,7 @@ from flax import nnx
 from jaxllm.kernels import reference
 from jaxllm.kernels.attention import AttentionMetadata
 from jaxllm.models.config import ModelArchConfig
+from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.models.llama import LlamaForCausalLM, rope_inv_freq
 from jaxllm.models.loader import create_model, iter_hf_weights, path_to_hf_name
 from jaxllm.sharding import make_mesh, named_sharding
@@ -48,20 +49,23 @@ def make_step(model, attn_fn=reference.ragged_paged_attention):
 
 def run_prompt(step, config: ModelArchConfig, token_ids, chunks, cache_sharding=None):
     """Prefill one request in chunks (sizes summing to len(token_ids)) through a paged
-    cache whose block table is out of order; returns logits [len, vocab]."""
-    shape = (NUM_BLOCKS, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+    cache whose block tables are out of order (each KV cache group its own blocks);
+    returns logits [len, vocab]."""
+    layout = model_kv_layout(config)
+    num_groups = len(layout.groups)
+    shape = (NUM_BLOCKS * num_groups, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
     zeros = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=cache_sharding)
-    kv_caches = [(zeros(), zeros()) for _ in range(config.num_layers)]
-    table = np.arange(NUM_BLOCKS, dtype=np.int32)[::-1].copy()
-    block_tables = np.zeros((MAX_NUM_REQS, NUM_BLOCKS), np.int32)
-    block_tables[0] = table
+    kv_caches = [(zeros(), zeros()) for _ in range(layout.num_tensors)]
+    tables = np.stack([g * NUM_BLOCKS + np.arange(NUM_BLOCKS, dtype=np.int32)[::-1] for g in range(num_groups)])
+    block_tables = np.zeros((num_groups, MAX_NUM_REQS, NUM_BLOCKS), np.int32)
+    block_tables[:, 0] = tables
     logits, start = [], 0
     for n in chunks:
         pos = np.arange(start, start + n, dtype=np.int32)
         ids, positions = np.zeros(TOKEN_BUCKET, np.int32), np.zeros(TOKEN_BUCKET, np.int32)
-        slots = np.full(TOKEN_BUCKET, -1, np.int32)
+        slots = np.full((num_groups, TOKEN_BUCKET), -1, np.int32)
         ids[:n], positions[:n] = token_ids[start:start + n], pos
-        slots[:n] = table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+        slots[:, :n] = tables[:, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
         md = AttentionMetadata(
             slot_mapping=jnp.asarray(slots),
             query_start_loc=jnp.array([0, n, n], jnp.int32),
@@ -144,8 +148,8 @@ def test_sliding_window_reaches_attention_of_the_sliding_layers():
 
     shape = (NUM_BLOCKS, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
     kv = [(jnp.zeros(shape), jnp.zeros(shape))] * config.num_layers
-    md = AttentionMetadata(jnp.zeros(4, jnp.int32), jnp.zeros(3, jnp.int32), jnp.zeros(2, jnp.int32),
-                           jnp.zeros((2, NUM_BLOCKS), jnp.int32), jnp.ones(1, jnp.int32))
+    md = AttentionMetadata(jnp.zeros((2, 4), jnp.int32), jnp.zeros(3, jnp.int32), jnp.zeros(2, jnp.int32),
+                           jnp.zeros((2, 2, NUM_BLOCKS), jnp.int32), jnp.ones(1, jnp.int32))  # 2 KV cache groups
     ids = jnp.zeros(4, jnp.int32)
     jax.eval_shape(lambda: model(ids, ids, kv, md, recording_attn))
     assert windows == [None, 8]
