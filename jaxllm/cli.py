@@ -1,6 +1,7 @@
 """The `jaxllm` command: `jaxllm generate` runs offline generation, `jaxllm serve` an
 OpenAI-compatible server, `jaxllm bench throughput|latency|step` benchmarks the engine and
-`jaxllm bench serve` a running server (jaxllm/benchmarks).
+`jaxllm bench serve` a running server (jaxllm/benchmarks), `jaxllm convert` writes a model
+as an orbax checkpoint that restores straight into the mesh's shardings (docs/models.md).
 
 Engine flags are EngineArgs' fields, spelled as in vLLM (--max-model-len, ...). A user's
 mistake (a flag's value, a model file, a prompt) prints one line, `jaxllm: error: ...`,
@@ -19,22 +20,25 @@ DEFAULT_PROMPTS = [
     "What is 12 times 7?",
     "Explain in one sentence what a GPU is.",
 ]
+# vLLM's short spellings of the parallelism flags.
+SHORT_FLAGS = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp", "pipeline_parallel_size": "-pp"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     from jaxllm.config import EngineArgs
     hints = typing.get_type_hints(EngineArgs)
     for field in dataclasses.fields(EngineArgs):
-        flag = "--" + field.name.replace("_", "-")
+        flags = [SHORT_FLAGS[field.name]] if field.name in SHORT_FLAGS else []
+        flags.append("--" + field.name.replace("_", "-"))
         kind = hints[field.name]
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
         if base is bool:  # --flag / --no-flag
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=field.default)
             continue
         if typing.get_origin(base) is list:  # names: --logits-processors mod:A mod:B
-            parser.add_argument(flag, nargs="+", default=field.default)
+            parser.add_argument(*flags, nargs="+", default=field.default)
             continue
-        parser.add_argument(flag, type=base, default=field.default)
+        parser.add_argument(*flags, type=base, default=field.default)
 
 
 class UserError(Exception):
@@ -110,6 +114,50 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(ns: argparse.Namespace) -> int:
+    """SRC (an HF folder, a .gguf file or a hub id) -> DST: config.json, the tokenizer's
+    files and the params as an orbax checkpoint (models/orbax_checkpoint.py)."""
+    import json
+    import os
+    import shutil
+
+    import jax.numpy as jnp
+
+    from jaxllm.config import EngineArgs, resolve_dtype
+    from jaxllm.models.loader import create_model
+    from jaxllm.models.orbax_checkpoint import save_model
+    from jaxllm.sharding import make_mesh
+    from jaxllm.tokenizer import get_tokenizer
+    from jaxllm.worker.model_runner import iter_weights
+
+    if os.path.exists(ns.dst) and (not os.path.isdir(ns.dst) or os.listdir(ns.dst)):
+        raise UserError(f"{ns.dst!r} exists and is not an empty folder: convert into a new one")
+    with user_errors():
+        mc = EngineArgs(model=ns.src, revision=ns.revision, download_dir=ns.download_dir).create_config().model
+        if mc.format not in ("hf", "gguf"):
+            raise ValueError(f"convert reads an HF folder, a .gguf file or a hub id; {ns.src!r} is {mc.format}")
+        # "auto": the dtype the engine serves the checkpoint in on GPU, even when converting on CPU.
+        dtype = jnp.dtype(resolve_dtype(ns.dtype, mc.hf_config, platform="gpu"))
+        start = time.perf_counter()
+        model = create_model(mc.arch, dtype=dtype, mesh=make_mesh(1), weights=iter_weights(mc))
+        try:
+            tokenizer = get_tokenizer(mc)
+        except ValueError as e:  # a folder without tokenizer files: convert the weights all the same
+            print(f"{ns.src} has no tokenizer, so {ns.dst} holds none ({e.__class__.__name__})")
+            tokenizer = None
+    os.makedirs(ns.dst, exist_ok=True)
+    save_model(model, ns.dst)
+    config = {k: v for k, v in mc.hf_config.items() if k != "torch_dtype"}
+    with open(os.path.join(ns.dst, "config.json"), "w") as f:
+        json.dump({**config, "dtype": dtype.name}, f, indent=2)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(ns.dst)  # for a GGUF: the tokenizer built from its metadata, chat template too
+    if mc.format == "hf" and os.path.isfile(os.path.join(mc.path, "generation_config.json")):
+        shutil.copy(os.path.join(mc.path, "generation_config.json"), ns.dst)
+    print(f"converted {ns.src} to {ns.dst} ({dtype.name}) in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="jaxllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -130,6 +178,14 @@ def main(argv=None) -> int:
     add_engine_args(serve)
     from jaxllm.entrypoints.openai.cli_args import add_server_args
     add_server_args(serve)
+    convert = sub.add_parser("convert", help="write a model as an orbax checkpoint (fast sharded restore)",
+                             description=cmd_convert.__doc__)
+    convert.add_argument("src", metavar="SRC", help="an HF folder, a .gguf file or a Hugging Face hub id")
+    convert.add_argument("dst", metavar="DST", help="a new folder for the checkpoint")
+    convert.add_argument("--dtype", default="auto",
+                         help="the params' dtype; auto: the checkpoint's own, float32 as bfloat16")
+    convert.add_argument("--revision", default=None, help="of a hub id: a branch, tag or commit")
+    convert.add_argument("--download-dir", default=None, help="of a hub id: the cache folder")
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from jaxllm.benchmarks import BENCHES
@@ -147,6 +203,8 @@ def main(argv=None) -> int:
             return cmd_generate(ns)
         if ns.command == "serve":
             return cmd_serve(ns)
+        if ns.command == "convert":
+            return cmd_convert(ns)
         if ns.bench == "serve":
             with user_errors():
                 return bench_serve.main(ns)

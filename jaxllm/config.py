@@ -22,8 +22,8 @@ def bundled_model_configs() -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    path: str            # HF folder, .gguf file, or bundled config name
-    format: str          # "hf" | "gguf" | "bundled"
+    path: str            # HF folder (a hub id's snapshot too), .gguf file, orbax folder, or bundled config name
+    format: str          # "hf" | "gguf" | "orbax" | "bundled"
     hf_config: dict
     arch: ModelArchConfig
     dtype: object        # a jnp dtype
@@ -53,6 +53,8 @@ class SchedulerConfig:
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int
+    data_parallel_size: int = 1      # only 1 until data parallelism is built
+    pipeline_parallel_size: int = 1  # only 1 until pipeline parallelism is built
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +83,14 @@ class EngineArgs:
     load_format: str = "auto"
     attention_backend: str | None = None
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     skip_tokenizer_init: bool = False
-    tokenizer: str | None = None  # vLLM's: another tokenizer than the model's (an HF folder or a .gguf file)
+    tokenizer: str | None = None  # vLLM's: another tokenizer than the model's (an HF folder, a .gguf file or a hub id)
+    # A hub id's branch, tag or commit (None: main), and its cache folder (None: the hub's, $HF_HUB_CACHE).
+    revision: str | None = None
+    tokenizer_revision: str | None = None  # of a tokenizer given as a hub id
+    download_dir: str | None = None
     max_logprobs: int = 20  # vLLM's default; each step that returns logprobs computes this many
     async_scheduling: bool = True
     # Users' LogitsProcessor classes, or their "module:Class" names (jaxllm/sample/logits_processor.py)
@@ -106,18 +114,20 @@ class EngineArgs:
         _check(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")
         _check(self.load_format in ("auto", "dummy"), f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         _check(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        _check(self.data_parallel_size == 1,
+               f"data_parallel_size must be 1 (data parallelism is not built yet), got {self.data_parallel_size}")
+        _check(self.pipeline_parallel_size == 1, "pipeline_parallel_size must be 1 (pipeline parallelism is "
+               f"not built yet), got {self.pipeline_parallel_size}")
         _check(self.tensor_parallel_size <= jax.device_count(),
                f"tensor_parallel_size={self.tensor_parallel_size} exceeds the {jax.device_count()} visible device(s)")
         from jaxllm.kernels.attention import BACKENDS, default_backend
         _check(self.attention_backend in (None, *BACKENDS),
                f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
 
-        _check(self.tokenizer is None or os.path.isdir(self.tokenizer) or
-               (os.path.isfile(self.tokenizer) and self.tokenizer.endswith(".gguf")),
-               f"tokenizer must be an HF folder or a .gguf file, got {self.tokenizer!r}")
+        tokenizer = _resolve_tokenizer(self.tokenizer, self.tokenizer_revision, self.download_dir)
         from jaxllm.sample.logits_processor import resolve_logits_processors
         logits_processors = resolve_logits_processors(self.logits_processors)
-        path, fmt, hf_config, arch = _resolve_model(self.model, self.load_format)
+        path, fmt, hf_config, arch = _resolve_model(self.model, self.load_format, self.revision, self.download_dir)
         tp = self.tensor_parallel_size
         _check(arch.num_heads % tp == 0 and arch.num_kv_heads % tp == 0,
                f"tensor_parallel_size={tp} must divide the model's attention heads "
@@ -131,13 +141,13 @@ class EngineArgs:
                f"max_num_batched_tokens ({batched}) must be >= max_num_seqs ({self.max_num_seqs})")
         return Config(
             model=ModelConfig(path=path, format=fmt, hf_config=hf_config, arch=arch,
-                              dtype=_resolve_dtype(self.dtype, hf_config), max_model_len=max_len,
+                              dtype=resolve_dtype(self.dtype, hf_config), max_model_len=max_len,
                               load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
-                              max_logprobs=self.max_logprobs, tokenizer=self.tokenizer),
+                              max_logprobs=self.max_logprobs, tokenizer=tokenizer),
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.num_gpu_blocks_override,
                               self.enable_prefix_caching),
             scheduler=SchedulerConfig(self.max_num_seqs, batched, max_len, self.async_scheduling),
-            parallel=ParallelConfig(self.tensor_parallel_size),
+            parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.pipeline_parallel_size),
             attention_backend=self.attention_backend or default_backend(),
             seed=self.seed,
             logits_processors=logits_processors,
@@ -149,16 +159,26 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _resolve_model(model: str | None, load_format: str) -> tuple[str, str, dict, ModelArchConfig]:
+def _resolve_model(model: str | None, load_format: str, revision: str | None = None,
+                   download_dir: str | None = None) -> tuple[str, str, dict, ModelArchConfig]:
     """(path, format, HF-style config dict, architecture); a file that cannot be read or
-    parsed raises a ValueError naming it."""
+    parsed raises a ValueError naming it. A hub id resolves to its snapshot's folder."""
+    from jaxllm import model_hub
     from jaxllm.models import gguf
+    from jaxllm.models.orbax_checkpoint import is_orbax_checkpoint
     if model is None:
         model = gguf.find_default_model()
+    if (not os.path.exists(model) and model not in bundled_model_configs()
+            and model_hub.looks_like_repo_id(model)):
+        snapshot = model_hub.download_snapshot(model, revision=revision, cache_dir=download_dir)
+        _check(os.path.isfile(os.path.join(snapshot, "config.json")),
+               f"hub model {model!r} has no config.json (only HF safetensors repos load by id; "
+               "for a GGUF repo download its .gguf file and pass its path)")
+        model = snapshot
     if os.path.isfile(model) and model.endswith(".gguf"):
         fmt, source, hf_config = "gguf", model, gguf.load_gguf_config(model)
     elif os.path.isdir(model):
-        fmt, source = "hf", os.path.join(model, "config.json")
+        fmt, source = ("orbax" if is_orbax_checkpoint(model) else "hf"), os.path.join(model, "config.json")
         _check(os.path.isfile(source), f"model folder {model!r} has no config.json")
         hf_config = _read_json(source)
     elif model in bundled_model_configs():
@@ -169,11 +189,22 @@ def _resolve_model(model: str | None, load_format: str) -> tuple[str, str, dict,
         hf_config = json.loads(text)
     else:
         raise ValueError(f"model {model!r} not found: pass an HF folder with config.json, a .gguf file, "
+                         f"an orbax folder from `jaxllm convert`, a Hugging Face hub id, "
                          f"or with load_format='dummy' one of {bundled_model_configs()}")
     try:
         return model, fmt, hf_config, ModelArchConfig.from_hf_config(hf_config)
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from e
+
+
+def _resolve_tokenizer(tokenizer: str | None, revision: str | None, download_dir: str | None) -> str | None:
+    """EngineArgs.tokenizer as a local HF folder or .gguf file (a hub id: its snapshot's folder)."""
+    if tokenizer is None or os.path.isdir(tokenizer) or (os.path.isfile(tokenizer) and tokenizer.endswith(".gguf")):
+        return tokenizer
+    from jaxllm import model_hub
+    _check(not os.path.exists(tokenizer) and model_hub.looks_like_repo_id(tokenizer),
+           f"tokenizer must be an HF folder, a .gguf file or a hub id, got {tokenizer!r}")
+    return model_hub.download_snapshot(tokenizer, revision=revision, cache_dir=download_dir, tokenizer_only=True)
 
 
 def _read_json(path: str) -> dict:
@@ -184,10 +215,12 @@ def _read_json(path: str) -> dict:
         raise ValueError(f"{path} is not valid JSON: {e}") from e
 
 
-def _resolve_dtype(dtype: str, hf_config: dict):
+def resolve_dtype(dtype: str, hf_config: dict, *, platform: str | None = None):
+    """EngineArgs.dtype as a jnp dtype; "auto" is float32 on CPU (platform None: JAX's
+    default backend), else the checkpoint's dtype with float32 served as bfloat16."""
     name = _DTYPE_ALIASES.get(dtype, dtype)
     if name == "auto":
-        if jax.default_backend() == "cpu":
+        if (platform or jax.default_backend()) == "cpu":
             return jnp.float32  # XLA's CPU matmuls are slow and inexact in half precision
         name = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16")
         name = "bfloat16" if name == "float32" else name  # serve fp32 checkpoints in bf16, as on GPU engines

@@ -87,3 +87,27 @@ def test_a_bad_bench_flag_is_an_argparse_error(capsys, flags, message):
         main(["bench", "step", "--model", tiny_model("llama"), *flags])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.endswith(f"jaxllm bench step: error: {message}\n")
+
+
+@pytest.mark.parametrize("flags, field, value", [
+    (["-tp", "2"], "tensor_parallel_size", 2),
+    (["--tensor-parallel-size", "2"], "tensor_parallel_size", 2),
+    (["-dp", "3"], "data_parallel_size", 3),
+    (["-pp", "4"], "pipeline_parallel_size", 4),
+    (["--revision", "v2", "--download-dir", "/tmp/hub"], "download_dir", "/tmp/hub"),
+])
+def test_parallelism_short_flags_and_hub_flags_set_engine_args(flags, field, value):
+    import argparse
+    from jaxllm.cli import add_engine_args, engine_args_from
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert getattr(engine_args_from(parser.parse_args(flags)), field) == value
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("-dp", "data_parallel_size must be 1 (data parallelism is not built yet), got 2"),
+    ("-pp", "pipeline_parallel_size must be 1 (pipeline parallelism is not built yet), got 2"),
+])
+def test_data_or_pipeline_parallelism_prints_one_line_and_exits_2(capsys, flag, message):
+    assert main(["generate", "--model", tiny_model("llama"), flag, "2", "--no-enable-multiprocessing"]) == 2
+    assert_one_line_error(capsys.readouterr().err, message)

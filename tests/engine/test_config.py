@@ -87,5 +87,29 @@ def test_the_tokenizer_engine_arg_gives_a_dummy_model_text_prompts(char_llama):
 
 @pytest.mark.parametrize("tokenizer", ["/no/such/folder", __file__])
 def test_a_tokenizer_that_is_neither_a_folder_nor_a_gguf_file_is_an_error(tokenizer):
-    with pytest.raises(ValueError, match="tokenizer must be an HF folder or a .gguf file"):
+    with pytest.raises(ValueError, match="tokenizer must be an HF folder, a .gguf file or a hub id"):
         EngineArgs(model=tiny_model("llama"), tokenizer=tokenizer).create_config()
+
+
+@pytest.mark.parametrize("field, name", [("data_parallel_size", "data"), ("pipeline_parallel_size", "pipeline")])
+@pytest.mark.parametrize("size", [0, 2])
+def test_parallel_sizes_other_than_1_are_not_built_yet(field, name, size):
+    with pytest.raises(ValueError, match=re.escape(f"{field} must be 1 ({name} parallelism is not built yet), "
+                                                   f"got {size}")):
+        EngineArgs(model=tiny_model("llama"), **{field: size}).create_config()
+
+
+def test_the_parallel_config_carries_every_size():
+    parallel = EngineArgs(model=tiny_model("llama")).create_config().parallel
+    assert (parallel.tensor_parallel_size, parallel.data_parallel_size, parallel.pipeline_parallel_size) == (1, 1, 1)
+
+
+def test_a_path_that_is_no_hub_id_is_not_looked_up(monkeypatch):
+    from jaxllm import model_hub
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the hub was asked")
+    monkeypatch.setattr(model_hub, "download_snapshot", no_hub)
+    for model in ("/no/such/model", "./no-such-model", "no/such/model"):
+        with pytest.raises(ValueError, match="not found"):
+            EngineArgs(model=model).create_config()

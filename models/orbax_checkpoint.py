@@ -1,0 +1,85 @@
+"""A model's params as an orbax checkpoint, restored straight into the mesh's shardings.
+
+A checkpoint folder (what `jaxllm convert` writes) holds config.json, the tokenizer
+files, and the params under `orbax/`: the model's nnx.State as a plain nested dict
+({"layers": {0: {"self_attn": {"q_proj": {"kernel": array}}}}, ...}), saved by
+orbax's StandardCheckpointer. Restoring builds the model abstractly (shapes, dtypes and
+each param's NamedSharding from the logical-axis rules), and orbax reads every param
+into that sharding: each device reads only its shard, and the whole model is never
+gathered on one device or in host memory. A param saved in another dtype is cast on
+the way in, so a bf16 checkpoint serves in fp32 on CPU.
+"""
+import os
+
+import jax
+from flax import nnx
+
+from jaxllm.models.config import ModelArchConfig
+from jaxllm.models.loader import create_model
+from jaxllm.sharding import named_sharding
+
+PARAMS_DIR = "orbax"  # the subfolder that marks a folder as an orbax checkpoint
+
+
+def is_orbax_checkpoint(folder: str) -> bool:
+    return os.path.isdir(os.path.join(folder, PARAMS_DIR))
+
+
+def save_model(model: nnx.Module, folder: str) -> str:
+    """Write the model's params to folder/orbax (which must not exist yet); returns that path."""
+    import orbax.checkpoint as ocp
+    path = os.path.join(os.path.abspath(folder), PARAMS_DIR)
+    if os.path.exists(path):
+        raise ValueError(f"{path} already exists: convert into a new folder")
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, nnx.to_pure_dict(nnx.state(model)))
+        checkpointer.wait_until_finished()
+    return path
+
+
+def restore_model(folder: str, config: ModelArchConfig, *, dtype, mesh: jax.sharding.Mesh) -> nnx.Module:
+    """The model of `config` with its params read from folder/orbax, each straight into
+    its NamedSharding on `mesh` and cast to `dtype`. A checkpoint whose params differ
+    from the model's (names or shapes), or that cannot be read, raises a ValueError."""
+    import orbax.checkpoint as ocp
+    path = os.path.join(os.path.abspath(folder), PARAMS_DIR)
+    # The model as create_model would build it, without making any array.
+    abstract = nnx.eval_shape(lambda: create_model(config, dtype=dtype, mesh=mesh, weights=None))
+    graphdef, state = nnx.split(abstract)
+    targets = [(p, var.replace(jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=named_sharding(
+        mesh, var.get_metadata()["out_sharding"])))) for p, var in nnx.to_flat_state(state)]
+    state = nnx.from_flat_state(targets)
+    target = nnx.to_pure_dict(state)
+    with ocp.StandardCheckpointer() as checkpointer:
+        try:
+            saved = checkpointer.metadata(path).item_metadata  # a TreeMetadata; None without one
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path} is not a readable orbax checkpoint: {e}") from e
+        if saved is None:
+            raise ValueError(f"{path} is not a readable orbax checkpoint (no params metadata in it)")
+        _check_params_match(path, saved.tree, target)
+        try:
+            restored = checkpointer.restore(path, target)
+        except Exception as e:  # orbax wraps tensorstore's errors (a truncated file, ...) in a bare Exception
+            detail = str(e.__cause__ or e).splitlines()[0]
+            raise ValueError(f"orbax checkpoint {path} cannot be restored (corrupt or incomplete?): {detail}") from e
+    nnx.replace_by_pure_dict(state, restored)
+    return nnx.merge(graphdef, state)
+
+
+def _check_params_match(path: str, saved, target) -> None:
+    """Same param names and shapes in the checkpoint as in the model (dtypes may differ)."""
+    def shapes(tree):
+        leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
+        return {".".join(str(getattr(k, "key", k)) for k in keys): tuple(leaf.shape) for keys, leaf in leaves}
+    have, want = shapes(saved), shapes(target)
+    missing = sorted(set(want) - set(have))
+    unexpected = sorted(set(have) - set(want))
+    wrong = [f"{name} {have[name]} (the model's: {want[name]})" for name in sorted(set(want) & set(have))
+             if have[name] != want[name]]
+    problems = [f"{what}: {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}"
+                for what, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
+                if names]
+    if problems:
+        raise ValueError(f"orbax checkpoint {path} does not match the model its config.json describes "
+                         f"({'; '.join(problems)})")
