@@ -36,9 +36,12 @@ def download_snapshot(repo_id: str, *, revision: str | None = None, cache_dir: s
     naming the repo and carrying the hub's message.
     """
     import httpx
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    # Offline, snapshot_download still asks the hub for a commit's file list; local_files_only does not.
+    offline = constants.is_offline_mode()
     try:
-        return snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
+        return snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=offline,
                                  allow_patterns=TOKENIZER_PATTERNS if tokenizer_only else MODEL_PATTERNS,
                                  ignore_patterns=IGNORE_PATTERNS)
     # The hub's errors (repo or revision not found, not cached while offline) are OSErrors;
@@ -46,6 +49,9 @@ def download_snapshot(repo_id: str, *, revision: str | None = None, cache_dir: s
     except (OSError, httpx.HTTPError) as e:
         what = "tokenizer" if tokenizer_only else "model"
         at = f" at revision {revision!r}" if revision else ""
-        message = " ".join(str(e).split())
+        if offline and type(e) is LocalEntryNotFoundError:  # its message: unset local_files_only (set by us)
+            message = f"not in the cache {cache_dir or constants.HF_HUB_CACHE}, and HF_HUB_OFFLINE is set"
+        else:
+            message = f"{type(e).__name__}: {' '.join(str(e).split())}"
         raise ValueError(f"{what} {repo_id!r}{at} is neither a local path nor available from the Hugging Face "
-                         f"hub ({type(e).__name__}: {message})") from e
+                         f"hub ({message})") from e
