@@ -89,7 +89,7 @@ class EngineArgs:
     tokenizer: str | None = None  # vLLM's: another tokenizer than the model's (an HF folder, a .gguf file or a hub id)
     # A hub id's branch, tag or commit (None: main), and its cache folder (None: the hub's, $HF_HUB_CACHE).
     revision: str | None = None
-    tokenizer_revision: str | None = None  # of a tokenizer given as a hub id
+    tokenizer_revision: str | None = None  # of the tokenizer's hub id (tokenizer, else model); None: main
     download_dir: str | None = None
     max_logprobs: int = 20  # vLLM's default; each step that returns logprobs computes this many
     async_scheduling: bool = True
@@ -124,7 +124,9 @@ class EngineArgs:
         _check(self.attention_backend in (None, *BACKENDS),
                f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
 
-        tokenizer = _resolve_tokenizer(self.tokenizer, self.tokenizer_revision, self.download_dir)
+        # As in vLLM, tokenizer_revision alone asks for the model's own tokenizer at that revision.
+        tokenizer = self.model if self.tokenizer is None and self.tokenizer_revision is not None else self.tokenizer
+        tokenizer = _resolve_tokenizer(tokenizer, self.tokenizer_revision, self.download_dir)
         from jaxllm.sample.logits_processor import resolve_logits_processors
         logits_processors = resolve_logits_processors(self.logits_processors)
         path, fmt, hf_config, arch = _resolve_model(self.model, self.load_format, self.revision, self.download_dir)

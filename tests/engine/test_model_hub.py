@@ -133,3 +133,10 @@ def test_a_repo_the_hub_does_not_have_is_an_error_with_the_hubs_message(monkeypa
     with pytest.raises(ValueError, match=r"model 'org/no-such-model' is neither a local path nor available from the "
                                          r"Hugging Face hub \(RepositoryNotFoundError: 404 Client Error"):
         EngineArgs(model="org/no-such-model").create_config()
+
+
+def test_tokenizer_revision_alone_takes_the_models_tokenizer_at_that_revision(hub_cache, char_llama):
+    weights = add_snapshot(hub_cache, "org/tiny-llama", MAIN, tiny_model("llama"))
+    tokenizer = add_snapshot(hub_cache, "org/tiny-llama", V2, char_llama, refs=("with-tokenizer",))
+    mc = EngineArgs(model="org/tiny-llama", tokenizer_revision="with-tokenizer").create_config().model
+    assert (mc.path, mc.tokenizer) == (weights, tokenizer)
