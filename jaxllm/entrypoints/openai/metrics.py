@@ -3,12 +3,17 @@ periodic one-line stats log.
 
 Everything is computed in the server's process from what the RequestOutputs carry
 (monotonic timestamps of one clock: the engine core shares the machine) and, for the
-gauges, from the core's get_stats() at each scrape. The intervals are vLLM's:
+gauges, the preemptions and the prefix cache, from the core's get_stats() at each scrape
+and each stats log. The prefix-cache counters are vLLM's prefix_cache_queries and
+prefix_cache_hits (prompt tokens looked up at admission, and those the cache held): the
+SchedulerStats' increments, summed by the core since start-up, or fed one SchedulerStats
+at a time (record_scheduler_stats) by a front end that sees them. The intervals are vLLM's:
 queue = arrival .. first scheduled, prefill = first scheduled .. first token,
 decode = first token .. last token, inference = first scheduled .. last token,
 end-to-end = arrival .. the server saw the request finish.
 """
 import asyncio
+import collections
 import logging
 import os
 import time
@@ -22,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "jaxllm:"
 LOG_STATS_INTERVAL_S = float(os.environ.get("JAXLLM_LOG_STATS_INTERVAL", "10"))
+_HIT_RATE_INTERVALS = 6  # the stats log's prefix cache hit rate: over this many recent intervals with lookups
 
 # Seconds. A decode step of a small model on an H200 takes a few ms, so ITL starts at 1 ms.
 _LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -97,6 +103,8 @@ class ServerMetrics:
         self.total_prompt_tokens = self.total_generation_tokens = 0
         self.total_queries = self.total_hits = 0
         self._core_preemptions = 0
+        self._core_prefix_cache = (0, 0)  # the core's (queries, hits) totals, as last seen
+        self._fed_scheduler_stats = False
 
     def request_success(self, finished_reason: str) -> None:
         self._request_success.labels(model_name=self._model_name, finished_reason=finished_reason).inc()
@@ -110,6 +118,27 @@ class ServerMetrics:
         if preemptions > self._core_preemptions:
             self.num_preemptions.inc(preemptions - self._core_preemptions)
             self._core_preemptions = preemptions
+        if "prefix_cache_queries" in stats and not self._fed_scheduler_stats:
+            queries, hits = stats["prefix_cache_queries"], stats.get("prefix_cache_hits", 0)
+            last_queries, last_hits = self._core_prefix_cache
+            if queries >= last_queries and hits >= last_hits:
+                self._add_prefix_cache(queries - last_queries, hits - last_hits)
+            self._core_prefix_cache = (queries, hits)
+
+    def record_scheduler_stats(self, stats) -> None:
+        """One SchedulerStats (jaxllm.engine): its prefix-cache increments. Once a front end
+        feeds these, the core's totals in get_stats() are no longer counted (they are the
+        same tokens)."""
+        self._fed_scheduler_stats = True
+        self._add_prefix_cache(stats.prefix_cache_queries, stats.prefix_cache_hits)
+
+    def _add_prefix_cache(self, queries: int, hits: int) -> None:
+        if queries:
+            self.prefix_cache_queries.inc(queries)
+            self.total_queries += queries
+        if hits:
+            self.prefix_cache_hits.inc(hits)
+            self.total_hits += hits
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -150,13 +179,8 @@ class RequestTracker:
         self.num_generated += num_new
         if self._last_time is None:  # prefill done
             self.num_prompt_tokens = len(out.prompt_token_ids)
-            cached = getattr(out, "num_cached_tokens", None) or 0
             metrics.prompt_tokens.inc(self.num_prompt_tokens)
-            metrics.prefix_cache_queries.inc(self.num_prompt_tokens)
-            metrics.prefix_cache_hits.inc(cached)
             metrics.total_prompt_tokens += self.num_prompt_tokens
-            metrics.total_queries += self.num_prompt_tokens
-            metrics.total_hits += cached
             first = m.first_token_time if m.first_token_time is not None else m.last_token_time
             metrics.time_to_first_token.observe(max(0.0, first - m.arrival_time))
             self._last_time, num_new = first, num_new - 1
@@ -205,9 +229,13 @@ class RequestTracker:
 
 async def log_stats_periodically(engine, metrics: ServerMetrics, interval_s: float = LOG_STATS_INTERVAL_S) -> None:
     """Every interval, one line of throughput and cache usage (as vLLM's LoggingStatLogger);
-    silent while the engine stays idle."""
+    silent while the engine stays idle. The prefix cache hit rate is over the recent
+    lookups, as vLLM's (which counts its last 1000 requests): here, those of the last
+    _HIT_RATE_INTERVALS intervals that had any, so that an interval of decode alone still
+    shows the rate of the prompts before it."""
     last = time.monotonic()
     last_prompt, last_generation, last_queries, last_hits = 0, 0, 0, 0
+    recent = collections.deque(maxlen=_HIT_RATE_INTERVALS)  # (queries, hits) of intervals with lookups
     was_idle = True
     while True:
         await asyncio.sleep(interval_s)
@@ -225,6 +253,10 @@ async def log_stats_periodically(engine, metrics: ServerMetrics, interval_s: flo
         queries, hits = metrics.total_queries - last_queries, metrics.total_hits - last_hits
         last_prompt, last_generation = metrics.total_prompt_tokens, metrics.total_generation_tokens
         last_queries, last_hits = metrics.total_queries, metrics.total_hits
+        if queries:
+            recent.append((queries, hits))
+        recent_queries = sum(q for q, _ in recent)
+        hit_rate = sum(h for _, h in recent) / recent_queries if recent_queries else 0.0
         idle = not (prompt or generation or stats["num_running"] or stats["num_waiting"])
         if idle and was_idle:
             continue
@@ -233,4 +265,4 @@ async def log_stats_periodically(engine, metrics: ServerMetrics, interval_s: flo
         logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                     "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
                     prompt / elapsed, generation / elapsed, stats["num_running"], stats["num_waiting"],
-                    100 * usage, 100 * hits / queries if queries else 0.0)
+                    100 * usage, 100 * hit_rate)
