@@ -183,6 +183,7 @@ ENGINE_INVALID = {
     "logits_processors": st.one_of(st.lists(st.sampled_from(["no.such:Thing", "json:loads", "os"]), min_size=1),
                                    st.lists(st.sampled_from([int, dict]), min_size=1), not_of(list, type(None))),
     "enable_multiprocessing": not_of(bool, type(None)),
+    "enable_prefix_caching": NOT_BOOL,
 }
 
 
