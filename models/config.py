@@ -1,7 +1,8 @@
 """The architecture of a decoder model, read from a HF config.json.
 
-One frozen dataclass covers the Llama family, Mistral, Qwen2 and Qwen3: they
-differ only in a few flags (qkv bias, q/k norm, sliding window, rope scaling).
+One frozen dataclass covers the Llama family, Mistral, Qwen2, Qwen3, Gemma 2 and
+Gemma 3: they differ only in a few flags (qkv bias, q/k norm, sliding window, rope
+scaling; Gemma's soft-caps, query scale and local rope base).
 """
 import dataclasses
 
@@ -10,7 +11,12 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    # Gemma 3's multimodal checkpoints: we read the text model in them (text_config).
+    "Gemma3ForConditionalGeneration": "gemma3",
 }
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 ROPE_TYPES = ("default", "linear", "llama3")
 _ROPE_KEYS = {"default": (), "linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
@@ -22,7 +28,9 @@ _HF_KEY_TYPES = {
     "rms_norm_eps": float, "rope_theta": float, "rope_scaling": dict, "rope_parameters": dict,
     "tie_word_embeddings": bool, "attention_bias": bool, "mlp_bias": bool, "hidden_act": str,
     "architectures": list, "sliding_window": int, "use_sliding_window": bool, "max_window_layers": int,
-    "layer_types": list,
+    "layer_types": list, "hidden_activation": str, "query_pre_attn_scalar": float,
+    "attn_logit_softcapping": float, "final_logit_softcapping": float, "rope_local_base_freq": float,
+    "sliding_window_pattern": int, "text_config": dict,
 }
 _REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # Sizes and counts: 0 or less would divide by zero or build an empty model.
@@ -33,7 +41,7 @@ _JSON_TYPE_NAMES = {int: "an int", float: "a number", bool: "a bool", str: "a st
 
 @dataclasses.dataclass(frozen=True)
 class ModelArchConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -50,6 +58,11 @@ class ModelArchConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] | None = None  # layers that slide; None: all (when sliding_window)
+    # Gemma 2/3 only (None elsewhere):
+    query_pre_attn_scalar: float | None = None  # attention scale is its -0.5 power; None: head_dim's
+    attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: the same on the logits
+    rope_local_theta: float | None = None  # Gemma 3: plain RoPE of this base on sliding layers
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -72,6 +85,18 @@ class ModelArchConfig:
         """Llama/Qwen3's attention_bias also covers o_proj; Qwen2's bias is on q/k/v only."""
         return self.attention_bias and self.architecture != "qwen2"
 
+    @property
+    def attn_scale(self) -> float:
+        """The factor on q.k scores."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_rope(self, layer: int) -> tuple[float, dict | None]:
+        """(theta, rope_scaling) of layer `layer`: Gemma 3's sliding layers use plain RoPE
+        of base rope_local_theta; every other layer rope_theta with rope_scaling."""
+        if self.rope_local_theta is not None and self.layer_sliding_window(layer) is not None:
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
+
     def layer_sliding_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`, or None for full attention."""
         if self.sliding_window is None:
@@ -90,13 +115,14 @@ class ModelArchConfig:
         if not known:
             raise ValueError(f"unsupported model architecture {archs or d.get('model_type')!r}; "
                              f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        arch = SUPPORTED_ARCHITECTURES[known[0]]
+        if isinstance(d.get("text_config"), dict):  # a multimodal Gemma 3: its text model
+            d = {**d["text_config"], "architectures": archs}
+            _check_hf_values(d)
         missing = [key for key in _REQUIRED_HF_KEYS if d.get(key) is None]
         if missing:
             raise ValueError(f"missing the required key(s) {missing}")
-        arch = SUPPORTED_ARCHITECTURES[known[0]]
-        if d.get("hidden_act", "silu") != "silu" or d.get("mlp_bias", False):
-            raise ValueError(f"unsupported MLP: hidden_act={d.get('hidden_act')!r}, "
-                             f"mlp_bias={d.get('mlp_bias')!r} (only a bias-free SiLU MLP)")
+        _check_mlp(d, arch)
         num_heads = d["num_attention_heads"]
         num_kv_heads = d.get("num_key_value_heads") or num_heads  # unset: multi-head attention
         if num_heads % num_kv_heads:
@@ -104,8 +130,12 @@ class ModelArchConfig:
                              f"'num_key_value_heads' ({num_kv_heads})")
         head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
         num_layers = d["num_hidden_layers"]
-        rope_theta, rope_scaling = _rope_from_hf(d)
+        rope_theta, rope_scaling, rope_local_theta = _rope_from_hf(d, arch)
         sliding_window, sliding_layers = _sliding_from_hf(d, arch, num_layers)
+        gemma = arch in GEMMA_ARCHITECTURES
+        # HF's defaults for keys a Gemma config leaves out: Gemma 2 soft-caps at 50 and 30,
+        # Gemma 3 not at all; both scale q by 256**-0.5.
+        attn_cap, final_cap = (50.0, 30.0) if arch == "gemma2" else (None, None)
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -119,12 +149,27 @@ class ModelArchConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            tie_word_embeddings=d.get("tie_word_embeddings", gemma),  # HF's Gemma configs tie by default
             attention_bias=arch == "qwen2" or d.get("attention_bias", False),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
             sliding_window=sliding_window,
             sliding_layers=sliding_layers,
+            query_pre_attn_scalar=d.get("query_pre_attn_scalar", 256) if gemma else None,
+            attn_logit_softcap=d.get("attn_logit_softcapping", attn_cap) if gemma else None,
+            final_logit_softcap=d.get("final_logit_softcapping", final_cap) if gemma else None,
+            rope_local_theta=rope_local_theta,
         )
+
+
+def _check_mlp(d: dict, arch: str) -> None:
+    """Llama-family models take a bias-free SiLU MLP; Gemma a bias-free tanh-GELU one."""
+    if arch in GEMMA_ARCHITECTURES:
+        act, allowed = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh", "gelu_pytorch_tanh"
+    else:
+        act, allowed = d.get("hidden_act", "silu"), "silu"
+    if act != allowed or d.get("mlp_bias", False):
+        raise ValueError(f"unsupported MLP: hidden_act={act!r}, mlp_bias={d.get('mlp_bias')!r} "
+                         f"(the {arch} model takes only a bias-free {allowed!r} MLP)")
 
 
 def _check_hf_values(d) -> None:
@@ -140,12 +185,26 @@ def _check_hf_values(d) -> None:
             raise ValueError(f"config key {key!r} must be >= 1, got {d[key]!r}")
 
 
-def _rope_from_hf(d: dict) -> tuple[float, dict | None]:
-    """(theta, scaling) from either the legacy `rope_theta` + `rope_scaling` keys or
-    transformers 5's `rope_parameters` dict."""
-    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-    theta = float(d.get("rope_theta") or params.pop("rope_theta", None) or 10000.0)
-    params.pop("rope_theta", None)
+def _rope_from_hf(d: dict, arch: str) -> tuple[float, dict | None, float | None]:
+    """(theta, scaling, local theta) from either the legacy `rope_theta` + `rope_scaling`
+    keys or transformers 5's `rope_parameters` dict. Gemma 3 has two ropes: theta and
+    scaling for its full-attention layers, a plain one of base `local theta` (legacy key
+    rope_local_base_freq, default 10000) for its sliding layers; None for other models."""
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if arch != "gemma3":
+        return (*_one_rope(d, params), None)
+    if "full_attention" in params:  # transformers 5: a rope per layer type
+        local_theta, local_scaling = _one_rope(d, params.get("sliding_attention") or {})
+        if local_scaling is not None:
+            raise ValueError(f"unsupported rope on Gemma 3's sliding layers: {params['sliding_attention']!r}")
+        return (*_one_rope(d, params["full_attention"]), local_theta)
+    return (*_one_rope(d, params), float(d.get("rope_local_base_freq") or 10000.0))
+
+
+def _one_rope(d: dict, params: dict) -> tuple[float, dict | None]:
+    """(theta, scaling) of one rope_parameters / rope_scaling dict; theta from it or d."""
+    params = dict(params)
+    theta = float(params.pop("rope_theta", None) or d.get("rope_theta") or 10000.0)
     legacy_type = params.pop("type", None)
     rope_type = params.pop("rope_type", None) or legacy_type or "default"
     if rope_type not in ROPE_TYPES:
@@ -159,8 +218,8 @@ def _rope_from_hf(d: dict) -> tuple[float, dict | None]:
 
 def _sliding_from_hf(d: dict, arch: str, num_layers: int):
     """(sliding_window, sliding_layers). Mistral slides every layer when `sliding_window`
-    is set; Qwen only with `use_sliding_window`, and only layers >= max_window_layers
-    (or those `layer_types` names "sliding_attention")."""
+    is set; Qwen only with `use_sliding_window`, and only layers >= max_window_layers;
+    Gemma the layers of its pattern. `layer_types`' "sliding_attention" layers win over all."""
     window = d.get("sliding_window")
     if arch in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
         window = None
@@ -168,6 +227,9 @@ def _sliding_from_hf(d: dict, arch: str, num_layers: int):
         return None, None
     if d.get("layer_types"):
         return window, tuple(i for i, t in enumerate(d["layer_types"]) if t == "sliding_attention")
+    if arch in GEMMA_ARCHITECTURES:  # HF's default: Gemma 2 alternates; Gemma 3 is full every 6th layer
+        pattern = 2 if arch == "gemma2" else d.get("sliding_window_pattern") or 6
+        return window, tuple(i for i in range(num_layers) if (i + 1) % pattern)
     if arch in ("qwen2", "qwen3"):
         return window, tuple(range(d.get("max_window_layers", 0), num_layers))
     return window, None

@@ -15,7 +15,8 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
-from jaxllm.models.config import ModelArchConfig
+from jaxllm.models.config import GEMMA_ARCHITECTURES, ModelArchConfig
+from jaxllm.models.gemma3 import Gemma3ForCausalLM
 from jaxllm.models.llama import INIT_STD, LlamaForCausalLM
 from jaxllm.sharding import named_sharding
 
@@ -23,14 +24,16 @@ Path = tuple  # a param's path in the module, e.g. ("layers", 0, "self_attn", "q
 
 
 def create_model(config: ModelArchConfig, *, dtype, mesh: jax.sharding.Mesh,
-                 weights: Iterable[tuple[str, np.ndarray]] | None, seed: int = 0) -> LlamaForCausalLM:
+                 weights: Iterable[tuple[str, np.ndarray]] | None, seed: int = 0
+                 ) -> LlamaForCausalLM | Gemma3ForCausalLM:
     """The model with params placed on `mesh` by the logical-axis rules.
 
     weights: (HF name, array) pairs in HF layout (Linear weights [out, in]), streamed;
     None gives random weights made on device (load_format="dummy").
     """
     dtype = jnp.dtype(dtype)
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    model_class = Gemma3ForCausalLM if config.architecture in GEMMA_ARCHITECTURES else LlamaForCausalLM
+    abstract = nnx.eval_shape(lambda: model_class(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     params = dict(nnx.to_flat_state(state))
     shardings = {path: named_sharding(mesh, var.get_metadata()["out_sharding"]) for path, var in params.items()}
@@ -65,8 +68,11 @@ def _load_params(config: ModelArchConfig, params: dict, shardings: dict,
                  weights: Iterable[tuple[str, np.ndarray]]) -> dict:
     values = {}
     for name, array in weights:
-        if name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight"):
-            continue  # a buffer some checkpoints save; or the head a tied model does not use
+        name = _text_model_name(name)
+        if (name is None or name.endswith("rotary_emb.inv_freq")
+                or (config.tie_word_embeddings and name == "lm_head.weight")):
+            continue  # a multimodal model's vision tower; a buffer some checkpoints save; or
+            # the head a tied model does not use
         path, transpose = hf_name_to_path(name)
         if path not in params:
             raise ValueError(f"unexpected tensor {name!r} in checkpoint: the {config.architecture} "
@@ -86,6 +92,22 @@ def _load_params(config: ModelArchConfig, params: dict, shardings: dict,
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:8])}"
                          + (", ..." if len(missing) > 8 else ""))
     return values
+
+
+# A multimodal Gemma 3 checkpoint's text model, as transformers 4 and 5 name it.
+_TEXT_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                        "language_model.lm_head.": "lm_head."}
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _text_model_name(name: str) -> str | None:
+    """A checkpoint tensor's name in a text-only model; None for a vision tensor."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for prefix, text_prefix in _TEXT_MODEL_PREFIXES.items():
+        if name.startswith(prefix):
+            return text_prefix + name.removeprefix(prefix)
+    return name
 
 
 def hf_name_to_path(name: str) -> tuple[Path, bool]:

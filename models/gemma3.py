@@ -1,0 +1,157 @@
+"""Gemma 3 (and Gemma 2) as a Flax NNX decoder, text only.
+
+    tokens -> embed * sqrt(hidden) -> N x [x + norm(attn(norm(x))); x + norm(mlp(norm(x)))]
+           -> norm -> tied head -> (soft-cap)
+
+Gemma departs from llama.py's decoder in a few places, all from HF's modeling_gemma3 /
+modeling_gemma2: RMSNorm scales by (1 + weight), in fp32; four norms per layer (before
+and after attention and MLP); a GeGLU MLP with tanh-approximate GELU; queries scaled by
+query_pre_attn_scalar**-0.5; sliding-window layers mixed with full ones, and in Gemma 3
+a plain RoPE of a lower base on the sliding layers (ModelArchConfig.layer_rope); Gemma
+3's q/k norms; Gemma 2's soft-caps on attention scores and logits.
+
+The conventions are llama.py's: attribute names are HF's checkpoint names, kernels are
+stored [in, out], every param carries its logical axes, layers are unrolled.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.kernels.attention import AttentionMetadata, write_kv
+from jaxllm.models.config import ModelArchConfig
+from jaxllm.models.kv_layout import model_kv_layout
+from jaxllm.models.llama import Embed, Linear, _param, apply_rope, rope_inv_freq
+
+
+class GemmaRMSNorm(nnx.Module):
+    """x / rms(x) * (1 + weight), all in fp32, then cast back (HF's Gemma3RMSNorm; the
+    weight is stored as an offset from 1, so a fresh norm is the identity)."""
+
+    def __init__(self, dim, eps, *, dtype, rngs):
+        self.weight = _param(rngs, (dim,), ("norm",), dtype)
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+class GemmaAttention(nnx.Module):
+    def __init__(self, config: ModelArchConfig, layer: int, *, dtype, rngs):
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.sliding_window = c.layer_sliding_window(layer)
+        self.scale = c.attn_scale
+        self.soft_cap = c.attn_logit_softcap
+        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.q_proj = Linear(c.hidden_size, q_dim, ("embed", "q_heads"), bias=c.attention_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(c.hidden_size, kv_dim, ("embed", "kv_heads"), bias=c.attention_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(c.hidden_size, kv_dim, ("embed", "kv_heads"), bias=c.attention_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(q_dim, c.hidden_size, ("q_heads", "embed"), bias=c.attention_bias, dtype=dtype, rngs=rngs)
+        if c.qk_norm:  # Gemma 3
+            self.q_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype, rngs=rngs)
+            self.k_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype, rngs=rngs)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(self, x, cos, sin, kv_cache, md: AttentionMetadata, attn_fn):
+        """x [num_tokens, hidden]; cos, sin [num_tokens, head_dim // 2] (this layer's rope);
+        md: the layer's KV cache group's -> ([num_tokens, hidden], (k_cache, v_cache))."""
+        n = x.shape[0]
+        q = self.q_proj(x).reshape(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = write_kv(*kv_cache, k, v, md.slot_mapping)
+        o = attn_fn(q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.num_seqs,
+                    scale=self.scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap)
+        return self.o_proj(o.reshape(n, self.num_heads * self.head_dim)), (k_cache, v_cache)
+
+
+class GemmaMLP(nnx.Module):
+    """GeGLU: down(gelu_tanh(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelArchConfig, *, dtype, rngs):
+        h, m = config.hidden_size, config.intermediate_size
+        self.gate_proj = Linear(h, m, ("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(h, m, ("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(m, h, ("mlp", "embed"), dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.gelu(self.gate_proj(x), approximate=True) * self.up_proj(x))
+
+
+class GemmaDecoderLayer(nnx.Module):
+    def __init__(self, config: ModelArchConfig, layer: int, *, dtype, rngs):
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.kv_group, self.kv_tensor = model_kv_layout(config).layer_slot(layer)
+        self.input_layernorm = GemmaRMSNorm(h, eps, dtype=dtype, rngs=rngs)
+        self.self_attn = GemmaAttention(config, layer, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps, dtype=dtype, rngs=rngs)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype=dtype, rngs=rngs)
+        self.mlp = GemmaMLP(config, dtype=dtype, rngs=rngs)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, kv_cache, md, attn_fn):
+        h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, md, attn_fn)
+        x = x + self.post_attention_layernorm(h)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), kv_cache
+
+
+class Gemma3ForCausalLM(nnx.Module):
+    """Gemma 3's text model; Gemma 2 is the same module without q/k norms, with one rope
+    and with soft-caps (all read from the config)."""
+
+    def __init__(self, config: ModelArchConfig, *, dtype, rngs: nnx.Rngs):
+        self.config = config
+        self.embed_tokens = Embed(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([GemmaDecoderLayer(config, i, dtype=dtype, rngs=rngs) for i in range(config.num_layers)])
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
+
+    def __call__(self, input_ids, positions, kv_caches, md: AttentionMetadata, attn_fn):
+        """One step over a flattened, padded ragged batch (LlamaForCausalLM's interface).
+
+        input_ids, positions: [num_tokens] int32
+        kv_caches: per KV tensor (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim];
+          a layer uses its tensor, and its KV cache group's metadata (model_kv_layout)
+        Returns (hidden [num_tokens, hidden_size], the updated kv_caches list).
+        """
+        ropes = {}  # (theta, scaling items) -> (cos, sin): two at most (Gemma 3's local and global)
+        x = self.embed_tokens(input_ids)
+        # HF multiplies by sqrt(hidden) rounded to the model dtype (e.g. 25.25 in bf16 for 640).
+        x = x * jnp.asarray(self.config.hidden_size ** 0.5, dtype=x.dtype)
+        kv_caches = list(kv_caches)
+        for i, layer in enumerate(self.layers):
+            theta, scaling = self.config.layer_rope(i)
+            key = (theta, tuple(sorted((scaling or {}).items())))
+            if key not in ropes:
+                ropes[key] = _cos_sin(self.config, theta, scaling, positions)
+            t = layer.kv_tensor
+            x, kv_caches[t] = layer(x, *ropes[key], kv_caches[t], md.group(layer.kv_group), attn_fn)
+        return self.norm(x), kv_caches
+
+    def compute_logits(self, hidden):
+        """hidden [n, hidden_size] -> logits [n, vocab_size] float32, soft-capped (Gemma 2)."""
+        if self.lm_head is None:
+            w = self.embed_tokens.embedding[...].T
+        else:
+            w = self.lm_head.kernel[...]
+        logits = jnp.dot(hidden, w, preferred_element_type=jnp.float32)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def _cos_sin(config: ModelArchConfig, theta: float, scaling: dict | None, positions):
+    """cos, sin [num_tokens, head_dim // 2] fp32 of one rope."""
+    inv_freq = rope_inv_freq(dataclasses.replace(config, rope_theta=theta, rope_scaling=scaling))
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
