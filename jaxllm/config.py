@@ -53,7 +53,7 @@ class SchedulerConfig:
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int
-    data_parallel_size: int = 1      # only 1 until data parallelism is built
+    data_parallel_size: int = 1      # engine cores, each in a process of its own (engine/dp_client.py)
     pipeline_parallel_size: int = 1  # only 1 until pipeline parallelism is built
 
 
@@ -114,8 +114,7 @@ class EngineArgs:
         _check(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")
         _check(self.load_format in ("auto", "dummy"), f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         _check(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        _check(self.data_parallel_size == 1,
-               f"data_parallel_size must be 1 (data parallelism is not built yet), got {self.data_parallel_size}")
+        _check(self.data_parallel_size >= 1, f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         _check(self.pipeline_parallel_size == 1, "pipeline_parallel_size must be 1 (pipeline parallelism is "
                f"not built yet), got {self.pipeline_parallel_size}")
         _check(self.tensor_parallel_size <= jax.device_count(),

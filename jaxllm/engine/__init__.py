@@ -76,3 +76,4 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     timestamp: float = 0.0  # time.monotonic() in the core when the step's tokens were applied
     scheduler_stats: SchedulerStats | None = None
     utility_output: UtilityOutput | None = None
+    engine_index: int = 0  # the data-parallel replica that sent it (dp_client.py)

@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator
 from jaxllm.config import EngineArgs
 from jaxllm.engine.core_client import AsyncMPClient
 from jaxllm.engine.exceptions import EngineDeadError
-from jaxllm.engine.llm_engine import FrontEnd
+from jaxllm.engine.llm_engine import FrontEnd, data_parallel
 from jaxllm.engine.processor import PromptType
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
@@ -59,7 +59,10 @@ class AsyncLLM(FrontEnd):
     @classmethod
     def from_engine_args(cls, args: EngineArgs, show_progress: bool = True) -> "AsyncLLM":
         """Start the engine core process (always a process of its own, whatever
-        enable_multiprocessing says); blocks until it has warmed up."""
+        enable_multiprocessing says), or one per data-parallel replica; blocks until it has warmed up."""
+        if data_parallel(args):
+            from jaxllm.engine.dp_client import DPAsyncClient
+            return cls(DPAsyncClient(args, show_progress))
         return cls(AsyncMPClient(args, show_progress))
 
     @property

@@ -33,6 +33,7 @@ from jaxllm.worker.model_runner import ModelRunner, StepOutput
 
 logger = logging.getLogger(__name__)
 
+DP_RANK_ENV = "JAXLLM_DATA_PARALLEL_RANK"  # a data-parallel replica's index, set by dp_client.py
 # Messages of the process protocol that are not msgpack structs.
 READY, STARTUP_FAILED, ENGINE_CORE_DEAD = b"READY", b"STARTUP_FAILED", b"ENGINE_CORE_DEAD"
 
@@ -173,8 +174,10 @@ class EngineCoreProc:
     (de)serialization overlaps the step. With nothing to do, the loop sleeps on the
     input queue."""
 
-    def __init__(self, core: EngineCore, input_address: str, output_address: str, ctx: zmq.Context):
+    def __init__(self, core: EngineCore, input_address: str, output_address: str, ctx: zmq.Context,
+                 engine_index: int = 0):
         self.core = core
+        self.engine_index = engine_index  # its data-parallel replica
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
         self._threads = [
@@ -193,6 +196,7 @@ class EngineCoreProc:
             if self.core.has_work():
                 outputs = self.core.step()
                 if outputs.outputs:
+                    outputs.engine_index = self.engine_index
                     self.output_queue.put(outputs)
 
     def _process_input_queue(self) -> bool:
@@ -291,7 +295,7 @@ def run_engine_core(input_address: str, output_address: str) -> int:
     handshake.send_multipart([READY, pickle.dumps((config, core.describe()))])
     handshake.close(linger=5000)
 
-    proc = EngineCoreProc(core, input_address, output_address, ctx)
+    proc = EngineCoreProc(core, input_address, output_address, ctx, int(os.environ.get(DP_RANK_ENV, "0")))
     try:
         proc.run_busy_loop()
     except BaseException:

@@ -66,7 +66,7 @@ class _CoreProcess:
     """The core process, the sockets to it, and the thread that watches it. `close`
     needs nothing of the client, so it can be the client's finalizer."""
 
-    def __init__(self, engine_args: EngineArgs, show_progress: bool):
+    def __init__(self, engine_args: EngineArgs, show_progress: bool, env: dict[str, str] | None = None):
         self.ctx = zmq.Context()
         self.dir = tempfile.mkdtemp(prefix="jaxllm-")
         self.input_address, self.output_address = f"ipc://{self.dir}/input", f"ipc://{self.dir}/output"
@@ -81,7 +81,7 @@ class _CoreProcess:
         self._send_lock = threading.Lock()
         self._closed = False
         self.proc = subprocess.Popen([sys.executable, "-c", _CORE_MAIN, self.input_address, self.output_address],
-                                     stdin=subprocess.PIPE)
+                                     stdin=subprocess.PIPE, env=env)
         payload = pickle.dumps((engine_args, show_progress))
         try:
             self.proc.stdin.write(struct.pack("<Q", len(payload)) + payload)
@@ -178,8 +178,9 @@ def _route(message: bytes, decoder: MsgpackDecoder, put_output, futures: dict, p
 
 
 class _MPClient:
-    def __init__(self, engine_args: EngineArgs, show_progress: bool = True):
-        self._process = _CoreProcess(engine_args, show_progress)
+    def __init__(self, engine_args: EngineArgs, show_progress: bool = True, process: _CoreProcess | None = None):
+        """`process`: a core process already started (data parallelism starts them all, then waits)."""
+        self._process = process or _CoreProcess(engine_args, show_progress)
         self._finalizer = weakref.finalize(self, self._process.close)
         self.config, self.description = self._process.wait_ready()
         self._encoder = MsgpackEncoder()
@@ -213,9 +214,11 @@ class _MPClient:
 
 
 class SyncMPClient(_MPClient):
-    def __init__(self, engine_args: EngineArgs, show_progress: bool = True):
-        super().__init__(engine_args, show_progress)
-        self._outputs: queue.Queue = queue.Queue()
+    def __init__(self, engine_args: EngineArgs, show_progress: bool = True, process: _CoreProcess | None = None,
+                 outputs: queue.Queue | None = None):
+        """`outputs`: a queue that the reader fills (data parallelism gives every replica's reader one)."""
+        super().__init__(engine_args, show_progress, process)
+        self._outputs: queue.Queue = queue.Queue() if outputs is None else outputs
         reader = threading.Thread(target=_read_outputs, name="core-output-reader", daemon=True,
                                   args=(self._process, self._outputs.put, self._futures))
         self._process.reader = reader
@@ -248,14 +251,15 @@ def _read_outputs(process: _CoreProcess, put_output, futures: dict) -> None:
 class AsyncMPClient(_MPClient):
     """Reads the core's outputs in an asyncio task, started in the running loop at first use."""
 
-    def __init__(self, engine_args: EngineArgs, show_progress: bool = True):
-        super().__init__(engine_args, show_progress)
+    def __init__(self, engine_args: EngineArgs, show_progress: bool = True, process: _CoreProcess | None = None):
+        super().__init__(engine_args, show_progress, process)
         self._outputs: asyncio.Queue | None = None
         self._reader: asyncio.Task | None = None
 
-    def _ensure_reader(self) -> None:
+    def _ensure_reader(self, outputs: asyncio.Queue | None = None) -> None:
+        """Start the reader task in the running loop; it fills `outputs` if given (data parallelism)."""
         if self._reader is None:
-            self._outputs = asyncio.Queue()
+            self._outputs = asyncio.Queue() if outputs is None else outputs
             socket = zmq.asyncio.Socket.from_socket(self._process.output)
             self._reader = asyncio.get_running_loop().create_task(
                 _read_outputs_async(socket, self._process, self._outputs.put_nowait, self._futures))

@@ -17,6 +17,7 @@ from jaxllm.engine.processor import Processor, PromptType
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.tokenizer import default_sampling_fields, generation_eos_ids, get_tokenizer
+from jaxllm.typecheck import check_field_types
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +26,16 @@ def multiprocessing_enabled(args: EngineArgs) -> bool:
     if args.enable_multiprocessing is not None:
         return args.enable_multiprocessing
     return os.environ.get("JAXLLM_ENABLE_MULTIPROCESSING", "1") != "0"
+
+
+def data_parallel(args: EngineArgs) -> bool:
+    """Whether `args` asks for several engine cores. Checked here, in the front end, which
+    never builds the Config (that would take the GPUs the replicas need)."""
+    check_field_types(args)
+    if args.data_parallel_size > 1 and args.enable_multiprocessing is False:
+        raise ValueError("data_parallel_size > 1 runs each replica's engine core in a process of its own: "
+                         "enable_multiprocessing must not be False")
+    return args.data_parallel_size > 1
 
 
 class FrontEnd:
@@ -111,6 +122,9 @@ class FrontEnd:
 class LLMEngine(FrontEnd):
     @classmethod
     def from_engine_args(cls, args: EngineArgs, show_progress: bool = True) -> "LLMEngine":
+        if data_parallel(args):
+            from jaxllm.engine.dp_client import DPSyncClient
+            return cls(DPSyncClient(args, show_progress))
         if multiprocessing_enabled(args):
             return cls(SyncMPClient(args, show_progress))
         return cls(InprocClient(args.create_config(), show_progress))

@@ -73,8 +73,12 @@ class ModelRunner:
         compilation.enable_persistent_cache()
 
         start = time.perf_counter()
-        weights = None if mc.load_format == "dummy" else iter_weights(mc)
-        model = create_model(mc.arch, dtype=mc.dtype, mesh=self.mesh, weights=weights, seed=config.seed)
+        if mc.format == "orbax" and mc.load_format != "dummy":
+            from jaxllm.models.orbax_checkpoint import restore_model
+            model = restore_model(mc.path, mc.arch, dtype=mc.dtype, mesh=self.mesh)  # straight into the shardings
+        else:
+            weights = None if mc.load_format == "dummy" else iter_weights(mc)
+            model = create_model(mc.arch, dtype=mc.dtype, mesh=self.mesh, weights=weights, seed=config.seed)
         self._graphdef, state = nnx.split(model)
         # A flat list of arrays dispatches faster than an nnx.State (0.14 vs 0.7 ms for 8B).
         self._params, self._params_treedef = jax.tree.flatten(state)

@@ -148,7 +148,6 @@ def test_convert_a_gguf_keeps_its_tokenizer_and_chat_template(tmp_path):
     assert mc.hf_config["eos_token_id"] == EngineArgs(model=gguf).create_config().model.hf_config["eos_token_id"]
 
 
-@pytest.mark.skip(reason="runner wiring pending")
 def test_an_orbax_model_generates_what_its_source_generates(converted, char_llama):
     from jaxllm import LLM, SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
