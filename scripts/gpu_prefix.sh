@@ -58,7 +58,12 @@ for name in ("off", "on"):
         print(f"| {name} | - | - | - | - | - | - | not run |")
         continue
     rate = r.get("prefix_cache_hit_rate")
-    rate = f"{100 * rate:.1f}% ({r['prefix_cache_hits']:,} / {r['prefix_cache_queries']:,})" if rate is not None else "n/a"
+    if rate is None:
+        rate = "n/a"
+    elif not r["prefix_cache_queries"]:
+        rate = "nothing looked up"
+    else:
+        rate = f"{100 * rate:.1f}% ({r['prefix_cache_hits']:,} of {r['prefix_cache_queries']:,} tokens)"
     print(f"| {name} | {r['requests_per_second']:.2f} | {r['tokens_per_second']:,.0f} | {r['output_tokens_per_second']:,.0f} "
           f"| {r['elapsed_time']:.1f} | {rate} | {r['startup_s']} | {r['compiles_after_warm_up']} |")
 if "on" in results and "off" in results:

@@ -113,12 +113,9 @@ def test_throughput_prefix_len_adds_to_every_prompt(prefixed):
     assert r["prefix_len"] == PREFIX_LEN and r["prompt_lens"] == [PREFIX_LEN + OWN_LEN] * PREFIX_PROMPTS
     assert r["total_prompt_tokens"] == (PREFIX_LEN + OWN_LEN) * PREFIX_PROMPTS
     assert r["all_lengths_ok"] and r["compiles_after_warm_up"] == 0
-    assert {"prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate"} <= r.keys()
-    if r["prefix_cache_hit_rate"] is not None:  # the engine counts them
-        assert 0.0 <= r["prefix_cache_hit_rate"] <= 1.0 and r["prefix_cache_hits"] <= r["prefix_cache_queries"]
+    assert 0.0 <= r["prefix_cache_hit_rate"] <= 1.0 and r["prefix_cache_hits"] <= r["prefix_cache_queries"]
 
 
-@pytest.mark.xfail(reason="prefix caching pending", strict=False)
 def test_throughput_with_a_shared_prefix_hits_the_prefix_cache(prefixed):
     # Every request after the first finds the prefix's two full blocks: 32 of its 40 tokens.
     assert prefixed["prefix_cache_hit_rate"] > 0

@@ -89,7 +89,6 @@ def test_metrics_exposes_the_prefix_cache_counters(server):
     assert 0 <= hits <= queries
 
 
-@pytest.mark.xfail(reason="prefix caching pending", strict=False)
 def test_the_same_long_prompt_twice_hits_the_prefix_cache(server, client):
     prompt = "the metrics test's own long prompt, " * 9  # 324 characters, one token each
     before = scrape(server)
