@@ -130,9 +130,11 @@ class EngineArgs:
         logits_processors = resolve_logits_processors(self.logits_processors)
         path, fmt, hf_config, arch = _resolve_model(self.model, self.load_format, self.revision, self.download_dir)
         tp = self.tensor_parallel_size
-        _check(arch.num_heads % tp == 0 and arch.num_kv_heads % tp == 0,
-               f"tensor_parallel_size={tp} must divide the model's attention heads "
-               f"({arch.num_heads}) and KV heads ({arch.num_kv_heads})")
+        # KV heads fewer than the devices are replicated (worker/kv_heads.py): TP must divide the q
+        # heads, and the KV heads must divide TP or TP them.
+        _check(arch.num_heads % tp == 0 and (arch.num_kv_heads % tp == 0 or tp % arch.num_kv_heads == 0),
+               f"tensor_parallel_size={tp} must divide the model's attention heads ({arch.num_heads}), "
+               f"and divide or be a multiple of its KV heads ({arch.num_kv_heads})")
         max_len = arch.max_position_embeddings if self.max_model_len is None else self.max_model_len
         _check(max_len <= arch.max_position_embeddings,
                f"max_model_len must be in [1, {arch.max_position_embeddings}] (the model's "

@@ -41,7 +41,7 @@ from jaxllm.sample.processors import ProcessorState
 from jaxllm.sample.sampler import ProcessorMetadata, SampleMode, SamplingMetadata, sample
 from jaxllm.sharding import kv_cache_sharding, make_mesh, named_sharding, replicated
 from jaxllm.sample import host_masks
-from jaxllm.worker import batch as batching
+from jaxllm.worker import batch as batching, kv_heads
 
 if TYPE_CHECKING:
     from jaxllm.request import Request
@@ -73,19 +73,26 @@ class ModelRunner:
         compilation.enable_persistent_cache()
 
         start = time.perf_counter()
+        repeat = kv_heads.kv_head_repeat(mc.arch, config.parallel.tensor_parallel_size)
+        self.arch = kv_heads.replicated_arch(mc.arch, repeat)  # what runs: KV heads repeated to one per device
         if mc.format == "orbax" and mc.load_format != "dummy":
+            if repeat > 1:
+                raise ValueError(f"an orbax checkpoint restores at tensor_parallel_size <= its KV heads "
+                                 f"({mc.arch.num_kv_heads}); load its source (HF or GGUF) for more devices")
             from jaxllm.models.orbax_checkpoint import restore_model
             model = restore_model(mc.path, mc.arch, dtype=mc.dtype, mesh=self.mesh)  # straight into the shardings
         else:
-            weights = None if mc.load_format == "dummy" else iter_weights(mc)
-            model = create_model(mc.arch, dtype=mc.dtype, mesh=self.mesh, weights=weights, seed=config.seed)
+            weights = None
+            if mc.load_format != "dummy":
+                weights = kv_heads.replicate_kv_weights(iter_weights(mc), mc.arch.head_dim, repeat)
+            model = create_model(self.arch, dtype=mc.dtype, mesh=self.mesh, weights=weights, seed=config.seed)
         self._graphdef, state = nnx.split(model)
         # A flat list of arrays dispatches faster than an nnx.State (0.14 vs 0.7 ms for 8B).
         self._params, self._params_treedef = jax.tree.flatten(state)
         jax.block_until_ready(self._params)
         self.startup_s = {"weights": time.perf_counter() - start}  # then "kv_cache", "compile" (warm_up)
         self._attn_fn = get_attention_fn(config.attention_backend, self.mesh)
-        self.kv_layout = model_kv_layout(mc.arch)  # the KV cache groups: one block table each
+        self.kv_layout = model_kv_layout(self.arch)  # the KV cache groups: one block table each
         num_groups = len(self.kv_layout.groups)
 
         self.num_blocks = self._num_blocks()
@@ -152,7 +159,7 @@ class ModelRunner:
     # ---- memory ----
     def _kv_bytes_per_block(self) -> int:
         """A block id holds one block in each KV tensor (a layer of each group)."""
-        arch = self.config.model.arch
+        arch = self.arch
         itemsize = jnp.dtype(self.config.model.dtype).itemsize
         return 2 * self.kv_layout.num_tensors * self.block_size * arch.num_kv_heads * arch.head_dim * itemsize
 
@@ -180,7 +187,7 @@ class ModelRunner:
 
     def _activation_bytes(self) -> int:
         """A generous bound on the step's transient memory at the largest bucket."""
-        arch, sc = self.config.model.arch, self.config.scheduler
+        arch, sc = self.arch, self.config.scheduler
         tokens = sc.max_num_batched_tokens
         per_token = 4 * (4 * arch.hidden_size + 3 * arch.intermediate_size
                          + 2 * (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim)
@@ -209,7 +216,7 @@ class ModelRunner:
         self._processor_state = self._zero_processor_state()
 
     def _allocate_kv_caches(self):
-        arch = self.config.model.arch
+        arch = self.arch
         shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
         sharding = kv_cache_sharding(self.mesh)
         dtype = self.config.model.dtype

@@ -1,0 +1,117 @@
+"""Tensor parallelism over 2, 4 and 8 devices, KV heads replicated where the devices
+outnumber them: the same greedy tokens and logprobs as one device, and every array
+placed by the sharding rules. The tests need 8 devices; in a process with fewer, the
+last test runs them in a child with 8 forced host devices."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.sharding import kv_cache_sharding, named_sharding
+from tests.conftest import tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices: the last test runs these with 8")
+ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, skip_tokenizer_init=True,
+              show_progress=False, enable_multiprocessing=False)
+PROMPTS = [{"prompt_token_ids": [5, 17, 99, 3, 250, 41, 8]}, {"prompt_token_ids": list(range(30, 52))}]
+PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=4)
+
+
+def write_model(folder, num_heads=8, num_kv_heads=2, head_dim=8, hidden=64, layers=2, vocab=256, seed=0) -> str:
+    """A random Llama HF folder with `num_heads` q heads over `num_kv_heads` KV heads."""
+    from safetensors.numpy import save_file
+    rng = np.random.default_rng(seed)
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": hidden,
+              "intermediate_size": 2 * hidden, "num_hidden_layers": layers, "num_attention_heads": num_heads,
+              "num_key_value_heads": num_kv_heads, "head_dim": head_dim, "max_position_embeddings": 128,
+              "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
+    q, kv = num_heads * head_dim, num_kv_heads * head_dim
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (q, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
+                       p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, q),
+                       p + "mlp.gate_proj.weight": (2 * hidden, hidden), p + "mlp.up_proj.weight": (2 * hidden, hidden),
+                       p + "mlp.down_proj.weight": (hidden, 2 * hidden), p + "input_layernorm.weight": (hidden,),
+                       p + "post_attention_layernorm.weight": (hidden,)})
+    tensors = {name: (1.0 + 0.1 * rng.standard_normal(shape) if name.endswith("norm.weight")
+                      else 0.1 * rng.standard_normal(shape)).astype(np.float32) for name, shape in shapes.items()}
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def eight_heads(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("eight_heads"))
+
+
+def run(model, tp):
+    with LLM(model, tensor_parallel_size=tp, **ENGINE) as llm:
+        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    logprobs = [[[lp[t].logprob for t in sorted(lp)] for lp in o.outputs[0].logprobs] for o in outs]
+    return tokens, logprobs
+
+
+@needs_8
+@pytest.mark.parametrize("model, tps", [("llama", (2, 4)), ("eight_heads", (2, 8))],
+                         ids=["2_kv_heads_tp2_tp4", "8_heads_2_kv_heads_tp2_tp8"])
+def test_tensor_parallel_gives_one_devices_tokens_and_logprobs(request, model, tps):
+    path = tiny_model("llama") if model == "llama" else request.getfixturevalue(model)
+    want_tokens, want_logprobs = run(path, 1)
+    for tp in tps:
+        tokens, logprobs = run(path, tp)
+        assert tokens == want_tokens, tp
+        for got, want in zip(logprobs, want_logprobs):
+            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5)
+
+
+@needs_8
+def test_every_array_is_placed_by_the_rules_and_no_device_holds_a_sharded_weight_whole(eight_heads):
+    with LLM(eight_heads, tensor_parallel_size=8, **ENGINE) as llm:
+        runner = llm.llm_engine.engine_core.core.runner
+        model = nnx.merge(runner._graphdef, jax.tree.unflatten(runner._params_treedef, runner._params))
+        sharded = 0
+        for path, var in nnx.to_flat_state(nnx.state(model)):
+            value, axes = var.get_value(), var.get_metadata()["out_sharding"]
+            assert value.sharding == named_sharding(runner.mesh, axes), path
+            if any(s is not None for s in value.sharding.spec):
+                sharded += 1
+                assert all(s.data.shape != value.shape for s in value.addressable_shards), path
+        assert sharded >= 2 * 7  # every projection of both layers (and the vocab)
+        # 2 KV heads repeated to 8: one per device, in the cache as in k_proj.
+        assert runner.arch.num_kv_heads == 8
+        k_proj = model.layers[0].self_attn.k_proj.kernel.get_value()
+        assert {s.data.shape for s in k_proj.addressable_shards} == {(64, 8)}
+        for k_cache, v_cache in runner.kv_caches:
+            for cache in (k_cache, v_cache):
+                assert cache.sharding == kv_cache_sharding(runner.mesh)
+                assert {s.data.shape[2] for s in cache.addressable_shards} == {1}
+
+
+@needs_8
+def test_heads_that_do_not_split_over_the_devices_are_a_clear_error():
+    from jaxllm.config import EngineArgs
+    with pytest.raises(ValueError, match="tensor_parallel_size=8 must divide the model's attention heads"):
+        EngineArgs(model=tiny_model("llama"), tensor_parallel_size=8).create_config()  # 4 q heads
+
+
+def test_tensor_parallel_over_eight_forced_devices():
+    """The tests above, in a child process with 8 forced host devices."""
+    if jax.device_count() >= 8:
+        pytest.skip("this process has the devices: the tests above run here")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             os.path.relpath(__file__, ROOT), "-k", "not eight_forced"],
+                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert result.returncode == 0 and "4 passed" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
