@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm.kernels.attention import AttentionMetadata, write_kv
+from jaxllm.kernels.attention import AttentionMetadata
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.kv_layout import model_kv_layout
-from jaxllm.models.llama import Embed, Linear, _param, apply_rope, rope_inv_freq
+from jaxllm.models.llama import MLP, Attention, Embed, Linear, _param, rope_inv_freq
 
 
 class GemmaRMSNorm(nnx.Module):
@@ -39,48 +39,26 @@ class GemmaRMSNorm(nnx.Module):
         return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
 
 
-class GemmaAttention(nnx.Module):
+class GemmaAttention(Attention):
+    """llama.py's attention with Gemma's query scale, score soft-cap and (1 + w) q/k norms."""
+
     def __init__(self, config: ModelArchConfig, layer: int, *, dtype, rngs):
-        c = config
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.sliding_window = c.layer_sliding_window(layer)
-        self.scale = c.attn_scale
-        self.soft_cap = c.attn_logit_softcap
-        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.q_proj = Linear(c.hidden_size, q_dim, ("embed", "q_heads"), bias=c.attention_bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(c.hidden_size, kv_dim, ("embed", "kv_heads"), bias=c.attention_bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(c.hidden_size, kv_dim, ("embed", "kv_heads"), bias=c.attention_bias, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(q_dim, c.hidden_size, ("q_heads", "embed"), bias=c.attention_bias, dtype=dtype, rngs=rngs)
-        if c.qk_norm:  # Gemma 3
-            self.q_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype, rngs=rngs)
-            self.k_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype, rngs=rngs)
-        else:
-            self.q_norm = self.k_norm = None
+        super().__init__(config, layer, dtype=dtype, rngs=rngs)
+        self.scale, self.soft_cap = config.attn_scale, config.attn_logit_softcap
+        if config.qk_norm:  # Gemma 3
+            self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype, rngs=rngs)
+            self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, cos, sin, kv_cache, md: AttentionMetadata, attn_fn):
         """x [num_tokens, hidden]; cos, sin [num_tokens, head_dim // 2] (this layer's rope);
         md: the layer's KV cache group's -> ([num_tokens, hidden], (k_cache, v_cache))."""
-        n = x.shape[0]
-        q = self.q_proj(x).reshape(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = write_kv(*kv_cache, k, v, md.slot_mapping)
-        o = attn_fn(q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.num_seqs,
-                    scale=self.scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap)
-        return self.o_proj(o.reshape(n, self.num_heads * self.head_dim)), (k_cache, v_cache)
+        def gemma_attn_fn(*args, **kwargs):  # the same call, with Gemma's scale and soft-cap
+            return attn_fn(*args, **{**kwargs, "scale": self.scale, "soft_cap": self.soft_cap})
+        return super().__call__(x, cos, sin, kv_cache, md, gemma_attn_fn)
 
 
-class GemmaMLP(nnx.Module):
+class GemmaMLP(MLP):
     """GeGLU: down(gelu_tanh(gate(x)) * up(x))."""
-
-    def __init__(self, config: ModelArchConfig, *, dtype, rngs):
-        h, m = config.hidden_size, config.intermediate_size
-        self.gate_proj = Linear(h, m, ("embed", "mlp"), dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(h, m, ("embed", "mlp"), dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(m, h, ("mlp", "embed"), dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
         return self.down_proj(jax.nn.gelu(self.gate_proj(x), approximate=True) * self.up_proj(x))

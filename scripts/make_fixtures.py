@@ -305,12 +305,7 @@ def make_smollm2(gguf_path: str) -> None:
 # Generation goldens for the Gemma-3-270M base model: its GGUF has no chat template, so
 # chats render with jaxllm's Gemma turn format (models/gguf_tokenizer.py). The few-shot chat
 # makes the base model end its turn with <end_of_turn>.
-GEMMA3_PLAIN_PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "1, 2, 3, 4, 5,",
-]
+GEMMA3_PLAIN_PROMPTS = [p for p in PLAIN_PROMPTS if p != "The three primary colors are"]
 GEMMA3_CHATS = [
     [{"role": "user", "content": "What is 2 + 2?"}],
     [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "What color is the sky?"}],
