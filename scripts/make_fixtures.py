@@ -303,8 +303,8 @@ def make_smollm2(gguf_path: str) -> None:
 
 
 # Generation goldens for the Gemma-3-270M base model: its GGUF has no chat template, so
-# chats render with jaxllm's Gemma turn format (models/gguf_tokenizer.py). The few-shot chat
-# makes the base model end its turn with <end_of_turn>.
+# chats render with jaxllm's Gemma turn format (models/gguf_tokenizer.py). The base model
+# ends no turn by itself, even after a few-shot chat (first_end_index stays None).
 GEMMA3_PLAIN_PROMPTS = [p for p in PLAIN_PROMPTS if p != "The three primary colors are"]
 GEMMA3_CHATS = [
     [{"role": "user", "content": "What is 2 + 2?"}],

@@ -148,7 +148,7 @@ def test_generation_ends_at_eos_and_end_of_turn(gemma3_270m_path):
 
 @pytest.fixture(scope="module")
 def llm(gemma3_270m_path):
-    with LLM(model=gemma3_270m_path, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=256,
+    with LLM(model=gemma3_270m_path, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, max_num_batched_tokens=128,
              num_gpu_blocks_override=256, show_progress=False) as llm:
         yield llm
 
