@@ -3,9 +3,9 @@ and the embedded Gemma-3-270M GGUF (config, weights, tokenizer, greedy generatio
 against transformers' goldens (scripts/make_fixtures.py)."""
 import json
 import os
-
 import shutil
 
+import gguf
 import numpy as np
 import pytest
 
@@ -13,6 +13,8 @@ from jaxllm import LLM, EngineArgs, SamplingParams
 from jaxllm.models import gguf as gguf_loader
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.gguf import iter_gguf_weights, load_gguf_config, load_gguf_tokenizer
+from jaxllm.models.loader import create_model, iter_hf_weights
+from jaxllm.sharding import make_mesh
 from jaxllm.tokenizer import generation_eos_ids
 from tests.models.test_llama import golden_prompts, load_fixture, make_step, run_prompt
 
@@ -72,6 +74,41 @@ def test_gemma_rejects_another_activation():
         d = json.load(f)
     with pytest.raises(ValueError, match="gelu_pytorch_tanh"):
         ModelArchConfig.from_hf_config({**d, "hidden_activation": "silu"})
+
+
+def test_multimodal_gemma3_reads_its_text_model():
+    with open(os.path.join(FIXTURES, "tiny", "gemma3", "config.json")) as f:
+        d = json.load(f)
+    multimodal = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": d}
+    config = ModelArchConfig.from_hf_config(multimodal)
+    assert config == ModelArchConfig.from_hf_config(d)
+    # transformers 4 names the text model language_model.model.*, 5 model.language_model.*.
+    for prefix in ("language_model.model.", "model.language_model."):
+        weights = [(prefix + name.removeprefix("model."), w) for name, w in iter_hf_weights(os.path.join(FIXTURES, "tiny", "gemma3"))]
+        weights.append(("vision_tower.vision_model.post_layernorm.weight", np.ones(4, np.float32)))
+        model = create_model(config, dtype=np.float32, mesh=make_mesh(), weights=weights)
+        expected = dict(weights)[prefix + "layers.1.mlp.up_proj.weight"].T
+        np.testing.assert_array_equal(np.asarray(model.layers[1].mlp.up_proj.kernel[...]), expected)
+
+
+def test_gemma2_gguf_config_alternates_windows_and_soft_caps(tmp_path):
+    file = tmp_path / "gemma2.gguf"
+    writer = gguf.GGUFWriter(str(file), "gemma2")
+    for key, value in {"embedding_length": 64, "attention.head_count": 4, "attention.head_count_kv": 2,
+                       "attention.key_length": 16, "feed_forward_length": 128, "block_count": 4,
+                       "context_length": 256, "vocab_size": 300, "attention.sliding_window": 8}.items():
+        writer.add_uint32(f"gemma2.{key}", value)
+    for key, value in {"attention.layer_norm_rms_epsilon": 1e-6, "attn_logit_softcapping": 50.0,
+                       "final_logit_softcapping": 30.0}.items():
+        writer.add_float32(f"gemma2.{key}", value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = ModelArchConfig.from_hf_config(load_gguf_config(str(file)))
+    assert config.architecture == "gemma2" and config.sliding_layers == (0, 2) and config.sliding_window == 8
+    assert (config.attn_logit_softcap, config.final_logit_softcap, config.query_pre_attn_scalar) == (50.0, 30.0, 16)
+    assert config.rope_local_theta is None and not config.qk_norm
 
 
 def test_hf_generation_config_lists_every_eos_id(tmp_path):
