@@ -244,31 +244,33 @@ def load_gguf_config(path: str) -> dict[str, Any]:
     if arch == "qwen2":
         config["attention_bias"] = True
     if arch in _GEMMA:
-        config.update(_gemma_config(meta, arch, config))
+        config.update(_gemma_config(get, arch, config))
     rope_scaling = _rope_scaling(meta, arch, path, config)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
     return config
 
 
-def _gemma_config(meta: dict, arch: str, config: dict) -> dict:
+def _gemma_config(get, arch: str, config: dict) -> dict:
     """The Gemma keys llama.cpp's loader fixes or derives rather than reads (llama-model.cpp):
     Gemma 3's sliding layers use RoPE base 10000 and every 6th layer attends fully, Gemma 2
-    every 2nd; the 27B models scale queries by hidden/heads, the others by head_dim."""
+    every 2nd; the 27B models scale queries by hidden/heads, the others by head_dim.
+    get(key, default): the `{arch}.key` metadata value (load_gguf_config's)."""
     num_layers = config["num_hidden_layers"]
     is_27b = num_layers == (46 if arch == "gemma2" else 62)
-    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    query_scalar = config["hidden_size"] // config["num_attention_heads"] if is_27b else config["head_dim"]
+    pattern = get("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
     if isinstance(pattern, list):  # newer files: one flag per layer, true where it slides
         sliding = [bool(flag) for flag in pattern]
     else:
         sliding = [bool((i + 1) % int(pattern)) for i in range(num_layers)]
     gemma = {
         "hidden_activation": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"] if is_27b else config["head_dim"],
-        "sliding_window": int(meta[f"{arch}.attention.sliding_window"]),
+        "query_pre_attn_scalar": query_scalar,
+        "sliding_window": int(get("attention.sliding_window")),
         "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
-        "attn_logit_softcapping": meta.get(f"{arch}.attn_logit_softcapping"),
-        "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping"),
+        "attn_logit_softcapping": get("attn_logit_softcapping", None),
+        "final_logit_softcapping": get("final_logit_softcapping", None),
     }
     if arch == "gemma3":
         gemma["rope_local_base_freq"] = 10000.0

@@ -83,8 +83,9 @@ def test_multimodal_gemma3_reads_its_text_model():
     config = ModelArchConfig.from_hf_config(multimodal)
     assert config == ModelArchConfig.from_hf_config(d)
     # transformers 4 names the text model language_model.model.*, 5 model.language_model.*.
+    folder = os.path.join(FIXTURES, "tiny", "gemma3")
     for prefix in ("language_model.model.", "model.language_model."):
-        weights = [(prefix + name.removeprefix("model."), w) for name, w in iter_hf_weights(os.path.join(FIXTURES, "tiny", "gemma3"))]
+        weights = [(prefix + name.removeprefix("model."), w) for name, w in iter_hf_weights(folder)]
         weights.append(("vision_tower.vision_model.post_layernorm.weight", np.ones(4, np.float32)))
         model = create_model(config, dtype=np.float32, mesh=make_mesh(), weights=weights)
         expected = dict(weights)[prefix + "layers.1.mlp.up_proj.weight"].T
