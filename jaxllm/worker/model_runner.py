@@ -98,8 +98,8 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         if self.num_blocks < self._blocks_per_request():
             raise ValueError(
-                f"the KV cache's {self.num_blocks} blocks cannot hold one request of max_model_len "
-                f"({mc.max_model_len}) tokens, which takes {self._blocks_per_request()}: raise "
+                f"the KV cache has {self.num_blocks} blocks, fewer than one request of max_model_len "
+                f"({mc.max_model_len}) tokens takes ({self._blocks_per_request()}): raise "
                 "gpu_memory_utilization or num_gpu_blocks_override, or lower max_model_len")
         start = time.perf_counter()
         self.kv_caches = jax.block_until_ready(self._allocate_kv_caches())
