@@ -241,7 +241,7 @@ def test_killing_the_core_under_llm_engine_raises_engine_dead_error(char_llama):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(model="/nonexistent/model"), "not found"),
     (dict(model=tiny_model("llama"), max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=2),
-     "fewer than max_model_len"),
+     "fewer than one request of max_model_len"),
 ])
 def test_a_start_up_failure_in_the_core_raises_its_error_in_the_caller(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -73,7 +73,7 @@ def test_every_block_returns_to_the_pool(llm):
     llm.generate(prompts, params, use_tqdm=False)
     s = stats(llm)
     assert s["num_free_blocks"] == s["num_blocks"] and s["num_requests"] == 0
-    assert not llm.llm_engine.engine_core.core.scheduler.kv.req_to_blocks
+    assert not any(m.req_to_blocks for m in llm.llm_engine.engine_core.core.scheduler.kv.coordinator.managers)
 
 
 def test_stop_token_ids_end_a_request(llm):
@@ -119,7 +119,7 @@ def test_one_bad_request_leaves_the_others_running(llm):
 
 
 def test_kv_cache_that_cannot_hold_one_full_request_is_rejected_at_start():
-    with pytest.raises(ValueError, match="fewer than max_model_len"):
+    with pytest.raises(ValueError, match="fewer than one request of max_model_len"):
         LLM(tiny_model("llama"), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN,
             num_gpu_blocks_override=MAX_MODEL_LEN // 16 - 1, block_size=16, show_progress=False)
 
