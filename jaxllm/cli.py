@@ -186,6 +186,10 @@ def main(argv=None) -> int:
                          help="the params' dtype; auto: the checkpoint's own, float32 as bfloat16")
     convert.add_argument("--revision", default=None, help="of a hub id: a branch, tag or commit")
     convert.add_argument("--download-dir", default=None, help="of a hub id: the cache folder")
+    worker = sub.add_parser("worker", help="host 1 .. num_hosts - 1 of a multi-host engine",
+                            description="Follow host 0 of a multi-host engine (--num-hosts, --host-rank, "
+                                        "--coordinator-address, the same engine flags as host 0's).")
+    add_engine_args(worker)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from jaxllm.benchmarks import BENCHES
@@ -205,6 +209,10 @@ def main(argv=None) -> int:
             return cmd_serve(ns)
         if ns.command == "convert":
             return cmd_convert(ns)
+        if ns.command == "worker":
+            from jaxllm.executor.multihost import run_worker
+            with user_errors():
+                return run_worker(engine_args_from(ns))
         if ns.bench == "serve":
             with user_errors():
                 return bench_serve.main(ns)

@@ -55,6 +55,9 @@ class ParallelConfig:
     tensor_parallel_size: int
     data_parallel_size: int = 1      # engine cores, each in a process of its own (engine/dp_client.py)
     pipeline_parallel_size: int = 1  # only 1 until pipeline parallelism is built
+    num_hosts: int = 1               # processes joined by jax.distributed into one mesh (executor/multihost.py)
+    host_rank: int = 0
+    coordinator_address: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +88,13 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # "uni": this process drives its local devices through one mesh; "multihost": num_hosts processes,
+    # one per host, joined by jax.distributed at coordinator_address ("host:port"), one mesh over all
+    # their devices; host_rank 0 serves, the others run `jaxllm worker` (executor/multihost.py).
+    distributed_executor_backend: str = "uni"
+    num_hosts: int = 1
+    host_rank: int = 0
+    coordinator_address: str | None = None
     skip_tokenizer_init: bool = False
     tokenizer: str | None = None  # vLLM's: another tokenizer than the model's (an HF folder, a .gguf file or a hub id)
     # A hub id's branch, tag or commit (None: main), and its cache folder (None: the hub's, $HF_HUB_CACHE).
@@ -117,6 +127,18 @@ class EngineArgs:
         _check(self.data_parallel_size >= 1, f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         _check(self.pipeline_parallel_size == 1, "pipeline_parallel_size must be 1 (pipeline parallelism is "
                f"not built yet), got {self.pipeline_parallel_size}")
+        _check(self.distributed_executor_backend in ("uni", "multihost"),
+               f"distributed_executor_backend must be 'uni' or 'multihost', got {self.distributed_executor_backend!r}")
+        _check(self.num_hosts >= 1, f"num_hosts must be >= 1, got {self.num_hosts}")
+        _check((self.num_hosts > 1) == (self.distributed_executor_backend == "multihost"),
+               f"num_hosts ({self.num_hosts}) > 1 goes with distributed_executor_backend='multihost' "
+               f"(got {self.distributed_executor_backend!r})")
+        _check(0 <= self.host_rank < self.num_hosts,
+               f"host_rank must be in [0, num_hosts={self.num_hosts}), got {self.host_rank}")
+        _check(self.num_hosts == 1 or (self.coordinator_address or "").rpartition(":")[2].isdigit(),
+               f"coordinator_address must be 'host:port' with num_hosts > 1, got {self.coordinator_address!r}")
+        _check(self.num_hosts == 1 or self.data_parallel_size == 1,
+               "data_parallel_size > 1 over several hosts is not built: use num_hosts with tensor parallelism")
         _check(self.tensor_parallel_size <= jax.device_count(),
                f"tensor_parallel_size={self.tensor_parallel_size} exceeds the {jax.device_count()} visible device(s)")
         from jaxllm.kernels.attention import BACKENDS, default_backend
@@ -150,7 +172,8 @@ class EngineArgs:
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.num_gpu_blocks_override,
                               self.enable_prefix_caching),
             scheduler=SchedulerConfig(self.max_num_seqs, batched, max_len, self.async_scheduling),
-            parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.pipeline_parallel_size),
+            parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.pipeline_parallel_size,
+                                    self.num_hosts, self.host_rank, self.coordinator_address),
             attention_backend=self.attention_backend or default_backend(),
             seed=self.seed,
             logits_processors=logits_processors,

@@ -29,9 +29,9 @@ def get_tokenizer(mc: ModelConfig):
 
 
 def generation_config(mc: ModelConfig) -> dict:
-    """An HF folder's generation_config.json ({} when it has none, and for other formats)."""
+    """An HF or orbax folder's generation_config.json ({} when it has none, and for other formats)."""
     path = os.path.join(mc.path, "generation_config.json")
-    if mc.format != "hf" or not os.path.isfile(path):
+    if mc.format not in ("hf", "orbax") or not os.path.isfile(path):
         return {}
     try:
         with open(path, "rb") as f:
@@ -81,7 +81,7 @@ def default_sampling_fields(mc: ModelConfig) -> dict:
     generation_config.json's repetition_penalty, temperature, top_p, top_k, min_p and
     max_new_tokens (as max_tokens), or a GGUF file's general.sampling.* keys; {} for none. As in vLLM,
     do_sample is not read: a temperature of 0 is what makes a request greedy."""
-    if mc.format == "hf":
+    if mc.format in ("hf", "orbax"):  # jaxllm convert copies the source's generation_config.json
         config = generation_config(mc)
         return {field: config[key] for key, field in _HF_SAMPLING_KEYS.items() if config.get(key) is not None}
     if mc.format == "gguf":

@@ -28,11 +28,13 @@ from jaxllm.core.scheduler import Scheduler, SchedulerOutput
 from jaxllm.engine import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType,
                            UtilityOutput)
 from jaxllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
+from jaxllm.executor.multihost import IterationPublisher, init_distributed
 from jaxllm.request import Request, RequestStatus
 from jaxllm.worker.model_runner import ModelRunner, StepOutput
 
 logger = logging.getLogger(__name__)
 
+HEARTBEAT_S = 1.0  # multi-host: the longest host 0 is silent to the other hosts
 DP_RANK_ENV = "JAXLLM_DATA_PARALLEL_RANK"  # a data-parallel replica's index, set by dp_client.py
 # Messages of the process protocol that are not msgpack structs.
 READY, STARTUP_FAILED, ENGINE_CORE_DEAD = b"READY", b"STARTUP_FAILED", b"ENGINE_CORE_DEAD"
@@ -175,9 +177,10 @@ class EngineCoreProc:
     input queue."""
 
     def __init__(self, core: EngineCore, input_address: str, output_address: str, ctx: zmq.Context,
-                 engine_index: int = 0):
+                 engine_index: int = 0, publisher=None):
         self.core = core
         self.engine_index = engine_index  # its data-parallel replica
+        self.publisher = publisher  # multi-host: sends each iteration's messages to the other hosts
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
         self._threads = [
@@ -200,53 +203,72 @@ class EngineCoreProc:
                     self.output_queue.put(outputs)
 
     def _process_input_queue(self) -> bool:
-        """Handle every message waiting (block for one when idle); False on shutdown."""
+        """Handle every message waiting (block for one when idle); False on shutdown.
+        With other hosts, they get this iteration's messages before it steps."""
         block = not self.core.has_work()
+        # Idle with other hosts: an empty iteration each HEARTBEAT_S tells them host 0 lives.
+        timeout = HEARTBEAT_S if block and self.publisher is not None else None
+        frames = []
         while True:
             try:
-                kind, payload = self.input_queue.get(block=block)
+                kind, message, raw = self.input_queue.get(block=block, timeout=timeout)
             except queue.Empty:
-                return True
+                break
             block = False
-            if kind == EngineCoreRequestType.ADD:
-                self.core.add_request(payload)
-            elif kind == EngineCoreRequestType.ABORT:
-                self.core.abort_requests(payload)
-            elif kind == EngineCoreRequestType.UTILITY:
-                self.output_queue.put(EngineCoreOutputs(utility_output=self._call_utility(*payload)))
-            else:  # SHUTDOWN
-                return False
-
-    def _call_utility(self, call_id: int, method: str, args: list) -> UtilityOutput:
-        try:
-            if method.startswith("_"):
-                raise AttributeError(f"{method} is not a utility call")
-            return UtilityOutput(call_id, getattr(self.core, method)(*args))
-        except Exception as e:
-            return UtilityOutput(call_id, failure=f"{type(e).__name__}: {e}")
+            frames += [kind.value, raw]
+            if kind == EngineCoreRequestType.SHUTDOWN:
+                break
+            result = apply_message(self.core, kind, message)
+            if result is not None:
+                self.output_queue.put(EngineCoreOutputs(utility_output=result))
+        if self.publisher is not None:
+            self.publisher.publish(frames)
+        return not frames or frames[-2] != EngineCoreRequestType.SHUTDOWN.value
 
     def shutdown(self) -> None:
         self.output_queue.put(None)  # the output thread sends what is queued, then stops
         self._threads[1].join(timeout=5)
+        if self.publisher is not None:
+            self.publisher.close()
         self.core.shutdown()
 
 
+_DECODERS = {EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
+             EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
+             EngineCoreRequestType.UTILITY: MsgpackDecoder(tuple[int, str, list])}
+
+
+def decode_message(kind: EngineCoreRequestType, payload: bytes):
+    decoder = _DECODERS.get(kind)
+    return None if decoder is None else decoder.decode(payload)
+
+
+def apply_message(core: EngineCore, kind: EngineCoreRequestType, message) -> UtilityOutput | None:
+    """Apply one message from the front end (not SHUTDOWN); a utility call returns its UtilityOutput."""
+    if kind == EngineCoreRequestType.ADD:
+        core.add_request(message)
+    elif kind == EngineCoreRequestType.ABORT:
+        core.abort_requests(message)
+    else:
+        call_id, method, args = message
+        try:
+            if method.startswith("_"):
+                raise AttributeError(f"{method} is not a utility call")
+            return UtilityOutput(call_id, getattr(core, method)(*args))
+        except Exception as e:
+            return UtilityOutput(call_id, failure=f"{type(e).__name__}: {e}")
+    return None
+
+
 def _read_requests(ctx: zmq.Context, address: str, requests: queue.Queue) -> None:
-    add_decoder, abort_decoder = MsgpackDecoder(EngineCoreRequest), MsgpackDecoder(list[str])
-    utility_decoder = MsgpackDecoder(tuple[int, str, list])
+    """Decode the front end's messages as they come: (kind, message, the raw payload)."""
     socket = ctx.socket(zmq.PULL)
     socket.connect(address)
     while True:
         kind, payload = socket.recv_multipart()
         kind = EngineCoreRequestType(kind)
-        if kind == EngineCoreRequestType.ADD:
-            requests.put((kind, add_decoder.decode(payload)))
-        elif kind == EngineCoreRequestType.ABORT:
-            requests.put((kind, abort_decoder.decode(payload)))
-        elif kind == EngineCoreRequestType.UTILITY:
-            requests.put((kind, utility_decoder.decode(payload)))
-        else:
-            requests.put((kind, None))
+        requests.put((kind, decode_message(kind, payload), payload))
+        if kind == EngineCoreRequestType.SHUTDOWN:
             return
 
 
@@ -278,8 +300,12 @@ def run_engine_core(input_address: str, output_address: str) -> int:
     handshake = ctx.socket(zmq.PUSH)
     handshake.connect(output_address)
     try:
+        init_distributed(engine_args.num_hosts, engine_args.host_rank, engine_args.coordinator_address)
         config = engine_args.create_config()
         core = EngineCore(config, show_progress)
+        publisher = None
+        if engine_args.num_hosts > 1:  # ready once every host is
+            publisher = IterationPublisher(ctx, engine_args.coordinator_address, engine_args.num_hosts - 1)
     except BaseException as e:
         e.add_note(f"in the engine core process:\n{traceback.format_exc()}")
         try:
@@ -295,7 +321,7 @@ def run_engine_core(input_address: str, output_address: str) -> int:
     handshake.send_multipart([READY, pickle.dumps((config, core.describe()))])
     handshake.close(linger=5000)
 
-    proc = EngineCoreProc(core, input_address, output_address, ctx, int(os.environ.get(DP_RANK_ENV, "0")))
+    proc = EngineCoreProc(core, input_address, output_address, ctx, int(os.environ.get(DP_RANK_ENV, "0")), publisher)
     try:
         proc.run_busy_loop()
     except BaseException:

@@ -127,6 +127,9 @@ class LLMEngine(FrontEnd):
             return cls(DPSyncClient(args, show_progress))
         if multiprocessing_enabled(args):
             return cls(SyncMPClient(args, show_progress))
+        if args.num_hosts > 1:
+            raise ValueError("num_hosts > 1 needs the engine core in a process of its own: "
+                             "enable_multiprocessing must not be False")
         return cls(InprocClient(args.create_config(), show_progress))
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:

@@ -174,7 +174,11 @@ class ModelRunner:
         else:
             budget = min(_CPU_KV_CACHE_BYTES,
                          self.config.scheduler.max_num_seqs * self._blocks_per_request() * per_block)
-        return max(int(budget // per_block), 0)
+        num_blocks = max(int(budget // per_block), 0)
+        if jax.process_count() > 1:  # every host schedules alike: the same cache on each (the smallest)
+            from jax.experimental import multihost_utils
+            num_blocks = int(np.min(multihost_utils.process_allgather(np.int32(num_blocks))))
+        return num_blocks
 
     def _blocks_per_request(self) -> int:
         """The most blocks one request of max_model_len tokens holds, over every KV cache group: a

@@ -1,0 +1,81 @@
+"""Two hosts, one mesh: two processes with 4 CPU devices each, joined by jax.distributed,
+run one TP = 8 engine (host 0 serves, host 1 follows) with one process's outputs."""
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from tests.engine.test_tensor_parallel import write_model
+
+ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, num_gpu_blocks_override=32,
+              skip_tokenizer_init=True)
+PROMPTS = [{"prompt_token_ids": [5, 17, 99, 3, 250, 41, 8]}, {"prompt_token_ids": list(range(30, 52))}]
+PARAMS = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+          SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)]
+
+
+def free_port() -> int:
+    """A port with the two above it free too (the step broadcast and its handshake)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < 65000 and all(_free(port + i) for i in (1, 2)):
+            return port
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def generate(llm):
+    return [[o.outputs[0].token_ids for o in llm.generate(PROMPTS, p, use_tqdm=False)] for p in PARAMS]
+
+
+@pytest.mark.timeout(900)
+def test_two_hosts_run_one_tensor_parallel_engine_with_one_process_outputs(tmp_path, monkeypatch):
+    model = write_model(tmp_path)
+    with LLM(model, show_progress=False, **ENGINE) as llm:
+        want = generate(llm)
+    address = f"127.0.0.1:{free_port()}"
+    multihost = dict(tensor_parallel_size=8, distributed_executor_backend="multihost", num_hosts=2,
+                     coordinator_address=address)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    monkeypatch.setenv("XLA_FLAGS", env["XLA_FLAGS"])  # host 0's engine core: 4 devices as well
+    flags = ["--model", model, "--skip-tokenizer-init", "-tp", "8", "--distributed-executor-backend", "multihost",
+             "--num-hosts", "2", "--host-rank", "1", "--coordinator-address", address]
+    for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override"):
+        flags += [f"--{key.replace('_', '-')}", str(ENGINE[key])]
+    worker = subprocess.Popen([sys.executable, "-m", "jaxllm.cli", "worker", *flags], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with LLM(model, show_progress=False, host_rank=0, **multihost, **ENGINE) as llm:
+            got = generate(llm)
+            stats = llm.llm_engine.get_stats()
+        assert got == want
+        assert stats["num_free_blocks"] == stats["num_blocks"]
+        assert worker.wait(timeout=60) == 0  # host 0's shutdown ends it
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        output = worker.communicate(timeout=30)[0]
+    assert worker.returncode == 0, output[-3000:]
+
+
+def test_multihost_flags_are_checked():
+    from jaxllm.config import EngineArgs
+    from tests.conftest import tiny_model
+    for bad, field in [(dict(num_hosts=2), "num_hosts"), (dict(num_hosts=2, distributed_executor_backend="multihost",
+                                                               host_rank=2, coordinator_address="h:1"), "host_rank"),
+                       (dict(num_hosts=2, distributed_executor_backend="multihost"), "coordinator_address"),
+                       (dict(distributed_executor_backend="ray"), "distributed_executor_backend")]:
+        with pytest.raises(ValueError, match=field):
+            EngineArgs(model=tiny_model("llama"), **bad).create_config()
