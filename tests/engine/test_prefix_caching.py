@@ -166,9 +166,17 @@ def plain_forward_logits(path, arch, token_ids):
     return np.asarray(model.compute_logits(hidden))
 
 
-def test_hybrid_kv_cache_decodes_as_one_forward_pass_with_the_window(hybrid_model):
-    path, arch = hybrid_model
-    assert [g.sliding_window for g in model_kv_layout(arch).groups] == [None, WINDOW]
+@pytest.fixture(scope="module")
+def tiny_gemma3():
+    """The tiny Gemma 3: sliding layers 0 and 2 (window 8), full attention in layer 1."""
+    with open(os.path.join(tiny_model("gemma3"), "config.json")) as f:
+        return tiny_model("gemma3"), ModelArchConfig.from_hf_config(json.load(f))
+
+
+@pytest.mark.parametrize("model, windows", [("hybrid_model", [None, WINDOW]), ("tiny_gemma3", [None, 8, 8])])
+def test_hybrid_kv_cache_decodes_as_one_forward_pass_with_the_window(request, model, windows):
+    path, arch = request.getfixturevalue(model)
+    assert [g.sliding_window for g in model_kv_layout(arch).groups] == windows
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 256, n).tolist() for n in (90, 37, 61)]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
