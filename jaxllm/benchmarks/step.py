@@ -36,7 +36,7 @@ def add_cli_args(parser) -> None:
     parser.add_argument("--batch-sizes", type=batch_sizes, default="1,64")
     parser.add_argument("--input-len", type=positive_int, default=128)
     parser.add_argument("--output-len", type=positive_int, default=128)
-    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--output-json", "--json", dest="json", help="also write the results to this file")
     parser.add_argument("--profile-dir", help="record a jax.profiler trace of each batch's decode here, and summarize it")
     parser.add_argument("--sampling", choices=("greedy", "all"), default="greedy",
                         help="greedy, or every feature's cost: temperature 0.8, top-p 0.9, repetition, presence and "

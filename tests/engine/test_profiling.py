@@ -79,3 +79,11 @@ def test_start_profile_without_a_directory_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("JAXLLM_PROFILER_DIR", raising=False)
     with pytest.raises(ValueError, match="start_profile needs a log_dir"):
         FrontEnd._profile_dir(None)
+
+
+def test_collective_kernels_are_told_from_the_others_by_name():
+    from jaxllm.profiling import _COLLECTIVE
+    for name in ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "all-reduce.3", "all_gather_fusion", "reduce-scatter"):
+        assert _COLLECTIVE.search(name), name
+    for name in ("fusion_12", "sm90_xmma_gemm_bf16bf16", "ragged_paged_attention", "input_reduce_fusion"):
+        assert not _COLLECTIVE.search(name), name
