@@ -356,7 +356,9 @@ def hf_tensor_name(gguf_name: str, *, gemma: bool = False) -> str | None:
 def iter_gguf_weights(path: str) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, float32 array in HF layout) for every weight of the GGUF model.
 
-    One tensor is dequantized at a time, so peak host memory is one tensor's float32 copy.
+    A quantized tensor has no slice to read by itself, so each is dequantized whole, one
+    at a time, as the loader takes it: the array is the loader's tensor source (it slices
+    each device's shard from it), and peak host memory is one tensor's float32 copy.
     """
     config = load_gguf_config(path)
     permute_qk = config["model_type"] == "llama"  # llama.cpp permutes only llama-arch Q/K

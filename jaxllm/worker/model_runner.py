@@ -54,7 +54,7 @@ _COMPILE_THREADS = min(8, os.cpu_count() or 1)
 
 
 def iter_weights(mc: ModelConfig):
-    """(HF name, numpy array) pairs from the model's checkpoint, whatever its format."""
+    """(HF name, tensor source) pairs from the model's checkpoint, whatever its format."""
     if mc.format == "gguf":
         from jaxllm.models.gguf import iter_gguf_weights
         return iter_gguf_weights(mc.path)
