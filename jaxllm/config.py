@@ -90,7 +90,8 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     # "uni": this process drives its local devices through one mesh; "multihost": num_hosts processes,
     # one per host, joined by jax.distributed at coordinator_address ("host:port"), one mesh over all
-    # their devices; host_rank 0 serves, the others run `jaxllm worker` (executor/multihost.py).
+    # their devices; host_rank 0 serves, the others run `jaxllm worker` (executor/multihost.py);
+    # "ray": each data-parallel replica in a Ray actor, anywhere in the cluster (executor/ray_dp.py).
     distributed_executor_backend: str = "uni"
     num_hosts: int = 1
     host_rank: int = 0
@@ -127,8 +128,9 @@ class EngineArgs:
         _check(self.data_parallel_size >= 1, f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         _check(self.pipeline_parallel_size == 1, "pipeline_parallel_size must be 1 (pipeline parallelism is "
                f"not built yet), got {self.pipeline_parallel_size}")
-        _check(self.distributed_executor_backend in ("uni", "multihost"),
-               f"distributed_executor_backend must be 'uni' or 'multihost', got {self.distributed_executor_backend!r}")
+        _check(self.distributed_executor_backend in ("uni", "multihost", "ray"),
+               "distributed_executor_backend must be 'uni', 'multihost' or 'ray', "
+               f"got {self.distributed_executor_backend!r}")
         _check(self.num_hosts >= 1, f"num_hosts must be >= 1, got {self.num_hosts}")
         _check((self.num_hosts > 1) == (self.distributed_executor_backend == "multihost"),
                f"num_hosts ({self.num_hosts}) > 1 goes with distributed_executor_backend='multihost' "

@@ -296,6 +296,14 @@ def run_engine_core(input_address: str, output_address: str) -> int:
     (size,) = struct.unpack("<Q", sys.stdin.buffer.read(8))
     engine_args, show_progress = pickle.loads(sys.stdin.buffer.read(size))
     threading.Thread(target=_exit_when_parent_dies, daemon=True).start()
+    return serve_engine_core(engine_args, show_progress, input_address, output_address,
+                             int(os.environ.get(DP_RANK_ENV, "0")))
+
+
+def serve_engine_core(engine_args, show_progress: bool, input_address: str, output_address: str,
+                      engine_index: int = 0) -> int:
+    """Build the engine core, say READY (or STARTUP_FAILED) on the output socket, and serve
+    until SHUTDOWN: the core process's life, wherever it runs (its own process, a Ray actor)."""
     ctx = zmq.Context()
     handshake = ctx.socket(zmq.PUSH)
     handshake.connect(output_address)
@@ -321,7 +329,7 @@ def run_engine_core(input_address: str, output_address: str) -> int:
     handshake.send_multipart([READY, pickle.dumps((config, core.describe()))])
     handshake.close(linger=5000)
 
-    proc = EngineCoreProc(core, input_address, output_address, ctx, int(os.environ.get(DP_RANK_ENV, "0")), publisher)
+    proc = EngineCoreProc(core, input_address, output_address, ctx, engine_index, publisher)
     try:
         proc.run_busy_loop()
     except BaseException:

@@ -62,25 +62,12 @@ class InprocClient:
         self._finalizer()
 
 
-class _CoreProcess:
-    """The core process, the sockets to it, and the thread that watches it. `close`
-    needs nothing of the client, so it can be the client's finalizer."""
+class _LocalCore:
+    """The engine core in a fresh interpreter on this machine (JAX is not fork-safe)."""
 
-    def __init__(self, engine_args: EngineArgs, show_progress: bool, env: dict[str, str] | None = None):
-        self.ctx = zmq.Context()
-        self.dir = tempfile.mkdtemp(prefix="jaxllm-")
-        self.input_address, self.output_address = f"ipc://{self.dir}/input", f"ipc://{self.dir}/output"
-        self.input = self.ctx.socket(zmq.PUSH)
-        self.input.setsockopt(zmq.SNDHWM, 0)  # never block the caller while the core is alive
-        self.input.bind(self.input_address)
-        self.output = self.ctx.socket(zmq.PULL)
-        self.output.setsockopt(zmq.RCVHWM, 0)
-        self.output.bind(self.output_address)
-        self.dead = False
-        self.reader: threading.Thread | None = None  # SyncMPClient's
-        self._send_lock = threading.Lock()
-        self._closed = False
-        self.proc = subprocess.Popen([sys.executable, "-c", _CORE_MAIN, self.input_address, self.output_address],
+    def __init__(self, engine_args: EngineArgs, show_progress: bool, input_address: str, output_address: str,
+                 env: dict[str, str] | None):
+        self.proc = subprocess.Popen([sys.executable, "-c", _CORE_MAIN, input_address, output_address],
                                      stdin=subprocess.PIPE, env=env)
         payload = pickle.dumps((engine_args, show_progress))
         try:
@@ -88,16 +75,71 @@ class _CoreProcess:
             self.proc.stdin.flush()
         except BrokenPipeError:
             pass  # the core died at once: wait_ready reports its exit code
-        self.monitor = threading.Thread(target=_watch_process, args=(self.proc, self.ctx, self.output_address),
+
+    def exit_code(self) -> int | None:
+        """None while the core runs."""
+        return self.proc.poll()
+
+    def wait(self) -> None:
+        self.proc.wait()
+
+    def stop(self, timeout_s: float) -> None:
+        """Wait for the core to exit, then kill it."""
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdin.close()
+
+
+class _CoreProcess:
+    """The core process, the sockets to it, and the thread that watches it. `close`
+    needs nothing of the client, so it can be the client's finalizer. `launch(input_address,
+    output_address)` starts the core (a _LocalCore, or executor/ray_dp.py's actor); the
+    sockets are ipc ones on this machine, TCP ones on `tcp_host` for a core elsewhere."""
+
+    def __init__(self, engine_args: EngineArgs, show_progress: bool, env: dict[str, str] | None = None,
+                 launch=None, tcp_host: str | None = None):
+        self.ctx = zmq.Context()
+        self.dir = tempfile.mkdtemp(prefix="jaxllm-")
+        self.input = self.ctx.socket(zmq.PUSH)
+        self.input.setsockopt(zmq.SNDHWM, 0)  # never block the caller while the core is alive
+        self.output = self.ctx.socket(zmq.PULL)
+        self.output.setsockopt(zmq.RCVHWM, 0)
+        if tcp_host is None:
+            self.input_address, self.output_address = f"ipc://{self.dir}/input", f"ipc://{self.dir}/output"
+            self.input.bind(self.input_address)
+            self.output.bind(self.output_address)
+        else:
+            self.input_address = f"tcp://{tcp_host}:{self.input.bind_to_random_port(f'tcp://{tcp_host}')}"
+            self.output_address = f"tcp://{tcp_host}:{self.output.bind_to_random_port(f'tcp://{tcp_host}')}"
+        self.dead = False
+        self.reader: threading.Thread | None = None  # SyncMPClient's
+        self._send_lock = threading.Lock()
+        self._closed = False
+        if launch is None:
+            self.core = _LocalCore(engine_args, show_progress, self.input_address, self.output_address, env)
+        else:
+            self.core = launch(self.input_address, self.output_address)
+        self.monitor = threading.Thread(target=_watch_process, args=(self.core, self.ctx, self.output_address),
                                         name="core-monitor", daemon=True)
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        """The local core's process (None for a core elsewhere)."""
+        return getattr(self.core, "proc", None)
+
+    def exited(self) -> bool:
+        return self.core.exit_code() is not None
 
     def wait_ready(self) -> tuple[Config, str]:
         """The core's resolved Config and description, once it has warmed up; a start-up
         failure in the core is raised here as the exception it was there."""
         try:
             while not self.output.poll(100):
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"the engine core process exited with code {self.proc.returncode} "
+                if self.exited():
+                    raise RuntimeError(f"the engine core process exited with code {self.core.exit_code()} "
                                        "during start-up")
             kind, payload = self.output.recv_multipart()
             if kind != READY:
@@ -111,7 +153,7 @@ class _CoreProcess:
     def send(self, kind: EngineCoreRequestType, payload: bytes) -> None:
         with self._send_lock:
             while True:
-                if self.dead or self.proc.poll() is not None:
+                if self.dead or self.exited():
                     raise EngineDeadError()
                 try:
                     self.input.send_multipart([kind.value, payload], flags=zmq.NOBLOCK)
@@ -124,17 +166,12 @@ class _CoreProcess:
         if self._closed:
             return
         self._closed = True
-        if self.proc.poll() is None:
+        if not self.exited():
             try:
                 self.input.send_multipart([EngineCoreRequestType.SHUTDOWN.value, b""], flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-            try:
-                self.proc.wait(_SHUTDOWN_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc.stdin.close()
+        self.core.stop(_SHUTDOWN_TIMEOUT_S)
         for thread in (self.monitor, self.reader):
             if thread is not None and thread.is_alive():
                 thread.join(_SHUTDOWN_TIMEOUT_S)
@@ -142,9 +179,9 @@ class _CoreProcess:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _watch_process(proc: subprocess.Popen, ctx: zmq.Context, output_address: str) -> None:
-    """When the core process exits, tell the output reader in-band, after what it sent."""
-    proc.wait()
+def _watch_process(core, ctx: zmq.Context, output_address: str) -> None:
+    """When the core exits, tell the output reader in-band, after what it sent."""
+    core.wait()
     socket = ctx.socket(zmq.PUSH)
     socket.connect(output_address)
     socket.send(ENGINE_CORE_DEAD)
@@ -188,13 +225,13 @@ class _MPClient:
         self._call_ids = itertools.count()
 
     @property
-    def proc(self) -> subprocess.Popen:
+    def proc(self) -> subprocess.Popen | None:
         return self._process.proc
 
     @property
     def dead(self) -> bool:
         """True once the core process has exited, even before a reader has noticed."""
-        return self._process.dead or self._process.proc.poll() is not None
+        return self._process.dead or self._process.exited()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._process.send(EngineCoreRequestType.ADD, self._encoder.encode(request))

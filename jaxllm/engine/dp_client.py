@@ -1,5 +1,6 @@
-"""Data parallelism on one host: `data_parallel_size` engine cores, each in a process of
-its own on its own `tensor_parallel_size` GPUs (CUDA_VISIBLE_DEVICES), behind one client
+"""Data parallelism: `data_parallel_size` engine cores, each in a process of its own on its
+own `tensor_parallel_size` GPUs (CUDA_VISIBLE_DEVICES), on this host or (with
+distributed_executor_backend="ray") in Ray actors across a cluster, behind one client
 with the methods of the single-core clients (core_client.py).
 
 A new request goes to the replica with the fewest unfinished requests. Outputs of
@@ -35,6 +36,14 @@ def replica_env(rank: int, tensor_parallel_size: int) -> dict[str, str]:
     return env
 
 
+def _ray_core_process(replica_args: EngineArgs, show_progress: bool, rank: int) -> _CoreProcess:
+    """Replica `rank`'s core in a Ray actor, wherever Ray places it (executor/ray_dp.py)."""
+    from jaxllm.executor.ray_dp import RayCore, front_end_address, init_ray
+    init_ray()
+    return _CoreProcess(replica_args, show_progress, tcp_host=front_end_address(), launch=lambda i, o: RayCore(
+        replica_args, show_progress, i, o, rank))
+
+
 class _DPClient:
     def __init__(self, engine_args: EngineArgs, show_progress: bool, make_client):
         n, tp = engine_args.data_parallel_size, engine_args.tensor_parallel_size
@@ -43,7 +52,11 @@ class _DPClient:
         processes = []
         try:
             for rank in range(n):
-                processes.append(_CoreProcess(replica_args, show_progress and rank == 0, replica_env(rank, tp)))
+                show = show_progress and rank == 0
+                if engine_args.distributed_executor_backend == "ray":
+                    processes.append(_ray_core_process(replica_args, show, rank))
+                else:
+                    processes.append(_CoreProcess(replica_args, show, replica_env(rank, tp)))
             self.clients = [make_client(replica_args, process) for process in processes]
         except BaseException:
             for process in processes:

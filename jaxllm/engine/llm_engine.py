@@ -29,13 +29,14 @@ def multiprocessing_enabled(args: EngineArgs) -> bool:
 
 
 def data_parallel(args: EngineArgs) -> bool:
-    """Whether `args` asks for several engine cores. Checked here, in the front end, which
+    """Whether `args` asks for replicas (several engine cores, or Ray's). Checked here, in the front end, which
     never builds the Config (that would take the GPUs the replicas need)."""
     check_field_types(args)
-    if args.data_parallel_size > 1 and args.enable_multiprocessing is False:
-        raise ValueError("data_parallel_size > 1 runs each replica's engine core in a process of its own: "
-                         "enable_multiprocessing must not be False")
-    return args.data_parallel_size > 1
+    replicas = args.data_parallel_size > 1 or args.distributed_executor_backend == "ray"
+    if replicas and args.enable_multiprocessing is False:
+        raise ValueError("data_parallel_size > 1 (or the ray backend) runs each replica's engine core in a "
+                         "process of its own: enable_multiprocessing must not be False")
+    return replicas
 
 
 class FrontEnd:

@@ -189,7 +189,7 @@ ENGINE_INVALID = {
     "revision": not_of(str, type(None)),
     "tokenizer_revision": not_of(str, type(None)),
     "download_dir": not_of(str, type(None)),
-    "distributed_executor_backend": st.one_of(st.text(max_size=8).filter(lambda s: s not in ("uni", "multihost")),
+    "distributed_executor_backend": st.one_of(st.text(max_size=8).filter(lambda s: s not in ("uni", "multihost", "ray")),
                                               not_of(str)),
     "num_hosts": st.one_of(st.integers(max_value=0), st.integers(min_value=2), not_of(int)),  # 2+: no backend
     "host_rank": st.one_of(st.integers(max_value=-1), st.integers(min_value=1), not_of(int)),

@@ -79,3 +79,19 @@ def test_replica_env_gives_each_replica_its_own_gpus(monkeypatch):
         replica_env(2, 2)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert replica_env(3, 2)["CUDA_VISIBLE_DEVICES"] == "6,7"
+
+
+@pytest.mark.timeout(600)
+def test_ray_replicas_give_one_engines_outputs(single):
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        with LLM(tiny_model("llama"), data_parallel_size=2, distributed_executor_backend="ray", **ENGINE) as llm:
+            assert generate(llm) == single
+            client = llm.llm_engine.engine_core
+            assert all(c.call_utility("get_stats")["prefix_cache_queries"] > 0 for c in client.clients)
+            actors = [c._process.core.actor for c in client.clients]
+        # Shut down: each replica's actor has returned from its engine core.
+        assert all(c._process.core.exit_code() == 0 for c in client.clients), actors
+    finally:
+        ray.shutdown()

@@ -76,6 +76,6 @@ def test_multihost_flags_are_checked():
     for bad, field in [(dict(num_hosts=2), "num_hosts"), (dict(num_hosts=2, distributed_executor_backend="multihost",
                                                                host_rank=2, coordinator_address="h:1"), "host_rank"),
                        (dict(num_hosts=2, distributed_executor_backend="multihost"), "coordinator_address"),
-                       (dict(distributed_executor_backend="ray"), "distributed_executor_backend")]:
+                       (dict(distributed_executor_backend="mpi"), "distributed_executor_backend")]:
         with pytest.raises(ValueError, match=field):
             EngineArgs(model=tiny_model("llama"), **bad).create_config()
