@@ -29,8 +29,12 @@ NUM_DEVICES = 8
 # 8 q heads and 2 KV heads: TP = 8 repeats each KV head 4 times; biases cover the bias repeat.
 ARCH = ModelArchConfig(architecture="qwen2", vocab_size=64, hidden_size=64, intermediate_size=64,
                        num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8, attention_bias=True)
-needs_devices = pytest.mark.skipif(jax.device_count() < NUM_DEVICES,
-                                   reason="test_sharded_loading_over_eight_devices runs it with 8 devices")
+
+
+@pytest.fixture
+def eight_devices():
+    if jax.device_count() < NUM_DEVICES:  # asked at run time: collection must not start the backend
+        pytest.skip("test_sharded_loading_over_eight_devices runs it with 8 devices")
 
 
 class CountingSource:
@@ -67,7 +71,7 @@ def expected_param(array: np.ndarray, name: str, dtype) -> np.ndarray:
     return np.asarray(array.T if transpose else array).astype(dtype)
 
 
-@needs_devices
+@pytest.mark.usefixtures("eight_devices")
 @pytest.mark.parametrize("tp", [2, 8])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_sharded_load_equals_the_whole_tensors(checkpoint, tp, dtype):
@@ -88,7 +92,7 @@ def test_sharded_load_equals_the_whole_tensors(checkpoint, tp, dtype):
         np.testing.assert_array_equal(np.asarray(value), expected_param(array, name, dtype), err_msg=str(path))
 
 
-@needs_devices
+@pytest.mark.usefixtures("eight_devices")
 def test_a_column_parallel_weight_reads_each_half_once(checkpoint):
     reads = {}
     create_model(ARCH, dtype=jnp.float32, mesh=make_mesh(2), weights=counted(iter_hf_weights(checkpoint), reads))
@@ -102,7 +106,7 @@ def test_a_column_parallel_weight_reads_each_half_once(checkpoint):
     assert reads["model.norm.weight"] == [(((0, hidden),), hidden * 4)]  # replicated: read once
 
 
-@needs_devices
+@pytest.mark.usefixtures("eight_devices")
 def test_devices_that_share_a_shard_share_one_read(checkpoint):
     """Over a [data 2, model 2] mesh each shard sits on 2 devices; every byte is read once."""
     reads = {}
@@ -112,7 +116,7 @@ def test_devices_that_share_a_shard_share_one_read(checkpoint):
         assert sum(nbytes for _, nbytes in reads[name]) == array.nbytes, name
 
 
-@needs_devices
+@pytest.mark.usefixtures("eight_devices")
 def test_repeated_kv_heads_read_each_original_head_once(checkpoint):
     reads, repeat = {}, NUM_DEVICES // ARCH.num_kv_heads
     weights = replicate_kv_weights(counted(iter_hf_weights(checkpoint), reads), ARCH.head_dim, repeat)
