@@ -22,7 +22,7 @@ from flax import nnx
 from jaxllm.kernels.attention import AttentionMetadata
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.kv_layout import model_kv_layout
-from jaxllm.models.llama import MLP, Attention, Embed, Linear, _param, rope_inv_freq
+from jaxllm.models.llama import MLP, Attention, LlamaForCausalLM, _param, rope_inv_freq
 
 
 class GemmaRMSNorm(nnx.Module):
@@ -81,19 +81,11 @@ class GemmaDecoderLayer(nnx.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), kv_cache
 
 
-class Gemma3ForCausalLM(nnx.Module):
+class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3's text model; Gemma 2 is the same module without q/k norms, with one rope
-    and with soft-caps (all read from the config)."""
-
-    def __init__(self, config: ModelArchConfig, *, dtype, rngs: nnx.Rngs):
-        self.config = config
-        self.embed_tokens = Embed(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([GemmaDecoderLayer(config, i, dtype=dtype, rngs=rngs) for i in range(config.num_layers)])
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
-        if config.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
+    and with soft-caps (all read from the config). Llama's outline with Gemma's layers and
+    norm, its embedding scale, per-layer ropes and final soft-cap."""
+    decoder_layer, final_norm = GemmaDecoderLayer, GemmaRMSNorm
 
     def __call__(self, input_ids, positions, kv_caches, md: AttentionMetadata, attn_fn):
         """One step over a flattened, padded ragged batch (LlamaForCausalLM's interface).
@@ -119,11 +111,7 @@ class Gemma3ForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden):
         """hidden [n, hidden_size] -> logits [n, vocab_size] float32, soft-capped (Gemma 2)."""
-        if self.lm_head is None:
-            w = self.embed_tokens.embedding[...].T
-        else:
-            w = self.lm_head.kernel[...]
-        logits = jnp.dot(hidden, w, preferred_element_type=jnp.float32)
+        logits = super().compute_logits(hidden)
         cap = self.config.final_logit_softcap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 

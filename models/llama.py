@@ -154,11 +154,14 @@ class Embed(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
+    decoder_layer, final_norm = DecoderLayer, RMSNorm  # what a model of the same outline (Gemma) swaps
+
     def __init__(self, config: ModelArchConfig, *, dtype, rngs: nnx.Rngs):
         self.config = config
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(config, i, dtype=dtype, rngs=rngs) for i in range(config.num_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([self.decoder_layer(config, i, dtype=dtype, rngs=rngs)
+                                for i in range(config.num_layers)])
+        self.norm = self.final_norm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:

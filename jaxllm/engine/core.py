@@ -43,7 +43,7 @@ READY, STARTUP_FAILED, ENGINE_CORE_DEAD = b"READY", b"STARTUP_FAILED", b"ENGINE_
 class EngineCore:
     def __init__(self, config: Config, show_progress: bool = True):
         self.config = config
-        self.runner = ModelRunner(config)
+        self.runner = ModelRunner(config, show_progress)
         self.runner.warm_up(show_progress)
         logger.info(self.runner.describe())
         kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, self.runner.kv_layout,

@@ -63,7 +63,7 @@ def iter_weights(mc: ModelConfig):
 
 
 class ModelRunner:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, show_progress: bool = False):
         self.config = config
         mc, sc = config.model, config.scheduler
         self.block_size = config.cache.block_size
@@ -85,7 +85,8 @@ class ModelRunner:
             weights = None
             if mc.load_format != "dummy":
                 weights = kv_heads.replicate_kv_weights(iter_weights(mc), mc.arch.head_dim, repeat)
-            model = create_model(self.arch, dtype=mc.dtype, mesh=self.mesh, weights=weights, seed=config.seed)
+            model = create_model(self.arch, dtype=mc.dtype, mesh=self.mesh, weights=weights, seed=config.seed,
+                                 show_progress=show_progress)
         self._graphdef, state = nnx.split(model)
         # A flat list of arrays dispatches faster than an nnx.State (0.14 vs 0.7 ms for 8B).
         self._params, self._params_treedef = jax.tree.flatten(state)

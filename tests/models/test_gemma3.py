@@ -88,7 +88,7 @@ def test_multimodal_gemma3_reads_its_text_model():
         weights = [(prefix + name.removeprefix("model."), w) for name, w in iter_hf_weights(folder)]
         weights.append(("vision_tower.vision_model.post_layernorm.weight", np.ones(4, np.float32)))
         model = create_model(config, dtype=np.float32, mesh=make_mesh(), weights=weights)
-        expected = dict(weights)[prefix + "layers.1.mlp.up_proj.weight"].T
+        expected = dict(weights)[prefix + "layers.1.mlp.up_proj.weight"][...].T  # a source: [...] reads it whole
         np.testing.assert_array_equal(np.asarray(model.layers[1].mlp.up_proj.kernel[...]), expected)
 
 
