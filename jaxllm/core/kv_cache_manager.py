@@ -15,6 +15,13 @@ class KVCacheManager:
         self.layout = layout or KVCacheLayout((KVCacheGroup(None, (0,)),), 1)
         self.pool = BlockPool(num_blocks, enable_caching)
         self.coordinator = make_coordinator(self.layout, self.pool, block_size)
+        # The decode fast path: most steps add no block and fill none. Per request, the tokens its
+        # blocks hold and the full blocks offered to the cache; a sliding window frees blocks as it
+        # moves, so models with one take the full path.
+        self._num_slots: dict[str, int] = {}
+        self._num_full_blocks: dict[str, int] = {}
+        self._fast_path = all(g.sliding_window is None for g in self.layout.groups)
+        self._nothing_new: list[list[int]] = [[] for _ in self.layout.groups]
 
     @property
     def enable_caching(self) -> bool:
@@ -42,20 +49,28 @@ class KVCacheManager:
         Returns, per group, the block ids this adds to its block table (0 where the group
         holds no block), or None if the pool is short (and then takes nothing)."""
         request_id = request.request_id
+        num_tokens = request.num_computed_tokens + num_computed_tokens + num_new_tokens
+        # Blocks whose tokens are all known can be cached (an in-flight token is not known yet).
+        num_full_blocks = min(num_tokens, request.num_tokens) // self.block_size if self.enable_caching else 0
+        if (self._fast_path and computed_blocks is None and num_tokens <= self._num_slots.get(request_id, 0)
+                and num_full_blocks <= self._num_full_blocks.get(request_id, 0)):
+            return self._nothing_new
         self.coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
         computed = computed_blocks or self.coordinator.no_hit
-        num_tokens = request.num_computed_tokens + num_computed_tokens + num_new_tokens
         if self.coordinator.num_blocks_needed(request_id, num_tokens, computed) > self.pool.num_free_blocks:
             return None
         added = self.coordinator.allocate(request_id, num_tokens, computed)
-        if self.enable_caching:  # blocks whose tokens are all known (an in-flight one is not yet)
-            num_full_blocks = min(num_tokens, request.num_tokens) // self.block_size
+        if self.enable_caching:
             hashes = update_block_hashes(request, self.block_size, num_full_blocks * self.block_size)
             self.coordinator.cache_blocks(request_id, hashes, num_full_blocks)
+        self._num_slots[request_id] = -(-num_tokens // self.block_size) * self.block_size
+        self._num_full_blocks[request_id] = max(num_full_blocks, self._num_full_blocks.get(request_id, 0))
         return [[0 if b is None else b.block_id for b in blocks] for blocks in added]
 
     def free(self, request: Request) -> None:
         self.coordinator.free(request.request_id)
+        self._num_slots.pop(request.request_id, None)
+        self._num_full_blocks.pop(request.request_id, None)
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

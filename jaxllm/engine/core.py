@@ -208,22 +208,21 @@ class EngineCoreProc:
         block = not self.core.has_work()
         # Idle with other hosts: an empty iteration each HEARTBEAT_S tells them host 0 lives.
         timeout = HEARTBEAT_S if block and self.publisher is not None else None
-        frames = []
-        while True:
+        frames, shutdown = [], False
+        while not shutdown:
             try:
                 kind, message, raw = self.input_queue.get(block=block, timeout=timeout)
             except queue.Empty:
                 break
             block = False
             frames += [kind.value, raw]
-            if kind == EngineCoreRequestType.SHUTDOWN:
-                break
-            result = apply_message(self.core, kind, message)
+            shutdown = kind == EngineCoreRequestType.SHUTDOWN
+            result = None if shutdown else apply_message(self.core, kind, message)
             if result is not None:
                 self.output_queue.put(EngineCoreOutputs(utility_output=result))
         if self.publisher is not None:
             self.publisher.publish(frames)
-        return not frames or frames[-2] != EngineCoreRequestType.SHUTDOWN.value
+        return not shutdown
 
     def shutdown(self) -> None:
         self.output_queue.put(None)  # the output thread sends what is queued, then stops
