@@ -27,9 +27,20 @@ WHEELS+=(
   "aiohttp==3.14.5" "aiohappyeyeballs==2.7.1" "aiosignal==1.4.0" "attrs==26.1.0" "frozenlist==1.8.0"
   "multidict==7.2.1" "propcache==0.5.4" "yarl==1.25.1"
 )
-"$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-  --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  --platform manylinux1_x86_64 --platform any -d "$DEST" "${WHEELS[@]}"
+download() {
+  local dest=$1; shift
+  "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux1_x86_64 --platform any -d "$dest" "$@"
+}
+download "$DEST" "${WHEELS[@]}"
+# PLOT=1: matplotlib and what it imports (24 MB; numpy and packaging are in the image), for
+# scripts/gpu_bench.sh's plot. In their own folder, which gpu_setup.sh's *.whl leaves out.
+if [ -n "${PLOT:-}" ]; then
+  download "$DEST/plot" "matplotlib==3.11.2" "contourpy==1.4.0" "cycler==0.12.1" "fonttools==4.68.0" \
+    "kiwisolver==1.5.1" "pillow==13.0.0" "pyparsing==3.3.3" "python-dateutil==2.9.0.post0" "six==1.17.0"
+  echo "plot: $(du -ch "$DEST"/plot/*.whl | tail -1 | cut -f1) in $(ls "$DEST"/plot/*.whl | wc -l) wheels"
+fi
 ls -l "$DEST"
 echo "total: $(du -ch "$DEST"/*.whl | tail -1 | cut -f1) in $(ls "$DEST"/*.whl | wc -l) wheels"
