@@ -71,6 +71,8 @@ def bench_batch(model, batch: int, input_len: int, output_len: int, repeats: int
         full.append(timed_generate(model, input_ids, output_len, gen_kwargs))
         short.append(timed_generate(model, input_ids, half, gen_kwargs))
     step_s = (statistics.median(full) - statistics.median(short)) / (output_len - half)
+    if step_s <= 0:
+        raise RuntimeError(f"timings too noisy: {output_len} tokens took {full} s, {half} took {short} s")
     return {"batch": batch, "input_len": input_len, "output_len": output_len,
             "decode_step_ms": round(1e3 * step_s, 3), "decode_tok_s": round(batch / step_s, 1),
             f"generate_{output_len}_s": [round(t, 3) for t in full], f"generate_{half}_s": [round(t, 3) for t in short],

@@ -73,7 +73,7 @@ step() {
 }
 # The log's tail into $OUT, and the lines worth seeing here.
 keep() {
-  tr '\r' '\n' | tee "$LOGS/$1.log" | grep -v -i -e warning -e "Processed prompts" -e "^Compiling:" -e "^$" | tail -"$2"
+  tr '\r' '\n' | tee "$LOGS/$1.log" | grep -v -i -e warning -e "Processed prompts" -e "^Compiling:" -e "^Loading weights" -e "^$" | tail -"$2"
   tail -n 150 "$LOGS/$1.log" > "$OUT/$1_log_tail.txt"
 }
 
