@@ -49,9 +49,8 @@ def timed_generate(model, input_ids: torch.Tensor, new_tokens: int, gen_kwargs: 
     sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
     sync()
     start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, **gen_kwargs)
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, **gen_kwargs)  # generate runs under no_grad
     sync()
     elapsed = time.perf_counter() - start
     expected = (input_ids.shape[0], input_ids.shape[1] + new_tokens)
