@@ -34,6 +34,17 @@ def init_distributed(num_hosts: int, host_rank: int, coordinator_address: str | 
     jax.distributed.initialize(coordinator_address, num_processes=num_hosts, process_id=host_rank)
 
 
+def barrier(name: str, timeout_s: float = 900) -> None:
+    """Wait until every host is here (the coordination service's barrier, not a collective).
+    Before the first collective of a phase whose length differs between hosts (loading,
+    compiling): a collective's communicator set-up waits only 30 s for the other hosts."""
+    import jax
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed
+    distributed.global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
+
+
 def _ports(coordinator_address: str) -> tuple[str, int]:
     host, _, port = coordinator_address.rpartition(":")
     return host, int(port)

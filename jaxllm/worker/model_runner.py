@@ -30,6 +30,7 @@ from jaxllm import compilation
 from jaxllm.config import Config, ModelConfig
 from jaxllm.core.kv_cache_utils import cdiv
 from jaxllm.core.scheduler import SchedulerOutput
+from jaxllm.executor import multihost
 from jaxllm.engine import LogprobsArrays
 from jaxllm.kernels.attention import get_attention_fn
 from jaxllm.models.kv_layout import model_kv_layout
@@ -178,6 +179,7 @@ class ModelRunner:
         num_blocks = max(int(budget // per_block), 0)
         if jax.process_count() > 1:  # every host schedules alike: the same cache on each (the smallest)
             from jax.experimental import multihost_utils
+            multihost.barrier("jaxllm-weights-loaded")
             num_blocks = int(np.min(multihost_utils.process_allgather(np.int32(num_blocks))))
         return num_blocks
 
@@ -365,6 +367,7 @@ class ModelRunner:
                                  pool.submit(self._logprobs.lower(logits, sampled, k).compile)))
             for executables, key, job in tqdm(jobs, desc="Compiling", disable=not show_progress):
                 executables[key] = job.result()
+        multihost.barrier("jaxllm-compiled")  # other hosts may compile for longer
         self._write_processor_rows([])
         for token_bucket in self.token_buckets:
             buffer, views = self._next_host_buffer(token_bucket)

@@ -104,10 +104,12 @@ def test_parallelism_short_flags_and_hub_flags_set_engine_args(flags, field, val
     assert getattr(engine_args_from(parser.parse_args(flags)), field) == value
 
 
-@pytest.mark.parametrize("flag, message", [
-    ("-dp", "data_parallel_size must be 1 (data parallelism is not built yet), got 2"),
-    ("-pp", "pipeline_parallel_size must be 1 (pipeline parallelism is not built yet), got 2"),
+@pytest.mark.parametrize("flags, message", [
+    (["-dp", "2", "--no-enable-multiprocessing"], "data_parallel_size > 1 (or the ray backend) runs each replica's "
+     "engine core in a process of its own: enable_multiprocessing must not be False"),
+    (["-pp", "2", "--no-enable-multiprocessing"], "pipeline_parallel_size must be 1 (pipeline parallelism is not "
+     "built yet), got 2"),
 ])
-def test_data_or_pipeline_parallelism_prints_one_line_and_exits_2(capsys, flag, message):
-    assert main(["generate", "--model", tiny_model("llama"), flag, "2", "--no-enable-multiprocessing"]) == 2
+def test_bad_parallelism_flags_print_one_line_and_exit_2(capsys, flags, message):
+    assert main(["generate", "--model", tiny_model("llama"), *flags]) == 2
     assert_one_line_error(capsys.readouterr().err, message)

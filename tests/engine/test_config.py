@@ -91,12 +91,16 @@ def test_a_tokenizer_that_is_neither_a_folder_nor_a_gguf_file_is_an_error(tokeni
         EngineArgs(model=tiny_model("llama"), tokenizer=tokenizer).create_config()
 
 
-@pytest.mark.parametrize("field, name", [("data_parallel_size", "data"), ("pipeline_parallel_size", "pipeline")])
 @pytest.mark.parametrize("size", [0, 2])
-def test_parallel_sizes_other_than_1_are_not_built_yet(field, name, size):
-    with pytest.raises(ValueError, match=re.escape(f"{field} must be 1 ({name} parallelism is not built yet), "
-                                                   f"got {size}")):
-        EngineArgs(model=tiny_model("llama"), **{field: size}).create_config()
+def test_pipeline_parallel_sizes_other_than_1_are_not_built_yet(size):
+    with pytest.raises(ValueError, match=re.escape("pipeline_parallel_size must be 1 (pipeline parallelism is "
+                                                   f"not built yet), got {size}")):
+        EngineArgs(model=tiny_model("llama"), pipeline_parallel_size=size).create_config()
+
+
+def test_a_data_parallel_size_below_1_is_an_error():
+    with pytest.raises(ValueError, match=re.escape("data_parallel_size must be >= 1, got 0")):
+        EngineArgs(model=tiny_model("llama"), data_parallel_size=0).create_config()
 
 
 def test_the_parallel_config_carries_every_size():
