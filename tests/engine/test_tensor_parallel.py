@@ -4,8 +4,6 @@ placed by the sharding rules. The tests need 8 devices; in a process with fewer,
 last test runs them in a child with 8 forced host devices."""
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -14,9 +12,8 @@ from flax import nnx
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.sharding import kv_cache_sharding, named_sharding
-from tests.conftest import tiny_model
+from tests.conftest import run_with_host_devices, tiny_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices: the last test runs these with 8")
 ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, skip_tokenizer_init=True,
               show_progress=False, enable_multiprocessing=False)
@@ -110,8 +107,4 @@ def test_tensor_parallel_over_eight_forced_devices():
     """The tests above, in a child process with 8 forced host devices."""
     if jax.device_count() >= 8:
         pytest.skip("this process has the devices: the tests above run here")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             os.path.relpath(__file__, ROOT), "-k", "not eight_forced"],
-                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-    assert result.returncode == 0 and "4 passed" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+    run_with_host_devices(__file__, "not eight_forced", 8, "4 passed", timeout_s=900)

@@ -2,8 +2,6 @@
 straight into the mesh's shardings, and a mismatched or corrupt one is a clear error."""
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,10 +15,9 @@ from jaxllm.models.gguf import find_default_model, load_gguf_tokenizer
 from jaxllm.models.loader import create_model, iter_hf_weights
 from jaxllm.models.orbax_checkpoint import PARAMS_DIR, restore_model, save_model
 from jaxllm.sharding import make_mesh, named_sharding
-from tests.conftest import tiny_model
+from tests.conftest import run_with_host_devices, tiny_model
 
 pytestmark = pytest.mark.timeout(300)
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 
 def hf_model(name="llama", dtype=jnp.float32, tp=1):
@@ -93,11 +90,8 @@ def test_sharded_restores_over_two_devices():
     """The test above, in a child process with 2 forced host devices (this one has 1)."""
     if jax.device_count() >= 2:
         pytest.skip("this process has the devices: the test above runs here")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             os.path.relpath(__file__, ROOT), "-k", "test_sharded_restore_places_each_param_by_the_rules"],
-                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
-    assert result.returncode == 0 and "3 passed" in result.stdout, result.stdout + result.stderr
+    run_with_host_devices(__file__, "test_sharded_restore_places_each_param_by_the_rules", 2, "3 passed",
+                          timeout_s=240)
 
 
 def test_a_checkpoint_that_does_not_match_its_config_is_a_clear_error(converted):

@@ -6,8 +6,6 @@ The tests that need a mesh run in a child process with 8 forced host CPU devices
 (test_sharded_loading_over_eight_devices) when this process has fewer.
 """
 import os
-import subprocess
-import sys
 import tracemalloc
 
 import jax
@@ -21,10 +19,10 @@ from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.loader import create_model, hf_name_to_path, iter_hf_weights
 from jaxllm.sharding import make_mesh, named_sharding
 from jaxllm.worker.kv_heads import RepeatedHeads, replicate_kv_weights, replicated_arch
+from tests.conftest import run_with_host_devices
 from tests.models.test_llama import random_hf_tensors
 
 pytestmark = pytest.mark.timeout(300)
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 NUM_DEVICES = 8
 # 8 q heads and 2 KV heads: TP = 8 repeats each KV head 4 times; biases cover the bias repeat.
 ARCH = ModelArchConfig(architecture="qwen2", vocab_size=64, hidden_size=64, intermediate_size=64,
@@ -188,9 +186,4 @@ def test_sharded_loading_over_eight_devices():
     """The tests above that need a mesh, in a child process with 8 forced host devices."""
     if jax.device_count() >= NUM_DEVICES:
         pytest.skip("this process has the devices: the tests above run here")
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}", JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             os.path.relpath(__file__, ROOT), "-k", "not over_eight_devices"],
-                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
-    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    assert result.returncode == 0 and "skipped" not in summary, result.stdout + result.stderr
+    run_with_host_devices(__file__, "not over_eight_devices", NUM_DEVICES, "passed", timeout_s=240)
