@@ -48,20 +48,7 @@ fi
 export PYTHONUNBUFFERED=1
 TOK=/tmp/wordtok
 RAW=/tmp/serve-raw; mkdir -p "$RAW"
-left() { echo $(( BUDGET_S - (SECONDS - T0) )); }
-exec 3>&1  # step's own lines, past the pipes that keep only the tail of a bench's output
-# Runs "$@" if the estimate $1 fits in the time left (keeping 20 s for the table), under a
-# timeout of what is left; 1 if skipped or failed.
-step() {
-  local est=$1 name=$2; shift 2
-  local rest=$(( $(left) - 20 ))
-  if [ "$rest" -lt "$est" ]; then echo "SKIPPED $name: ${rest} s left, it needs ~${est} s" >&3; return 1; fi
-  echo "== $name ($(( SECONDS - T0 )) s in, ${rest} s left)" >&3
-  timeout -k 20 "$rest" "$@"
-  local status=$?
-  [ $status = 0 ] || echo "FAILED $name (exit $status)" >&3
-  return $status
-}
+source scripts/gpu_steps.sh  # left, step
 
 # A word-level tokenizer with one token per id of the model's vocabulary: every generated id
 # decodes to text (" w123"), so each streamed chunk has text and bench serve times every token
