@@ -61,8 +61,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        self._prefix_cache_queries = self._prefix_cache_hits = 0  # tokens, since the last stats
         self.prefix_cache_totals = [0, 0]  # tokens since start-up: looked up, found
+        self._totals_at_last_stats = (0, 0)  # SchedulerStats carry the increments since
         self._finished_req_ids: list[str] = []
         self._preempted_req_ids: list[str] = []
 
@@ -108,8 +108,6 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if self.kv.enable_caching:
-                self._prefix_cache_queries += request.num_tokens
-                self._prefix_cache_hits += num_cached
                 self.prefix_cache_totals[0] += request.num_tokens
                 self.prefix_cache_totals[1] += num_cached
             request.num_computed_tokens = num_cached
@@ -208,10 +206,10 @@ class Scheduler:
             self._free(request)
 
     def make_stats(self) -> SchedulerStats:
-        stats = SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions,
-                               self._prefix_cache_queries, self._prefix_cache_hits)
-        self._prefix_cache_queries = self._prefix_cache_hits = 0
-        return stats
+        (queries, hits), (last_queries, last_hits) = self.prefix_cache_totals, self._totals_at_last_stats
+        self._totals_at_last_stats = (queries, hits)
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions,
+                              queries - last_queries, hits - last_hits)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the cached prefixes (vLLM's reset_prefix_cache): False while a request holds blocks."""

@@ -49,7 +49,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # come in several steps' outputs, one per prefill chunk); column 0 is the prompt token's own.
     new_prompt_logprobs: LogprobsArrays | None = None
     # The first output of a request says when the scheduler first scheduled it (time.monotonic())
-    # and how many prompt tokens the prefix cache held (0: there is no prefix cache yet).
+    # and how many of its prompt tokens the prefix cache held then.
     first_scheduled_time: float | None = None
     num_cached_tokens: int = 0
 
