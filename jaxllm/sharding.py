@@ -2,8 +2,8 @@
 logical-axis rules.
 
 Model params carry logical axis names as NNX metadata (`out_sharding`, e.g.
-("embed", "q_heads")); the rules below map each name to a mesh axis. Tensor
-parallelism is the "model" axis: column-parallel q/k/v/gate/up shard their output
+("embed", "qkv")); the rules below map each name to a mesh axis. Tensor
+parallelism is the "model" axis: column-parallel qkv/gate_up shard their output
 axis, row-parallel o/down their input axis, embedding and head their vocab axis,
 and XLA inserts the collectives. Changing the parallelism changes the mesh (and
 at most this table), never the model.
@@ -15,9 +15,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
     ("vocab", "model"),     # embedding rows, head columns
     ("embed", None),        # the residual stream: replicated
-    ("q_heads", "model"),   # q_proj out / o_proj in: num_heads * head_dim
-    ("kv_heads", "model"),  # k_proj, v_proj out: num_kv_heads * head_dim
-    ("mlp", "model"),       # gate/up out, down in
+    # qkv_proj out: num_kv_heads groups of (q heads, k, v) * head_dim. The KV heads divide
+    # over the devices (worker/kv_heads.py repeats them if too few): each device gets whole groups.
+    ("qkv", "model"),
+    ("q_heads", "model"),   # o_proj in: num_heads * head_dim, the q heads of qkv's groups, in order
+    ("kv_heads", "model"),  # the KV cache's heads
+    ("mlp", "model"),       # intermediate: gate_up out ([2, intermediate]), down in
     ("norm", None),         # RMSNorm scales
 )
 _RULES = dict(LOGICAL_AXIS_RULES)

@@ -10,10 +10,12 @@ query_pre_attn_scalar**-0.5; sliding-window layers mixed with full ones, and in 
 a plain RoPE of a lower base on the sliding layers (ModelArchConfig.layer_rope); Gemma
 3's q/k norms; Gemma 2's soft-caps on attention scores and logits.
 
-The conventions are llama.py's: attribute names are HF's checkpoint names, kernels are
-stored [in, out], every param carries its logical axes, layers are unrolled.
+The conventions are llama.py's: attribute names are HF's checkpoint names but for the
+fused qkv_proj and gate_up_proj, kernels are stored [in, out], every param carries its
+logical axes, layers are unrolled.
 """
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -59,9 +61,7 @@ class GemmaAttention(Attention):
 
 class GemmaMLP(MLP):
     """GeGLU: down(gelu_tanh(gate(x)) * up(x))."""
-
-    def __call__(self, x):
-        return self.down_proj(jax.nn.gelu(self.gate_proj(x), approximate=True) * self.up_proj(x))
+    activation = staticmethod(functools.partial(jax.nn.gelu, approximate=True))
 
 
 class GemmaDecoderLayer(nnx.Module):

@@ -358,7 +358,8 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, np.ndarray]]:
 
     A quantized tensor has no slice to read by itself, so each is dequantized whole, one
     at a time, as the loader takes it: the array is the loader's tensor source (it slices
-    each device's shard from it), and peak host memory is one tensor's float32 copy.
+    each device's shard from it), and peak host memory is one param's float32 parts (a
+    fused qkv_proj's q, k and v wait for one another).
     """
     config = load_gguf_config(path)
     permute_qk = config["model_type"] == "llama"  # llama.cpp permutes only llama-arch Q/K

@@ -4,8 +4,10 @@
 
 The four differ only in flags from ModelArchConfig: qkv bias (Qwen2), q/k RMSNorm
 (Qwen3), sliding window (Mistral, Qwen when enabled), rope scaling (Llama 3.1), tied
-embeddings. Attribute names follow HF's checkpoints (embed_tokens, self_attn.q_proj,
-...) so the loader maps names one to one. Linear kernels are stored [in, out].
+embeddings. Attribute names follow HF's checkpoints (embed_tokens, self_attn.o_proj, ...),
+except two fused projections, one matmul each where HF has several: self_attn.qkv_proj
+(q_proj, k_proj, v_proj) and mlp.gate_up_proj (gate_proj, up_proj), which the loader
+packs from HF's tensors. Linear kernels are stored [in, out].
 
 Every param carries its logical axes as `out_sharding` metadata; jaxllm.sharding's
 rules turn them into mesh placements. Params are in the model dtype; RMSNorm and
@@ -32,14 +34,17 @@ def _param(rngs: nnx.Rngs, shape, axes, dtype, *, ones=False) -> nnx.Param:
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias); kernel [in, out] with logical axes (in_axis, out_axis)."""
+    """y = x @ kernel (+ bias); kernel [in, *out] with logical axes (in_axis, *out_axes).
+    An out of several axes (gate_up's [2, intermediate]) stays so in y [..., *out]: a
+    device's shard of the kernel gives its shard of y, with no reshape across devices."""
 
-    def __init__(self, in_dim, out_dim, axes, *, bias=False, dtype, rngs):
-        self.kernel = _param(rngs, (in_dim, out_dim), axes, dtype)
-        self.bias = _param(rngs, (out_dim,), axes[1:], dtype) if bias else None
+    def __init__(self, in_dim, out_dim: int | tuple[int, ...], axes, *, bias=False, dtype, rngs):
+        out_shape = out_dim if isinstance(out_dim, tuple) else (out_dim,)
+        self.kernel = _param(rngs, (in_dim, *out_shape), axes, dtype)
+        self.bias = _param(rngs, out_shape, axes[1:], dtype) if bias else None
 
     def __call__(self, x):
-        y = x @ self.kernel[...]
+        y = jnp.tensordot(x, self.kernel[...], axes=1)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -91,10 +96,12 @@ class Attention(nnx.Module):
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.sliding_window = c.layer_sliding_window(layer)
-        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.q_proj = Linear(c.hidden_size, q_dim, ("embed", "q_heads"), bias=c.attention_bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(c.hidden_size, kv_dim, ("embed", "kv_heads"), bias=c.attention_bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(c.hidden_size, kv_dim, ("embed", "kv_heads"), bias=c.attention_bias, dtype=dtype, rngs=rngs)
+        q_dim, group_dim = c.num_heads * c.head_dim, (c.num_heads // c.num_kv_heads + 2) * c.head_dim
+        # q, k, v in one matmul, its out axis grouped by KV head: KV head j's g q heads
+        # (j*g .. j*g + g - 1), then k head j, then v head j. Contiguous shards of that axis
+        # are whole groups, so each device computes its own heads' q, k and v.
+        self.qkv_proj = Linear(c.hidden_size, c.num_kv_heads * group_dim, ("embed", "qkv"),
+                               bias=c.attention_bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(q_dim, c.hidden_size, ("q_heads", "embed"), bias=c.o_proj_bias, dtype=dtype, rngs=rngs)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype, rngs=rngs)
@@ -105,10 +112,10 @@ class Attention(nnx.Module):
     def __call__(self, x, cos, sin, kv_cache, md: AttentionMetadata, attn_fn):
         """x [num_tokens, hidden] -> ([num_tokens, hidden], (k_cache, v_cache)); md: the layer's
         KV cache group's (AttentionMetadata.group)."""
-        n = x.shape[0]
-        q = self.q_proj(x).reshape(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(n, self.num_kv_heads, self.head_dim)
+        n, g = x.shape[0], self.num_heads // self.num_kv_heads
+        qkv = self.qkv_proj(x).reshape(n, self.num_kv_heads, g + 2, self.head_dim)
+        q = qkv[:, :, :g].reshape(n, self.num_heads, self.head_dim)  # q head i is KV head i // g's
+        k, v = qkv[:, :, g], qkv[:, :, g + 1]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -119,16 +126,19 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up one matmul (gate_up_proj's kernel
+    [hidden, 2, intermediate]: gate at 0, up at 1)."""
+    activation = staticmethod(jax.nn.silu)
 
     def __init__(self, config: ModelArchConfig, *, dtype, rngs):
         h, m = config.hidden_size, config.intermediate_size
-        self.gate_proj = Linear(h, m, ("embed", "mlp"), dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(h, m, ("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.gate_up_proj = Linear(h, (2, m), ("embed", None, "mlp"), dtype=dtype, rngs=rngs)
         self.down_proj = Linear(m, h, ("mlp", "embed"), dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        """x [num_tokens, hidden] -> [num_tokens, hidden]."""
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2, intermediate]
+        return self.down_proj(self.activation(gate_up[:, 0]) * gate_up[:, 1])
 
 
 class DecoderLayer(nnx.Module):

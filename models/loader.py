@@ -2,10 +2,12 @@
 
 The module is built abstractly (nnx.eval_shape: shapes, dtypes and logical axes, no
 arrays), then every param is made or loaded straight into its NamedSharding, one
-tensor at a time. A checkpoint tensor comes as a TensorSource, read piece by piece:
+param at a time. A checkpoint tensor comes as a TensorSource, read piece by piece:
 each addressable device gets its shard read from just its slice of the file, so host
-memory stays near one tensor, not the model, and each host of a multi-host mesh reads
-only its own devices' shards.
+memory stays near one param, not the model, and each host of a multi-host mesh reads
+only its own devices' shards. A fused param (qkv_proj, gate_up_proj) is placed once all
+its HF tensors have come, from a source that packs them lazily (QKVSource,
+GateUpSource): a device's piece is read from just its rows of each part.
 """
 import functools
 import json
@@ -26,8 +28,11 @@ from jaxllm.models.gemma3 import Gemma3ForCausalLM
 from jaxllm.models.llama import INIT_STD, LlamaForCausalLM
 from jaxllm.sharding import named_sharding
 
-Path = tuple  # a param's path in the module, e.g. ("layers", 0, "self_attn", "q_proj", "kernel")
+ParamPath = tuple  # a param's path in the module, e.g. ("layers", 0, "self_attn", "qkv_proj", "kernel")
 Index = tuple[slice, ...]  # one slice per axis: the piece of a tensor one device holds
+# A fused param's module and the HF projections it is packed from, in order.
+FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_FUSED_INTO = {part: fused for fused, parts in FUSED_PROJECTIONS.items() for part in parts}
 
 
 class TensorSource(Protocol):
@@ -44,8 +49,9 @@ def create_model(config: ModelArchConfig, *, dtype, mesh: jax.sharding.Mesh,
     """The model with params placed on `mesh` by the logical-axis rules.
 
     weights: (HF name, tensor source) pairs in HF layout (Linear weights [out, in]),
-    streamed; None gives random weights made on device (load_format="dummy").
-    show_progress: a bar over the tensors loaded, with the rate in GB/s.
+    streamed, a fused param's parts in any order; None gives random weights made on
+    device (load_format="dummy").
+    show_progress: a bar over the params loaded, with the rate in GB/s.
     """
     dtype = jnp.dtype(dtype)
     model_class = Gemma3ForCausalLM if config.architecture in GEMMA_ARCHITECTURES else LlamaForCausalLM
@@ -82,6 +88,8 @@ def _random_fn(shape, dtype, sharding, ones):
 
 def _load_params(config: ModelArchConfig, params: dict, shardings: dict,
                  weights: Iterable[tuple[str, TensorSource]], show_progress: bool) -> dict:
+    tensors = hf_tensors(config, params)
+    arrived = {}  # param path -> {HF name: source}, until all the param's tensors have come
     values = {}
     loaded_bytes, start = 0, time.perf_counter()
     bar = tqdm(total=len(params), desc="Loading weights", unit="tensor", disable=not show_progress)
@@ -91,22 +99,29 @@ def _load_params(config: ModelArchConfig, params: dict, shardings: dict,
                 or (config.tie_word_embeddings and name == "lm_head.weight")):
             continue  # a multimodal model's vision tower; a buffer some checkpoints save; or
             # the head a tied model does not use
-        path, transpose = hf_name_to_path(name)
-        if path not in params:
+        if name not in tensors:
             raise ValueError(f"unexpected tensor {name!r} in checkpoint: the {config.architecture} "
-                             f"model has no param {'.'.join(map(str, path))}")
-        if path in values:
+                             f"model has no param {'.'.join(map(str, hf_name_to_path(name)))}")
+        path, expected = tensors[name]
+        parts = arrived.setdefault(path, {})
+        if name in parts or path in values:
             raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
-        var = params[path]
-        expected = var.shape[::-1] if transpose else var.shape  # in HF layout
         if tuple(source.shape) != expected:
             raise ValueError(f"tensor {name!r} has shape {tuple(source.shape)}, expected {expected}")
-        values[path] = _place(source, var.shape, var.dtype, shardings[path], transpose)
+        parts[name] = source
+        names = path_to_hf_names(path)
+        if len(parts) < len(names):
+            continue  # a fused param waits for its other parts
+        del arrived[path]
+        var = params[path]
+        source = _packed(config, path, [parts[n] for n in names])
+        values[path] = _place(source, var.shape, var.dtype, shardings[path], transpose=path[-1] == "kernel")
         loaded_bytes += var.size * var.dtype.itemsize
         bar.set_postfix_str(f"{loaded_bytes / 1e9 / (time.perf_counter() - start):.2f} GB/s", refresh=False)
         bar.update()
     bar.close()
-    missing = [path_to_hf_name(p) for p in params if p not in values]
+    missing = [name for path in params if path not in values for name in path_to_hf_names(path)
+               if name not in arrived.get(path, {})]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:8])}"
                          + (", ..." if len(missing) > 8 else ""))
@@ -146,18 +161,97 @@ def _text_model_name(name: str) -> str | None:
     return name
 
 
-def hf_name_to_path(name: str) -> tuple[Path, bool]:
-    """HF tensor name -> (our param path, whether to transpose [out, in] -> [in, out])."""
-    parts = [int(p) if p.isdigit() else p for p in name.removeprefix("model.").split(".")]
-    *module, leaf = parts
+def hf_tensors(config: ModelArchConfig, params: dict) -> dict[str, tuple[ParamPath, tuple[int, ...]]]:
+    """Every HF tensor the params are read from: name -> (its param's path, its shape in HF
+    layout, where a kernel's shape is reversed). params: path -> the model's abstract param."""
+    tensors = {}
+    for path, var in params.items():
+        hf_shape = var.shape[::-1] if path[-1] == "kernel" else var.shape
+        for name, shape in zip(path_to_hf_names(path), _part_shapes(config, path, hf_shape)):
+            tensors[name] = (path, shape)
+    return tensors
+
+
+def _part_shapes(config: ModelArchConfig, path: ParamPath, hf_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The HF-layout shapes of the tensors a param of this HF-layout shape is read from."""
+    if path[-2] == "qkv_proj":  # [num_kv_heads * (g + 2) * head_dim, ...]
+        q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        return [(rows, *hf_shape[1:]) for rows in (q_rows, kv_rows, kv_rows)]
+    if path[-2] == "gate_up_proj":  # [intermediate, 2, hidden]
+        return [(hf_shape[0], *hf_shape[2:])] * 2
+    return [hf_shape]
+
+
+def _packed(config: ModelArchConfig, path: ParamPath, parts: list[TensorSource]) -> TensorSource:
+    """The param's source in HF layout, from its HF tensors (path_to_hf_names' order)."""
+    if path[-2] == "qkv_proj":
+        return QKVSource(*parts, num_kv_heads=config.num_kv_heads)
+    if path[-2] == "gate_up_proj":
+        return GateUpSource(*parts)
+    return parts[0]
+
+
+class QKVSource:
+    """qkv_proj in HF layout, [num_kv_heads * (g + 2) * head_dim, ...], packed from q_proj
+    [num_heads * head_dim, ...] and k_proj, v_proj [num_kv_heads * head_dim, ...]: per KV
+    head j, the rows of q heads j*g .. j*g + g - 1, then of k head j, then of v head j
+    (g = num_heads // num_kv_heads). A read of whole groups, which a device's shard is,
+    reads just those heads' rows of each part."""
+
+    def __init__(self, q: TensorSource, k: TensorSource, v: TensorSource, *, num_kv_heads: int):
+        self.parts, self.num_groups = (q, k, v), num_kv_heads
+        self.shape = (q.shape[0] + k.shape[0] + v.shape[0], *q.shape[1:])
+
+    def __getitem__(self, index: Index) -> np.ndarray:
+        rows, rest = index[0], tuple(index[1:])
+        start, stop, _ = rows.indices(self.shape[0])
+        group_rows = self.shape[0] // self.num_groups
+        if start % group_rows or stop % group_rows:
+            raise ValueError(f"qkv rows {start}:{stop} are not whole KV-head groups of {group_rows} rows")
+        first, last = start // group_rows, stop // group_rows
+        pieces = []
+        for part in self.parts:
+            part_rows = part.shape[0] // self.num_groups  # the part's rows in one group
+            piece = np.asarray(part[(slice(first * part_rows, last * part_rows), *rest)])
+            pieces.append(piece.reshape(last - first, part_rows, *piece.shape[1:]))
+        packed = np.concatenate(pieces, axis=1)  # [groups, (g + 2) * head_dim, ...]
+        return packed.reshape(-1, *packed.shape[2:])
+
+
+class GateUpSource:
+    """gate_up_proj in HF layout, [intermediate, 2, hidden], packed from gate_proj and
+    up_proj [intermediate, hidden]: a read of some rows reads just those rows of each."""
+
+    def __init__(self, gate: TensorSource, up: TensorSource):
+        self.parts = (gate, up)
+        self.shape = (gate.shape[0], 2, *gate.shape[1:])
+
+    def __getitem__(self, index: Index) -> np.ndarray:
+        rows, which, *rest = index
+        return np.stack([np.asarray(part[(rows, *rest)]) for part in self.parts[which]], axis=1)
+
+
+def hf_name_to_path(name: str) -> ParamPath:
+    """HF tensor name -> the path of the param it is, or is packed into (q_proj -> qkv_proj)."""
+    *module, leaf = [int(p) if p.isdigit() else p for p in name.removeprefix("model.").split(".")]
     if module and module[-1] == "embed_tokens":
-        return (*module, "embedding"), False
+        return (*module, "embedding")
+    if module and module[-1] in _FUSED_INTO:
+        module[-1] = _FUSED_INTO[module[-1]]
     if module and leaf == "weight" and (str(module[-1]).endswith("_proj") or module[-1] == "lm_head"):
-        return (*module, "kernel"), True
-    return tuple(parts), False
+        return (*module, "kernel")
+    return (*module, leaf)
 
 
-def path_to_hf_name(path: Path) -> str:
+def path_to_hf_names(path: ParamPath) -> list[str]:
+    """The HF tensors a param is read from: its one, or a fused param's parts in packing order."""
+    *module, leaf = path
+    if module and module[-1] in FUSED_PROJECTIONS:
+        return [_hf_name((*module[:-1], part, leaf)) for part in FUSED_PROJECTIONS[module[-1]]]
+    return [_hf_name(path)]
+
+
+def _hf_name(path: ParamPath) -> str:
     name = ".".join(str(p) for p in path)
     for ours in (".kernel", ".embedding"):
         if name.endswith(ours):

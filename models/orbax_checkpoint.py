@@ -2,9 +2,10 @@
 
 A checkpoint folder (what `jaxllm convert` writes) holds config.json, the tokenizer
 files, and the params under `orbax/`: the model's nnx.State as a plain nested dict
-({"layers": {0: {"self_attn": {"q_proj": {"kernel": array}}}}, ...}), saved by
-orbax's StandardCheckpointer. Restoring builds the model abstractly (shapes, dtypes and
-each param's NamedSharding from the logical-axis rules), and orbax reads every param
+({"layers": {0: {"self_attn": {"qkv_proj": {"kernel": array}}}}, ...}: the fused
+projections as the model holds them, not HF's tensors), saved by orbax's
+StandardCheckpointer. Restoring builds the model abstractly (shapes, dtypes and each
+param's NamedSharding from the logical-axis rules), and orbax reads every param
 into that sharding: each device reads only its shard, and the whole model is never
 gathered on one device or in host memory. A param saved in another dtype is cast on
 the way in, so a bf16 checkpoint serves in fp32 on CPU.

@@ -6,7 +6,10 @@ there is one per device, as vLLM does, so device d holds the KV head its q heads
 
 The model is built with the repeated count and the loader's K/V projections are repeated
 to match, lazily: a device's slice of the repeated rows is read from the original head's
-rows. The KV cache holds one head per device.
+rows. The loader packs them into qkv_proj by repeated KV head: group d holds q heads
+d*g' .. d*g' + g' - 1 (g' = num_heads / tp) and repeated head d, a copy of original
+head d // repeat, which is the head those q heads read (i // g' // repeat == i // g).
+The KV cache holds one head per device.
 """
 import dataclasses
 from collections.abc import Iterable, Iterator

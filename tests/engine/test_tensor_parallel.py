@@ -85,11 +85,12 @@ def test_every_array_is_placed_by_the_rules_and_no_device_holds_a_sharded_weight
             if any(s is not None for s in value.sharding.spec):
                 sharded += 1
                 assert all(s.data.shape != value.shape for s in value.addressable_shards), path
-        assert sharded >= 2 * 7  # every projection of both layers (and the vocab)
-        # 2 KV heads repeated to 8: one per device, in the cache as in k_proj.
+        assert sharded == 2 * 4 + 2  # qkv, o, gate_up, down of both layers; embedding and head
+        # 2 KV heads repeated to 8: one per device, in the cache as in qkv_proj, whose shard
+        # is a group of one q head, its k head and its v head (head_dim 8).
         assert runner.arch.num_kv_heads == 8
-        k_proj = model.layers[0].self_attn.k_proj.kernel.get_value()
-        assert {s.data.shape for s in k_proj.addressable_shards} == {(64, 8)}
+        qkv = model.layers[0].self_attn.qkv_proj.kernel.get_value()
+        assert {s.data.shape for s in qkv.addressable_shards} == {(64, 3 * 8)}
         for k_cache, v_cache in runner.kv_caches:
             for cache in (k_cache, v_cache):
                 assert cache.sharding == kv_cache_sharding(runner.mesh)

@@ -22,7 +22,7 @@ from jaxllm.kernels.attention import AttentionMetadata
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.models.llama import LlamaForCausalLM, rope_inv_freq
-from jaxllm.models.loader import create_model, iter_hf_weights, path_to_hf_name
+from jaxllm.models.loader import create_model, hf_tensors, iter_hf_weights, path_to_hf_names
 from jaxllm.sharding import make_mesh, named_sharding
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "tiny")
@@ -166,10 +166,27 @@ def random_hf_tensors(config: ModelArchConfig, seed=0):
     Linear weights), made on the host from the abstract model's shapes."""
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(seed)
-    tensors = []
-    for path, var in nnx.to_flat_state(nnx.state(abstract)):
-        shape = var.shape[::-1] if path[-1] == "kernel" else var.shape
-        tensors.append((path_to_hf_name(path), rng.normal(0, 0.02, shape).astype(np.float32)))
+    return [(name, rng.normal(0, 0.02, shape).astype(np.float32))
+            for name, (_, shape) in hf_tensors(config, dict(nnx.to_flat_state(nnx.state(abstract)))).items()]
+
+
+def unpacked_hf_tensors(config: ModelArchConfig, model) -> dict[str, np.ndarray]:
+    """The model's params as the HF tensors they were loaded from (HF names and layout):
+    qkv_proj and gate_up_proj unpacked, by their layout written out here, into their parts."""
+    g, head_dim = config.num_heads // config.num_kv_heads, config.head_dim
+    tensors = {}
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        value = np.asarray(var.get_value())
+        if path[-2] == "qkv_proj":  # [..., num_kv_heads * (g + 2) * head_dim]: per KV head, g q heads, k, v
+            rest = value.shape[:-1]  # (hidden,) for the kernel, () for the bias
+            groups = value.T.reshape(config.num_kv_heads, g + 2, head_dim, *rest)
+            parts = [groups[:, :g].reshape(-1, *rest), groups[:, g].reshape(-1, *rest),
+                     groups[:, g + 1].reshape(-1, *rest)]
+        elif path[-2] == "gate_up_proj":  # [hidden, 2, intermediate]
+            parts = [value[:, 0].T, value[:, 1].T]
+        else:
+            parts = [value.T if path[-1] == "kernel" else value]
+        tensors.update(zip(path_to_hf_names(path), parts))
     return tensors
 
 
@@ -198,13 +215,29 @@ def test_loader_names_a_misshaped_tensor():
 def test_loader_transposes_casts_and_places_each_tensor():
     weights = random_hf_tensors(TINY)
     model = create(iter(weights), dtype=jnp.bfloat16)
-    by_name = {path_to_hf_name(p): v[...] for p, v in nnx.to_flat_state(nnx.state(model))}
+    by_name = unpacked_hf_tensors(TINY, model)
     assert set(by_name) == {n for n, _ in weights}
     for name, array in weights:
         value = by_name[name]
         assert value.dtype == jnp.bfloat16, name
-        expected = array.T if name.endswith("proj.weight") or name == "lm_head.weight" else array
-        np.testing.assert_allclose(np.asarray(value, np.float32), expected, rtol=1e-2, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(np.asarray(value, np.float32), array, rtol=1e-2, atol=1e-6, err_msg=name)
+
+
+def test_loader_packs_q_k_v_by_kv_head_and_gate_up_side_by_side():
+    """qkv_proj's columns, per KV head j: q heads 2j, 2j + 1 (TINY: 4 q heads over 2 KV heads), k head j, v head j."""
+    weights = dict(random_hf_tensors(TINY))
+    layer = create(weights.items()).layers[1]
+    attn, mlp = layer.self_attn, layer.mlp
+    p, d = "model.layers.1.", TINY.head_dim
+    q, k, v = (weights[p + f"self_attn.{n}_proj.weight"].T for n in "qkv")
+    want = np.concatenate([q[:, :2 * d], k[:, :d], v[:, :d], q[:, 2 * d:], k[:, d:], v[:, d:]], axis=1)
+    np.testing.assert_array_equal(np.asarray(attn.qkv_proj.kernel[...]), want)
+    q_bias, k_bias, v_bias = (weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv")
+    want_bias = np.concatenate([q_bias[:2 * d], k_bias[:d], v_bias[:d], q_bias[2 * d:], k_bias[d:], v_bias[d:]])
+    np.testing.assert_array_equal(np.asarray(attn.qkv_proj.bias[...]), want_bias)
+    gate_up = np.asarray(mlp.gate_up_proj.kernel[...])  # [hidden, 2, intermediate]
+    np.testing.assert_array_equal(gate_up[:, 0], weights[p + "mlp.gate_proj.weight"].T)
+    np.testing.assert_array_equal(gate_up[:, 1], weights[p + "mlp.up_proj.weight"].T)
 
 
 def test_dummy_weights_have_shapes_dtypes_shardings():
@@ -215,7 +248,8 @@ def test_dummy_weights_have_shapes_dtypes_shardings():
     model = create_model(config, dtype=jnp.bfloat16, mesh=mesh, weights=None)
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     assert params[("embed_tokens", "embedding")].shape == (128, 64)
-    assert params[("layers", 1, "self_attn", "k_proj", "kernel")].shape == (64, 2 * 16)
+    assert params[("layers", 1, "self_attn", "qkv_proj", "kernel")].shape == (64, 2 * (2 + 2) * 16)
+    assert params[("layers", 1, "mlp", "gate_up_proj", "kernel")].shape == (64, 2, 64)
     assert params[("layers", 0, "self_attn", "o_proj", "kernel")].shape == (64, 64)
     assert params[("lm_head", "kernel")].shape == (64, 128)
     for path, var in params.items():
@@ -255,7 +289,8 @@ weights = iter_hf_weights(T.os.path.join(T.FIXTURES, "llama"))
 model = create_model(config, dtype=jnp.float32, mesh=mesh, weights=weights)
 layer = model.layers[0]
 assert model.embed_tokens.embedding[...].sharding.spec == P("model", None)
-assert layer.self_attn.q_proj.kernel[...].sharding.spec == P(None, "model")
+assert layer.self_attn.qkv_proj.kernel[...].sharding.spec == P(None, "model")
+assert layer.mlp.gate_up_proj.kernel[...].sharding.spec == P(None, None, "model")
 assert layer.self_attn.o_proj.kernel[...].sharding.spec == P("model", None)
 assert layer.mlp.down_proj.kernel[...].sharding.spec == P("model", None)
 assert model.lm_head.kernel[...].sharding.spec == P(None, "model")

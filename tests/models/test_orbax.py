@@ -82,8 +82,8 @@ def test_sharded_restore_places_each_param_by_the_rules(tmp_path, saved_tp, rest
         value = var.get_value()
         assert value.sharding == named_sharding(mesh, var.get_metadata()["out_sharding"]), path
         assert np.array_equal(value, want[path]), path
-    q_proj = restored.layers[0].self_attn.q_proj.kernel.get_value()  # [embed, q_heads]: no device holds it whole
-    assert {s.data.shape for s in q_proj.addressable_shards} == {(arch.hidden_size, q_proj.shape[1] // restored_tp)}
+    qkv = restored.layers[0].self_attn.qkv_proj.kernel.get_value()  # [embed, qkv]: no device holds it whole
+    assert {s.data.shape for s in qkv.addressable_shards} == {(arch.hidden_size, qkv.shape[1] // restored_tp)}
 
 
 def test_sharded_restores_over_two_devices():

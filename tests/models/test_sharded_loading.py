@@ -1,6 +1,7 @@
 """Sharded weight loading (issue 13): each device's shard is read from its own slice of
 the safetensors file, K/V heads repeated for TP > KV heads are read from the original
-head's rows, and host memory while loading stays near one tensor, not the model.
+head's rows, a fused qkv / gate_up shard packs just the device's own heads and rows of
+each part, and host memory while loading stays near one param, not the model.
 
 The tests that need a mesh run in a child process with 8 forced host CPU devices
 (test_sharded_loading_over_eight_devices) when this process has fewer.
@@ -16,11 +17,11 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jaxllm.models.config import ModelArchConfig
-from jaxllm.models.loader import create_model, hf_name_to_path, iter_hf_weights
+from jaxllm.models.loader import create_model, iter_hf_weights
 from jaxllm.sharding import make_mesh, named_sharding
 from jaxllm.worker.kv_heads import RepeatedHeads, replicate_kv_weights, replicated_arch
 from tests.conftest import run_with_host_devices
-from tests.models.test_llama import random_hf_tensors
+from tests.models.test_llama import random_hf_tensors, unpacked_hf_tensors
 
 pytestmark = pytest.mark.timeout(300)
 NUM_DEVICES = 8
@@ -63,10 +64,20 @@ def flat_params(model) -> dict:
     return {path: var.get_value() for path, var in nnx.to_flat_state(nnx.state(model))}
 
 
-def expected_param(array: np.ndarray, name: str, dtype) -> np.ndarray:
-    """A HF tensor as our param: transposed where the loader transposes, cast."""
-    _, transpose = hf_name_to_path(name)
-    return np.asarray(array.T if transpose else array).astype(dtype)
+def load(checkpoint, tp, dtype=jnp.float32, reads=None):
+    """The model of ARCH at TP = tp, its K/V heads repeated to one per device where
+    needed, and its arch; reads: if given, the tensors' reads are counted into it."""
+    repeat = max(tp // ARCH.num_kv_heads, 1)
+    weights = iter_hf_weights(checkpoint) if reads is None else counted(iter_hf_weights(checkpoint), reads)
+    arch = replicated_arch(ARCH, repeat)
+    weights = replicate_kv_weights(weights, ARCH.head_dim, repeat)
+    return create_model(arch, dtype=dtype, mesh=make_mesh(tp), weights=weights), arch
+
+
+def repeated_heads(array: np.ndarray, repeat: int) -> np.ndarray:
+    """A K/V projection [kv_heads * head_dim, ...] with each head repeated, as np.repeat."""
+    heads = array.reshape(ARCH.num_kv_heads, ARCH.head_dim, *array.shape[1:])
+    return np.repeat(heads, repeat, axis=0).reshape(-1, *array.shape[1:])
 
 
 @pytest.mark.usefixtures("eight_devices")
@@ -75,29 +86,71 @@ def expected_param(array: np.ndarray, name: str, dtype) -> np.ndarray:
 def test_sharded_load_equals_the_whole_tensors(checkpoint, tp, dtype):
     """At TP = 8 the K/V heads are repeated 4 times: the params equal np.repeat of the whole tensors."""
     repeat = max(tp // ARCH.num_kv_heads, 1)
-    weights = replicate_kv_weights(iter_hf_weights(checkpoint), ARCH.head_dim, repeat)
+    model, arch = load(checkpoint, tp, dtype)
     mesh = make_mesh(tp)
-    model = create_model(replicated_arch(ARCH, repeat), dtype=dtype, mesh=mesh, weights=weights)
-    whole = load_file(os.path.join(checkpoint, "model.safetensors"))
     for path, var in nnx.to_flat_state(nnx.state(model)):
-        value = var.get_value()
-        name = next(n for n in whole if hf_name_to_path(n)[0] == path)
-        array = whole[name]
+        assert var.get_value().sharding == named_sharding(mesh, var.get_metadata()["out_sharding"]), path
+    whole = load_file(os.path.join(checkpoint, "model.safetensors"))
+    loaded = unpacked_hf_tensors(arch, model)
+    assert set(loaded) == set(whole)
+    for name, array in whole.items():
         if ".k_proj." in name or ".v_proj." in name:
-            heads = array.reshape(ARCH.num_kv_heads, ARCH.head_dim, *array.shape[1:])
-            array = np.repeat(heads, repeat, axis=0).reshape(-1, *array.shape[1:])
-        assert value.sharding == named_sharding(mesh, var.get_metadata()["out_sharding"]), path
-        np.testing.assert_array_equal(np.asarray(value), expected_param(array, name, dtype), err_msg=str(path))
+            array = repeated_heads(array, repeat)
+        np.testing.assert_array_equal(loaded[name], array.astype(dtype), err_msg=name)
+
+
+def shards_by_device(param, tp: int) -> list[np.ndarray]:
+    """A param's shards in the order of their devices along the model axis."""
+    devices = list(make_mesh(tp).devices.flat)
+    shards = sorted(param.get_value().addressable_shards, key=lambda shard: devices.index(shard.device))
+    assert len(shards) == tp
+    return [np.asarray(shard.data) for shard in shards]
 
 
 @pytest.mark.usefixtures("eight_devices")
-def test_a_column_parallel_weight_reads_each_half_once(checkpoint):
+@pytest.mark.parametrize("tp", [2, 8])
+def test_each_devices_fused_shard_is_its_own_heads_and_rows_of_each_part(checkpoint, tp):
+    """Device i's qkv shard (and bias) is its q heads' columns, then its KV head's k, then
+    v: at TP = 2 q heads 4i .. 4i + 3 and KV head i, at TP = 8 q head i and (a copy of) KV
+    head i // 4, the one it reads. Its o_proj rows are the same q heads'; its gate_up shard
+    is its rows of gate and of up."""
+    model, _ = load(checkpoint, tp)
+    whole = load_file(os.path.join(checkpoint, "model.safetensors"))
+    attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
+
+    def hf(name):
+        return whole["model.layers.1." + name]
+
+    d, q_heads, m = ARCH.head_dim, ARCH.num_heads // tp, ARCH.intermediate_size // tp
+    params = (attn.qkv_proj.kernel, attn.qkv_proj.bias, attn.o_proj.kernel, mlp.gate_up_proj.kernel)
+    for i, (qkv, qkv_bias, o, gate_up) in enumerate(zip(*(shards_by_device(p, tp) for p in params))):
+        q_rows = slice(i * q_heads * d, (i + 1) * q_heads * d)
+        kv_head = i * ARCH.num_kv_heads // tp
+        kv_rows = slice(kv_head * d, (kv_head + 1) * d)
+        for got, leaf in ((qkv, "weight"), (qkv_bias, "bias")):
+            want = np.concatenate([hf(f"self_attn.q_proj.{leaf}")[q_rows], hf(f"self_attn.k_proj.{leaf}")[kv_rows],
+                                   hf(f"self_attn.v_proj.{leaf}")[kv_rows]]).T
+            np.testing.assert_array_equal(got, want, err_msg=f"qkv {leaf} of device {i}")
+        np.testing.assert_array_equal(o, hf("self_attn.o_proj.weight")[:, q_rows].T, err_msg=f"o of device {i}")
+        rows = slice(i * m, (i + 1) * m)
+        want = np.stack([hf("mlp.gate_proj.weight")[rows].T, hf("mlp.up_proj.weight")[rows].T], axis=1)
+        np.testing.assert_array_equal(gate_up, want, err_msg=f"gate_up of device {i}")
+
+
+@pytest.mark.usefixtures("eight_devices")
+def test_each_part_of_a_column_parallel_param_is_read_by_halves(checkpoint):
+    """At TP = 2 each device reads only its half of each of qkv's and gate_up's parts."""
     reads = {}
-    create_model(ARCH, dtype=jnp.float32, mesh=make_mesh(2), weights=counted(iter_hf_weights(checkpoint), reads))
-    q_rows, hidden = ARCH.num_heads * ARCH.head_dim, ARCH.hidden_size
+    load(checkpoint, 2, reads=reads)
+    q_rows, kv_rows, hidden = ARCH.num_heads * ARCH.head_dim, ARCH.num_kv_heads * ARCH.head_dim, ARCH.hidden_size
+    for name, rows in (("self_attn.q_proj", q_rows), ("self_attn.k_proj", kv_rows), ("self_attn.v_proj", kv_rows),
+                       ("mlp.gate_proj", ARCH.intermediate_size), ("mlp.up_proj", ARCH.intermediate_size)):
+        half_bytes = rows * hidden * 4 // 2
+        assert sorted(reads[f"model.layers.0.{name}.weight"]) == [
+            (((0, rows // 2), (0, hidden)), half_bytes), (((rows // 2, rows), (0, hidden)), half_bytes)], name
+    assert sorted(reads["model.layers.0.self_attn.k_proj.bias"]) == [
+        (((0, kv_rows // 2),), kv_rows * 2), (((kv_rows // 2, kv_rows),), kv_rows * 2)]
     half_bytes = q_rows * hidden * 4 // 2
-    assert sorted(reads["model.layers.0.self_attn.q_proj.weight"]) == [
-        (((0, q_rows // 2), (0, hidden)), half_bytes), (((q_rows // 2, q_rows), (0, hidden)), half_bytes)]
     # o_proj is row-parallel: its HF [hidden, q] weight is read by column halves.
     assert sorted(reads["model.layers.0.self_attn.o_proj.weight"]) == [
         (((0, hidden), (0, q_rows // 2)), half_bytes), (((0, hidden), (q_rows // 2, q_rows)), half_bytes)]
@@ -116,9 +169,8 @@ def test_devices_that_share_a_shard_share_one_read(checkpoint):
 
 @pytest.mark.usefixtures("eight_devices")
 def test_repeated_kv_heads_read_each_original_head_once(checkpoint):
-    reads, repeat = {}, NUM_DEVICES // ARCH.num_kv_heads
-    weights = replicate_kv_weights(counted(iter_hf_weights(checkpoint), reads), ARCH.head_dim, repeat)
-    create_model(replicated_arch(ARCH, repeat), dtype=jnp.float32, mesh=make_mesh(NUM_DEVICES), weights=weights)
+    reads = {}
+    load(checkpoint, NUM_DEVICES, reads=reads)
     hidden, head_dim = ARCH.hidden_size, ARCH.head_dim
     # Device d holds repeated head d, a copy of original head d // repeat: the 4 devices
     # with copies of one head share one read of its rows.
@@ -154,15 +206,17 @@ def traced_host_bytes_per_tensor(weights, transient_bytes: list):
     transient_bytes.append(tracemalloc.get_traced_memory()[1] - before)
 
 
-def test_peak_host_memory_stays_near_the_largest_tensor(tmp_path):
+def test_peak_host_memory_stays_near_the_largest_param(tmp_path):
     arch = ModelArchConfig(architecture="llama", vocab_size=256, hidden_size=256, intermediate_size=256,
                            num_layers=8, num_heads=4, num_kv_heads=2, head_dim=64)
     tensors = dict(random_hf_tensors(arch))
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    largest_bytes = max(a.nbytes for a in tensors.values())
+    # The largest param is a fused one, qkv_proj or gate_up_proj: its parts wait for one
+    # another (unread), then each device's piece packs its rows of each.
+    largest_bytes = 2 * arch.hidden_size * arch.intermediate_size * 4  # gate_up_proj's
     model_bytes = sum(a.nbytes for a in tensors.values())
     del tensors
-    assert model_bytes > 40 * largest_bytes
+    assert model_bytes > 20 * largest_bytes
     transient_bytes = []
     tracemalloc.start()
     try:
