@@ -124,11 +124,10 @@ def cmd_convert(ns: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from jaxllm.config import EngineArgs, resolve_dtype
-    from jaxllm.models.loader import create_model
+    from jaxllm.models.loader import create_model, iter_weights
     from jaxllm.models.orbax_checkpoint import save_model
     from jaxllm.sharding import make_mesh
     from jaxllm.tokenizer import get_tokenizer
-    from jaxllm.worker.model_runner import iter_weights
 
     if os.path.exists(ns.dst) and (not os.path.isdir(ns.dst) or os.listdir(ns.dst)):
         raise UserError(f"{ns.dst!r} exists and is not an empty folder: convert into a new one")
@@ -139,7 +138,7 @@ def cmd_convert(ns: argparse.Namespace) -> int:
         # "auto": the dtype the engine serves the checkpoint in on GPU, even when converting on CPU.
         dtype = jnp.dtype(resolve_dtype(ns.dtype, mc.hf_config, platform="gpu"))
         start = time.perf_counter()
-        model = create_model(mc.arch, dtype=dtype, mesh=make_mesh(1), weights=iter_weights(mc))
+        model = create_model(mc.arch, dtype=dtype, mesh=make_mesh(1), weights=iter_weights(mc.path, mc.format))
         try:
             tokenizer = get_tokenizer(mc)
         except ValueError as e:  # a folder without tokenizer files: convert the weights all the same

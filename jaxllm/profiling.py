@@ -16,6 +16,17 @@ HOST_PHASES = ("schedule", "execute_model", "dispatch", "wait", "update")  # dis
 # Device kernels that move data between devices: NCCL's, and XLA's own collective kernels.
 _COLLECTIVE = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|all[-_]?to[-_]?all|"
                          r"collective[-_]?permute", re.IGNORECASE)
+# Kernel kinds by name: cuBLAS / cuBLASLt / CUTLASS / XLA's Triton GEMMs, and the attention
+# kernels (ours are named for it; Mosaic GPU's and Pallas' carry their function's name).
+_KERNEL_KINDS = (("collective", _COLLECTIVE),
+                 ("gemm", re.compile(r"gemm|xmma|nvjet|cutlass|cublas|matmul|triton_dot|__dot", re.IGNORECASE)),
+                 ("attention", re.compile(r"attention|attn|mosaic|pallas", re.IGNORECASE)))
+_TOP_KERNELS = 12
+
+
+def kernel_kind(name: str) -> str:
+    """'gemm', 'attention', 'collective' or 'other' (XLA's fusions: norms, rope, sampling, ...)."""
+    return next((kind for kind, pattern in _KERNEL_KINDS if pattern.search(name)), "other")
 
 
 def latest_trace(log_dir: str) -> str:
@@ -41,12 +52,14 @@ def _union_ns(intervals: list[tuple[int, int]]) -> int:
 def summarize_trace(path: str) -> dict:
     """Per dispatched step, in ms: the device's busy time (the union of its kernels)
     and idle time (the rest of the span from the first kernel to the last), the time in
-    collectives (and their share of the busy time), the number of kernels, and the time
-    in each host phase.
+    collectives (and their share of the busy time), the number of kernels, the kernels'
+    time by kind (kernel_kind) and of the longest-running kernel names (top_kernels:
+    name, ms and launches per step; GPU traces only), and the time in each host phase.
     The device is GPU 0; on a machine without one, XLA's CPU runtime (its thunks)."""
     data = ProfileData.from_file(path)
     planes = {plane.name: plane for plane in data.planes}
     kernels, cpu_thunks, host, collectives = [], [], {}, []
+    by_name: dict[str, list[int]] = {}  # kernel name -> [total ns, count]
     if "/device:GPU:0" in planes:
         for line in planes["/device:GPU:0"].lines:
             for e in line.events:
@@ -54,6 +67,9 @@ def summarize_trace(path: str) -> dict:
                     kernels.append((e.start_ns, e.start_ns + e.duration_ns))
                     if _COLLECTIVE.search(e.name):
                         collectives.append(kernels[-1])
+                    total = by_name.setdefault(e.name, [0, 0])
+                    total[0] += e.duration_ns
+                    total[1] += 1
     for line in planes["/host:CPU"].lines:
         for e in line.events:
             if e.name in HOST_PHASES:
@@ -68,7 +84,14 @@ def summarize_trace(path: str) -> dict:
     busy_ns = _union_ns(kernels)
     ms = lambda ns: round(ns / steps / 1e6, 3)
     collective_ns = _union_ns(collectives)
+    kind_ns: dict[str, int] = {}
+    for name, (ns, _) in by_name.items():
+        kind_ns[kernel_kind(name)] = kind_ns.get(kernel_kind(name), 0) + ns
+    top = sorted(by_name.items(), key=lambda item: -item[1][0])[:_TOP_KERNELS]
     return {"steps": steps, "device_busy_ms": ms(busy_ns), "device_idle_ms": ms(span_ns - busy_ns),
             "collective_ms": ms(collective_ns), "collective_share": round(collective_ns / busy_ns, 3),
             "kernels_per_step": round(len(kernels) / steps, 1),
+            "kernel_ms": {kind: ms(ns) for kind, ns in sorted(kind_ns.items())},
+            "top_kernels": [{"name": name[:120], "ms": ms(ns), "per_step": round(n / steps, 1)}
+                            for name, (ns, n) in top],
             "host_ms": {name: ms(sum(d)) for name, d in sorted(host.items())}}

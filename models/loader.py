@@ -259,6 +259,14 @@ def _hf_name(path: ParamPath) -> str:
     return name if name.startswith("lm_head") else "model." + name
 
 
+def iter_weights(path: str, checkpoint_format: str) -> Iterator[tuple[str, TensorSource]]:
+    """(HF name, tensor source) pairs from a checkpoint: a .gguf file ("gguf") or an HF folder."""
+    if checkpoint_format == "gguf":
+        from jaxllm.models.gguf import iter_gguf_weights
+        return iter_gguf_weights(path)
+    return iter_hf_weights(path)
+
+
 def iter_hf_weights(path: str) -> Iterator[tuple[str, TensorSource]]:
     """(name, tensor source) for every tensor of the HF folder's safetensors files, listed
     by model.safetensors.index.json when present; a source reads only the slices asked

@@ -147,6 +147,13 @@ def print_table(res: dict) -> None:
             phases = " ".join(f"{name}={ms}" for name, ms in p["host_ms"].items())
             line += f" {p['device_busy_ms']:>8} {p['device_idle_ms']:>8}  {phases}"
         print(line)
+    for r in res["rows"]:
+        if r.get("profile", {}).get("top_kernels"):
+            p = r["profile"]
+            kinds = " ".join(f"{kind}={ms}" for kind, ms in p["kernel_ms"].items())
+            print(f"\nbatch {r['batch']}: kernel ms per step by kind: {kinds}; longest-running kernels:")
+            for k in p["top_kernels"]:
+                print(f"  {k['ms']:>8} ms {k['per_step']:>6}x  {k['name']}")
 
 
 def main(ns, engine_args) -> int:

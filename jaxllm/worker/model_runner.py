@@ -14,6 +14,7 @@ host does not have yet (asynchronous scheduling).
 import concurrent.futures
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 import time
@@ -26,23 +27,24 @@ from flax import nnx
 from jax.profiler import TraceAnnotation
 from tqdm import tqdm
 
+import jaxllm
 from jaxllm import compilation
-from jaxllm.config import Config, ModelConfig
+from jaxllm.config import Config
 from jaxllm.core.kv_cache_utils import cdiv
 from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.executor import multihost
 from jaxllm.engine import LogprobsArrays
 from jaxllm.kernels.attention import get_attention_fn
 from jaxllm.models.kv_layout import model_kv_layout
-from jaxllm.models.loader import create_model
+from jaxllm.models.loader import create_model, iter_weights
 from jaxllm.sample import processors
 from jaxllm.sample.logits_processor import AddedRequest, BatchUpdate
 from jaxllm.sample.logprobs import compute_logprobs
 from jaxllm.sample.processors import ProcessorState
-from jaxllm.sample.sampler import ProcessorMetadata, SampleMode, SamplingMetadata, sample
+from jaxllm.sample.sampler import SampleMode
 from jaxllm.sharding import kv_cache_sharding, make_mesh, named_sharding, replicated
 from jaxllm.sample import host_masks
-from jaxllm.worker import batch as batching, kv_heads
+from jaxllm.worker import batch as batching, kv_heads, step_functions
 
 if TYPE_CHECKING:
     from jaxllm.request import Request
@@ -52,15 +54,6 @@ logger = logging.getLogger(__name__)
 _CPU_KV_CACHE_BYTES = 512 << 20  # CPU devices report no memory: cap the cache at 512 MiB
 _PROMPT_LOGPROBS_CHUNK = 256  # prompt positions per call of the prompt-logprobs executable
 _COMPILE_THREADS = min(8, os.cpu_count() or 1)
-
-
-def iter_weights(mc: ModelConfig):
-    """(HF name, tensor source) pairs from the model's checkpoint, whatever its format."""
-    if mc.format == "gguf":
-        from jaxllm.models.gguf import iter_gguf_weights
-        return iter_gguf_weights(mc.path)
-    from jaxllm.models.loader import iter_hf_weights
-    return iter_hf_weights(mc.path)
 
 
 class ModelRunner:
@@ -85,7 +78,7 @@ class ModelRunner:
         else:
             weights = None
             if mc.load_format != "dummy":
-                weights = kv_heads.replicate_kv_weights(iter_weights(mc), mc.arch.head_dim, repeat)
+                weights = kv_heads.replicate_kv_weights(iter_weights(mc.path, mc.format), mc.arch.head_dim, repeat)
             model = create_model(self.arch, dtype=mc.dtype, mesh=self.mesh, weights=weights, seed=config.seed,
                                  show_progress=show_progress)
         self._graphdef, state = nnx.split(model)
@@ -93,6 +86,7 @@ class ModelRunner:
         self._params, self._params_treedef = jax.tree.flatten(state)
         jax.block_until_ready(self._params)
         self.startup_s = {"weights": time.perf_counter() - start}  # then "kv_cache", "compile" (warm_up)
+        self.compile_split = ""  # what the compile phase spent its time on (warm_up)
         self._attn_fn = get_attention_fn(config.attention_backend, self.mesh)
         self.kv_layout = model_kv_layout(self.arch)  # the KV cache groups: one block table each
         num_groups = len(self.kv_layout.groups)
@@ -119,7 +113,7 @@ class ModelRunner:
         # (width, then the step's inputs: bucket, buffer, mode, with processors, number of logprobs)
         self._widest_step: tuple[tuple[int, int], int, np.ndarray, SampleMode, bool, int | None] | None = None
         self._prev_sampled = self._zero_sampled()
-        forward_fn = _make_forward_fn(self._graphdef, self._params_treedef, self._attn_fn,
+        forward_fn = step_functions.make_forward_fn(self._graphdef, self._params_treedef, self._attn_fn,
                                       {layout.num_tokens: layout for layout in layouts}, sc.max_num_seqs)
         # Pin the outputs' shardings, so the next step sees the same inputs.
         kv_sharding = kv_cache_sharding(self.mesh)
@@ -127,11 +121,11 @@ class ModelRunner:
         self._forward = jax.jit(forward_fn, donate_argnums=(1,), static_argnums=(4,), out_shardings=(
             replicated(self.mesh), vocab_sharded, replicated(self.mesh), replicated(self.mesh),
             [(kv_sharding, kv_sharding)] * self.kv_layout.num_tensors))
-        self._sample = jax.jit(functools.partial(_sample_padded, max_num_seqs=sc.max_num_seqs),
+        self._sample = jax.jit(functools.partial(step_functions.sample_padded, max_num_seqs=sc.max_num_seqs),
                                static_argnums=(2,), out_shardings=replicated(self.mesh))
         # Users' processors (EngineArgs.logits_processors): every step runs them, in the processed sampler.
         self.logits_processors = tuple(cls(config) for cls in config.logits_processors)
-        self._sample_processed = jax.jit(functools.partial(_sample_processed, max_num_seqs=sc.max_num_seqs,
+        self._sample_processed = jax.jit(functools.partial(step_functions.sample_processed, max_num_seqs=sc.max_num_seqs,
                                                            user_processors=self.logits_processors),
                                          donate_argnums=(2,), static_argnums=(5,),
                                          out_shardings=(replicated(self.mesh), self._processor_state_sharding()))
@@ -143,7 +137,7 @@ class ModelRunner:
         self.logprob_buckets = sorted({0, min(8, self.num_logprobs), self.num_logprobs})
         self._logprobs = jax.jit(compute_logprobs, static_argnums=(2,), out_shardings=replicated(self.mesh))
         self._prompt_logprobs = jax.jit(
-            _make_prompt_logprobs_fn(self._graphdef, self._params_treedef, self.num_logprobs),
+            step_functions.make_prompt_logprobs_fn(self._graphdef, self._params_treedef, self.num_logprobs),
             out_shardings=replicated(self.mesh))
         self.bitmask_words = cdiv(mc.arch.vocab_size, 32)
         # Per request bucket: a bitmask allowing every token, on the device, and a host buffer for masks.
@@ -157,6 +151,9 @@ class ModelRunner:
         self._logprob_fns: dict[tuple[int, int], jax.stages.Compiled] = {}  # per (request bucket, K)
         self._prompt_logprob_fns: dict[int, jax.stages.Compiled] = {}
         self._write_rows_fn: jax.stages.Compiled | None = None
+        self._executable_names = {id(self._forwards): "forward", id(self._samplers): "sampler",
+                                  id(self._logprob_fns): "logprobs", id(self._prompt_logprob_fns): "prompt logprobs"}
+        self._store = self._executable_store()
 
     # ---- memory ----
     def _kv_bytes_per_block(self) -> int:
@@ -339,47 +336,106 @@ class ModelRunner:
     def warm_up(self, show_progress: bool = True) -> None:
         """Compile every executable now, so serving never compiles: the forward and the prompt
         logprobs of every token bucket, and the sampler (of every mode) and the logprobs of every
-        request bucket; then run each once. Tracing holds the GIL and XLA's compilation does
+        request bucket; then run each once. Executables in the store (compilation.ExecutableStore)
+        are loaded, in parallel, and not traced. Tracing holds the GIL and XLA's compilation does
         not: each bucket is traced here while the ones before it compile in a thread pool."""
         start = time.perf_counter()
+        keys = self._warm_up_keys()
+        names = [f"{self._executable_names[id(executables)]} {key}" for executables, key in keys]
+        lower_s, out_info = 0.0, None  # tracing and lowering, in this thread; the last forward's out_info
         with concurrent.futures.ThreadPoolExecutor(_COMPILE_THREADS) as pool:
+            stored = dict(zip(names, pool.map(self._store.load, names))) if self._store else {}
+            load_s = time.perf_counter() - start
             jobs = []  # (where the executable goes, its key, its compile job)
-            for token_bucket in self.token_buckets:
-                lowered = self._lower_forward(token_bucket)
-                jobs.append((self._forwards, token_bucket, pool.submit(lowered.compile)))
-                sampled, logits, words, hidden, _ = lowered.out_info
-                num_reqs = logits.shape[0]
-                chunk = jax.ShapeDtypeStruct((self._prompt_logprobs_chunk(token_bucket),), jnp.int32)
-                jobs.append((self._prompt_logprob_fns, token_bucket, pool.submit(
-                    self._prompt_logprobs.lower(self._params, hidden, chunk, chunk).compile)))
-                if num_reqs in self._all_allowed:
-                    continue  # the request bucket's executables are on their way
-                bitmask = self._all_allowed_bitmask(num_reqs)
-                for mode in SampleMode:
-                    if mode != SampleMode.GREEDY:
-                        jobs.append((self._samplers, (num_reqs, mode, False),
-                                     pool.submit(self._sample.lower(logits, words, mode).compile)))
-                    jobs.append((self._samplers, (num_reqs, mode, True), pool.submit(self._sample_processed.lower(
-                        logits, words, self._processor_state, bitmask, self._user_states(None, num_reqs),
-                        mode).compile)))
-                for k in self.logprob_buckets:
-                    jobs.append((self._logprob_fns, (num_reqs, k),
-                                 pool.submit(self._logprobs.lower(logits, sampled, k).compile)))
+            for (executables, key), name in zip(keys, names):
+                if stored.get(name) is not None:
+                    executable = stored[name]
+                    jobs.append((executables, key, concurrent.futures.Future()))
+                    jobs[-1][2].set_result(executable)
+                else:
+                    lower_start = time.perf_counter()
+                    executable = self._lower(executables, key, out_info)  # a forward comes before its users
+                    lower_s += time.perf_counter() - lower_start
+                    jobs.append((executables, key, pool.submit(self._compile_and_store, name, executable)))
+                if executables is self._forwards:
+                    out_info = executable.out_info  # (sampled, logits, words, hidden, kv caches)
             for executables, key, job in tqdm(jobs, desc="Compiling", disable=not show_progress):
                 executables[key] = job.result()
+        compiled_s = time.perf_counter() - start
         multihost.barrier("jaxllm-compiled")  # other hosts may compile for longer
         self._write_processor_rows([])
+        request_buckets = set()
         for token_bucket in self.token_buckets:
             buffer, views = self._next_host_buffer(token_bucket)
             batching.fill_padding(views)
             zeros = np.zeros(self._prompt_logprobs_chunk(token_bucket), np.int32)
-            for mode in SampleMode:  # the logprobs and prompt logprobs once per bucket, with the greedy step
-                for processed in (False, True):
-                    first = mode == SampleMode.GREEDY and not processed
-                    jax.block_until_ready(self._dispatch(token_bucket, buffer, mode, processed,
-                                                         num_logprobs=self.num_logprobs if first else None,
-                                                         prompt_inputs=[(zeros, zeros)] if first else ()))
+            # Each forward once, with the logprobs and prompt logprobs; each sampler once, after the
+            # smallest forward of its request bucket.
+            jax.block_until_ready(self._dispatch(token_bucket, buffer, SampleMode.GREEDY, False,
+                                                 num_logprobs=self.num_logprobs, prompt_inputs=[(zeros, zeros)]))
+            num_reqs = batching.request_bucket(token_bucket, self.config.scheduler.max_num_seqs)
+            if num_reqs not in request_buckets:
+                request_buckets.add(num_reqs)
+                for mode, processed in itertools.product(SampleMode, (False, True)):
+                    if mode != SampleMode.GREEDY or processed:
+                        jax.block_until_ready(self._dispatch(token_bucket, buffer, mode, processed))
         self.startup_s["compile"] = time.perf_counter() - start
+        self.compile_split = (f"{len(jobs)} executables, {sum(c is not None for c in stored.values())} of them "
+                              f"stored: loading {load_s:.1f} s, tracing and lowering {lower_s:.1f} s, waiting on "
+                              f"XLA {compiled_s - lower_s - load_s:.1f} s, first runs "
+                              f"{self.startup_s['compile'] - compiled_s:.1f} s")
+
+    def _warm_up_keys(self) -> list[tuple[dict, object]]:
+        """(where the executable goes, its key) for every executable warm_up builds, each forward
+        before the prompt logprobs of its token bucket and the samplers of its request bucket."""
+        keys, request_buckets = [], set()
+        for token_bucket in self.token_buckets:
+            keys += [(self._forwards, token_bucket), (self._prompt_logprob_fns, token_bucket)]
+            num_reqs = batching.request_bucket(token_bucket, self.config.scheduler.max_num_seqs)
+            if num_reqs in request_buckets:
+                continue
+            request_buckets.add(num_reqs)
+            for mode in SampleMode:
+                if mode != SampleMode.GREEDY:  # a greedy batch samples with the forward's argmax
+                    keys.append((self._samplers, (num_reqs, mode, False)))
+                keys.append((self._samplers, (num_reqs, mode, True)))
+            keys += [(self._logprob_fns, (num_reqs, k)) for k in self.logprob_buckets]
+        return keys
+
+    def _lower(self, executables: dict, key, forward_info) -> jax.stages.Lowered:
+        """The executable of `key` in `executables`, lowered; forward_info: the out_info of the
+        forward of its token bucket (for the others than a forward)."""
+        if executables is self._forwards:
+            return self._lower_forward(key)
+        sampled, logits, words, hidden, _ = forward_info
+        if executables is self._prompt_logprob_fns:
+            chunk = jax.ShapeDtypeStruct((self._prompt_logprobs_chunk(key),), jnp.int32)
+            return self._prompt_logprobs.lower(self._params, hidden, chunk, chunk)
+        if executables is self._logprob_fns:
+            return self._logprobs.lower(logits, sampled, key[1])
+        num_reqs, mode, processed = key
+        if not processed:
+            return self._sample.lower(logits, words, mode)
+        return self._sample_processed.lower(logits, words, self._processor_state, self._all_allowed_bitmask(num_reqs),
+                                            self._user_states(None, num_reqs), mode)
+
+    def _compile_and_store(self, name: str, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+        compiled = lowered.compile()
+        if self._store:
+            self._store.save(name, compiled)
+        return compiled
+
+    def _executable_store(self) -> compilation.ExecutableStore | None:
+        """The store of this runner's executables, keyed by everything they are built from; none
+        with users' logits processors (their code is not in the key) or over several hosts."""
+        if self.logits_processors or self.config.parallel.num_hosts > 1:
+            return None
+        from jaxllm import kernels, models
+        params = [(p.shape, p.dtype, p.sharding) for p in self._params]
+        caches = [(k.shape, k.dtype, k.sharding) for k, _ in self.kv_caches]
+        key = "\n".join(map(repr, (self.config, self._params_treedef, params, caches, self.token_buckets,
+                                    compilation.source_digest((jaxllm, models, kernels)))))
+        return compilation.ExecutableStore.maybe(key, list(self.mesh.devices.flat))
 
     def execute_model(self, sched: SchedulerOutput) -> "StepOutput":
         """Dispatch one step and return at once; its sampled ids land later (but a step with
@@ -485,6 +541,8 @@ class ModelRunner:
     def describe(self) -> str:
         gib = self.num_blocks * self._kv_bytes_per_block() / 2**30
         startup = ", ".join(f"{phase} {s:.1f} s" for phase, s in self.startup_s.items())
+        if self.compile_split:
+            startup += f" ({self.compile_split})"
         return (f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens "
                 f"({self.kv_cache_tokens} tokens, {gib:.2f} GiB); token buckets {self.token_buckets}; "
                 f"attention backend {self.config.attention_backend}; start-up: {startup}")
@@ -538,50 +596,3 @@ def _compiled(executables: dict, key, lower) -> jax.stages.Compiled:
     if key not in executables:
         executables[key] = lower().compile()
     return executables[key]
-
-
-def _make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout], max_num_seqs: int):
-    """The jitted forward's function (a closure, not a method: the runner is not kept alive by its executables)."""
-    def step(params, kv_caches, prev_sampled, buffer, token_bucket: int):
-        """params: flat weights; kv_caches: per KV tensor (K, V) [num_blocks, block_size, kv_heads, head_dim];
-        prev_sampled [max_num_seqs] int32: the previous step's ids; buffer [size] int32: this step's inputs,
-        laid out as `token_bucket`'s BatchLayout. Returns (the greedy ids [max_num_seqs] int32, the logits
-        [R, vocab] float32 at each request's last token, the R requests' sampling words, the final hidden
-        states [T, hidden_size] (for prompt logprobs), kv_caches)."""
-        batch = layouts[token_bucket].unpack(buffer)
-        input_ids = jnp.where(batch.prev_rows >= 0, prev_sampled[jnp.maximum(batch.prev_rows, 0)], batch.input_ids)
-        model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, params))
-        hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attention, attn_fn)
-        logits = model.compute_logits(hidden[batch.logits_indices])
-        greedy = jnp.pad(jnp.argmax(logits, axis=-1).astype(jnp.int32), (0, max_num_seqs - logits.shape[0]))
-        return greedy, logits, batch.sampling, hidden, kv_caches
-    return step
-
-
-def _make_prompt_logprobs_fn(graphdef, params_treedef, num_logprobs: int):
-    def prompt_logprobs(params, hidden, indices, targets):
-        """hidden [T, hidden_size]; indices [C] int32: tokens whose logits give a prompt position's
-        logprobs; targets [C] int32: the prompt's ids at those positions. Returns compute_logprobs'
-        arrays for the C positions (the target's own logprob first)."""
-        model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, params))
-        return compute_logprobs(model.compute_logits(hidden[indices]), targets, num_logprobs)
-    return prompt_logprobs
-
-
-def _sample_padded(logits, words, mode: SampleMode, max_num_seqs: int) -> jax.Array:
-    """Sampled ids [max_num_seqs] int32: the R requests' first, then zeros."""
-    tokens = sample(logits, SamplingMetadata.from_words(words), mode)
-    return jnp.pad(tokens, (0, max_num_seqs - tokens.shape[0]))
-
-
-def _sample_processed(logits, words, state: ProcessorState, bitmask, user_states: tuple, mode: SampleMode,
-                      max_num_seqs: int, user_processors: tuple):
-    """The logits processors (the built-in ones, then the users'), then the sampler; each
-    request with built-in processors counts its sampled id. Returns (ids [max_num_seqs]
-    int32, the new ProcessorState)."""
-    md = ProcessorMetadata.from_words(words)
-    logits = processors.apply_processors(logits, md, state, bitmask)
-    for processor, user_state in zip(user_processors, user_states):
-        logits = processor.apply(user_state, logits)
-    tokens = sample(logits, SamplingMetadata.from_words(words), mode)
-    return jnp.pad(tokens, (0, max_num_seqs - tokens.shape[0])), processors.count_sampled(state, md, tokens)

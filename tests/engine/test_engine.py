@@ -55,7 +55,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(llm):
 
 def test_the_engine_reports_its_start_up_split_into_weights_kv_cache_and_compile(llm):
     description = llm.llm_engine.engine_core.description
-    assert re.search(r"start-up: weights \d+\.\d s, kv_cache \d+\.\d s, compile \d+\.\d s$", description)
+    assert re.search(r"start-up: weights \d+\.\d s, kv_cache \d+\.\d s, compile \d+\.\d s \(\d+ executables, ", description)
 
 
 def test_no_compilation_after_warm_up(llm):

@@ -3,7 +3,7 @@ import pytest
 
 from jaxllm import EngineArgs, SamplingParams
 from jaxllm.engine.core import EngineCore
-from jaxllm.profiling import _union_ns, latest_trace, summarize_trace
+from jaxllm.profiling import _union_ns, kernel_kind, latest_trace, summarize_trace
 from tests.conftest import tiny_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -12,6 +12,14 @@ pytestmark = pytest.mark.timeout(300)
 def test_union_counts_overlapping_intervals_once():
     assert _union_ns([(10, 11), (0, 5), (3, 8), (4, 6)]) == 9
     assert _union_ns([(0, 4), (4, 6)]) == 6
+
+
+def test_kernels_are_sorted_into_kinds_by_name():
+    assert kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
+    assert kernel_kind("nvjet_tst_64x8_64x16_4x1_v_bz_TNT") == "gemm"
+    assert kernel_kind("ragged_paged_attention_mosaic") == "attention"
+    assert kernel_kind("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "collective"
+    assert kernel_kind("loop_multiply_fusion_3") == "other"
 
 
 def test_a_profiled_run_reports_every_step_and_host_phase(tmp_path):

@@ -1,0 +1,60 @@
+"""The functions ModelRunner jits: the forward pass of one step (to the logits at each
+request's last token and their argmax), the sampler with and without the logits
+processors, and the prompt logprobs. Closures and plain functions, not methods: the
+runner is not kept alive by its executables."""
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.sample import processors
+from jaxllm.sample.logprobs import compute_logprobs
+from jaxllm.sample.processors import ProcessorState
+from jaxllm.sample.sampler import ProcessorMetadata, SampleMode, SamplingMetadata, sample
+from jaxllm.worker import batch as batching
+
+
+def make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout], max_num_seqs: int):
+    """The jitted forward's function (a closure, not a method: the runner is not kept alive by its executables)."""
+    def step(params, kv_caches, prev_sampled, buffer, token_bucket: int):
+        """params: flat weights; kv_caches: per KV tensor (K, V) [num_blocks, block_size, kv_heads, head_dim];
+        prev_sampled [max_num_seqs] int32: the previous step's ids; buffer [size] int32: this step's inputs,
+        laid out as `token_bucket`'s BatchLayout. Returns (the greedy ids [max_num_seqs] int32, the logits
+        [R, vocab] float32 at each request's last token, the R requests' sampling words, the final hidden
+        states [T, hidden_size] (for prompt logprobs), kv_caches)."""
+        batch = layouts[token_bucket].unpack(buffer)
+        input_ids = jnp.where(batch.prev_rows >= 0, prev_sampled[jnp.maximum(batch.prev_rows, 0)], batch.input_ids)
+        model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, params))
+        hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attention, attn_fn)
+        logits = model.compute_logits(hidden[batch.logits_indices])
+        greedy = jnp.pad(jnp.argmax(logits, axis=-1).astype(jnp.int32), (0, max_num_seqs - logits.shape[0]))
+        return greedy, logits, batch.sampling, hidden, kv_caches
+    return step
+
+
+def make_prompt_logprobs_fn(graphdef, params_treedef, num_logprobs: int):
+    def prompt_logprobs(params, hidden, indices, targets):
+        """hidden [T, hidden_size]; indices [C] int32: tokens whose logits give a prompt position's
+        logprobs; targets [C] int32: the prompt's ids at those positions. Returns compute_logprobs'
+        arrays for the C positions (the target's own logprob first)."""
+        model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, params))
+        return compute_logprobs(model.compute_logits(hidden[indices]), targets, num_logprobs)
+    return prompt_logprobs
+
+
+def sample_padded(logits, words, mode: SampleMode, max_num_seqs: int) -> jax.Array:
+    """Sampled ids [max_num_seqs] int32: the R requests' first, then zeros."""
+    tokens = sample(logits, SamplingMetadata.from_words(words), mode)
+    return jnp.pad(tokens, (0, max_num_seqs - tokens.shape[0]))
+
+
+def sample_processed(logits, words, state: ProcessorState, bitmask, user_states: tuple, mode: SampleMode,
+                      max_num_seqs: int, user_processors: tuple):
+    """The logits processors (the built-in ones, then the users'), then the sampler; each
+    request with built-in processors counts its sampled id. Returns (ids [max_num_seqs]
+    int32, the new ProcessorState)."""
+    md = ProcessorMetadata.from_words(words)
+    logits = processors.apply_processors(logits, md, state, bitmask)
+    for processor, user_state in zip(user_processors, user_states):
+        logits = processor.apply(user_state, logits)
+    tokens = sample(logits, SamplingMetadata.from_words(words), mode)
+    return jnp.pad(tokens, (0, max_num_seqs - tokens.shape[0])), processors.count_sampled(state, md, tokens)

@@ -1,0 +1,117 @@
+"""Which FP8 matmul forms XLA makes fast on this GPU, against bf16, at the 8B's decode and
+prefill shapes. Run on the device: `python3 scripts/bench_fp8.py` (one table, last).
+
+Forms, each y [M, N] = x [M, K] @ W [K, N] with W quantized per output channel (e4m3):
+  bf16        x_bf16 @ w_bf16: the baseline
+  w8a16       x_bf16 @ convert(w_f8) * scale: weight-only, the convert left to XLA to fuse
+              into the GEMM's operand load (half the weight bytes when it does)
+  w8a8        both operands e4m3 (x per-tensor, dynamic): dot_general(x_f8, w_f8) in f32,
+              then both scales: the scaled-FP8 pattern XLA hands to cuBLASLt
+  w8a8_dq     the same as dequantize-then-dot (convert * scale on each operand, then dot),
+              the other pattern XLA's GEMM rewriter matches
+Each timing: a fori_loop of ITERS matmuls over the same weight (larger than L2), one call,
+median of REPEATS. The table gives ms per matmul, the weight's bytes over that time, the
+relative error against float32 and what XLA compiled the dot to.
+"""
+import os
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ITERS, REPEATS = 20, 5
+SHAPES = ((4096, 6144), (4096, 28672), (14336, 4096))  # K, N: fused qkv, fused gate-up, down
+BATCHES = tuple(int(b) for b in os.environ.get("FP8_BATCHES", "1,16,64,256,2048").split(","))
+E4M3_MAX = 448.0
+
+
+def quantize_weight(w):
+    scale = jnp.max(jnp.abs(w), axis=0) / E4M3_MAX  # [N], per output channel
+    return (w / scale).astype(jnp.float8_e4m3fn), scale.astype(jnp.float32)
+
+
+def quantize_act(x):
+    scale = jnp.max(jnp.abs(x)).astype(jnp.float32) / E4M3_MAX
+    return (x.astype(jnp.float32) / scale).astype(jnp.float8_e4m3fn), scale
+
+
+def bf16(x, w, w8, w_scale):
+    return x @ w
+
+
+def w8a16(x, w, w8, w_scale):
+    y = jnp.dot(x, w8.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    return (y * w_scale).astype(jnp.bfloat16)
+
+
+def w8a8(x, w, w8, w_scale):
+    x8, x_scale = quantize_act(x)
+    y = jax.lax.dot_general(x8, w8, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * (x_scale * w_scale)).astype(jnp.bfloat16)
+
+
+def w8a8_dq(x, w, w8, w_scale):
+    x8, x_scale = quantize_act(x)
+    xd = x8.astype(jnp.bfloat16) * x_scale.astype(jnp.bfloat16)
+    wd = w8.astype(jnp.bfloat16) * w_scale.astype(jnp.bfloat16)
+    return jnp.dot(xd, wd, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+FORMS = {"bf16": bf16, "w8a16": w8a16, "w8a8": w8a8, "w8a8_dq": w8a8_dq}
+
+
+def looped(form):
+    def run(x, w, w8, w_scale):
+        def body(i, y):  # a fresh input each time, so nothing is hoisted out of the loop
+            return form(x + i.astype(x.dtype) * 1e-3, w, w8, w_scale)
+        return jax.lax.fori_loop(0, ITERS, body, jnp.zeros((x.shape[0], w.shape[1]), jnp.bfloat16))
+    return jax.jit(run)
+
+
+def what_xla_made(compiled_text: str) -> str:
+    targets = set(re.findall(r'custom_call_target="([^"]+)"', compiled_text))
+    kinds = set(re.findall(r'"kind":"(__triton_gemm|__cudnn\$fusion|__custom_fusion)"', compiled_text))
+    names = sorted(t for t in targets if "gemm" in t.lower() or "matmul" in t.lower()) + sorted(kinds)
+    return ",".join(names) or "other"
+
+
+def main():
+    print(jax.devices()[0].device_kind, jax.__version__)
+    rng = np.random.default_rng(0)
+    rows = []
+    for k, n in SHAPES:
+        w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16)
+        w8, w_scale = jax.jit(quantize_weight)(w)
+        for m in BATCHES:
+            x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+            ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+            base_ms = None
+            for name, form in FORMS.items():
+                try:
+                    y = np.asarray(jax.jit(form)(x, w, w8, w_scale), np.float32)
+                    err = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+                    fn = looped(form)
+                    made = what_xla_made(jax.jit(form).lower(x, w, w8, w_scale).compile().as_text())
+                    jax.block_until_ready(fn(x, w, w8, w_scale))
+                    times = []
+                    for _ in range(REPEATS):
+                        start = time.perf_counter()
+                        jax.block_until_ready(fn(x, w, w8, w_scale))
+                        times.append((time.perf_counter() - start) / ITERS)
+                    ms = 1e3 * float(np.median(times))
+                except Exception as e:  # a form this XLA cannot compile: say so, go on
+                    print(f"{name} K={k} N={n} M={m}: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                base_ms = ms if name == "bf16" else base_ms
+                weight_bytes = k * n * (2 if name == "bf16" else 1)
+                rows.append((f"{k}x{n}", m, name, ms, weight_bytes / ms / 1e9, err,
+                             base_ms / ms if base_ms else float("nan"), made))
+    print(f"\n{'K x N':>11} {'M':>5} {'form':>8} {'ms':>8} {'TB/s':>6} {'rel err':>8} {'vs bf16':>7}  XLA's dot")
+    for shape, m, name, ms, tbs, err, speedup, made in rows:
+        print(f"{shape:>11} {m:>5} {name:>8} {ms:>8.4f} {tbs:>6.2f} {err:>8.4f} {speedup:>7.2f}  {made}")
+
+
+if __name__ == "__main__":
+    main()
