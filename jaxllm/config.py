@@ -76,7 +76,9 @@ class EngineArgs:
     model: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
-    max_num_seqs: int = 64
+    # None: 256 sequences and 8192 batched tokens on a GPU (the H200's best for most workloads,
+    # docs/benchmarks.md), 64 and min(2048, max(max_model_len, max_num_seqs)) on CPU
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
@@ -113,7 +115,7 @@ class EngineArgs:
         check_field_types(self)
         _check(self.max_model_len is None or self.max_model_len >= 1,
                f"max_model_len must be >= 1, got {self.max_model_len}")
-        _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _check(self.max_num_seqs is None or self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         _check(self.block_size in (16, 32, 64, 128), f"block_size must be 16, 32, 64 or 128, got {self.block_size}")
@@ -163,9 +165,11 @@ class EngineArgs:
         _check(max_len <= arch.max_position_embeddings,
                f"max_model_len must be in [1, {arch.max_position_embeddings}] (the model's "
                f"max_position_embeddings), got {max_len}")
-        batched = self.max_num_batched_tokens or min(2048, max(max_len, self.max_num_seqs))
-        _check(batched >= self.max_num_seqs,
-               f"max_num_batched_tokens ({batched}) must be >= max_num_seqs ({self.max_num_seqs})")
+        on_gpu = jax.default_backend() == "gpu"
+        max_num_seqs = self.max_num_seqs or (256 if on_gpu else 64)
+        batched = self.max_num_batched_tokens or (8192 if on_gpu else min(2048, max(max_len, max_num_seqs)))
+        _check(batched >= max_num_seqs,
+               f"max_num_batched_tokens ({batched}) must be >= max_num_seqs ({max_num_seqs})")
         return Config(
             model=ModelConfig(path=path, format=fmt, hf_config=hf_config, arch=arch,
                               dtype=resolve_dtype(self.dtype, hf_config), max_model_len=max_len,
@@ -173,7 +177,7 @@ class EngineArgs:
                               max_logprobs=self.max_logprobs, tokenizer=tokenizer),
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.num_gpu_blocks_override,
                               self.enable_prefix_caching),
-            scheduler=SchedulerConfig(self.max_num_seqs, batched, max_len, self.async_scheduling),
+            scheduler=SchedulerConfig(max_num_seqs, batched, max_len, self.async_scheduling),
             parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.pipeline_parallel_size,
                                     self.num_hosts, self.host_rank, self.coordinator_address),
             attention_backend=self.attention_backend or default_backend(),

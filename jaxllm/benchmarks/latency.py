@@ -37,7 +37,7 @@ def run_latency_bench(engine_args, batch_size: int, input_len: int, output_len: 
                       num_iters_warmup: int, num_iters: int) -> dict:
     from jaxllm import LLM, SamplingParams
 
-    engine_args = dataclasses.replace(engine_args, max_num_seqs=max(engine_args.max_num_seqs, batch_size))
+    engine_args = dataclasses.replace(engine_args, max_num_seqs=max(engine_args.max_num_seqs or batch_size, batch_size))
     start = time.perf_counter()
     llm = LLM(**dataclasses.asdict(engine_args))
     startup_s = time.perf_counter() - start

@@ -158,7 +158,7 @@ def print_table(res: dict) -> None:
 
 def main(ns, engine_args) -> int:
     batch_sizes = [int(b) for b in ns.batch_sizes.split(",")]
-    engine_args = dataclasses.replace(engine_args, max_num_seqs=max(engine_args.max_num_seqs, max(batch_sizes)))
+    engine_args = dataclasses.replace(engine_args, max_num_seqs=max(engine_args.max_num_seqs or 1, *batch_sizes))
     if ns.structured_requests and ns.sampling != "all":
         raise ValueError("--structured-requests needs --sampling all")
     result = run_step_bench(engine_args, batch_sizes, ns.input_len, ns.output_len, profile_dir=ns.profile_dir,

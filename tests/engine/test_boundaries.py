@@ -52,11 +52,11 @@ def test_zero_or_negative_lengths_raise_instead_of_taking_the_default(field, val
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"max_num_seqs": 2.5}, "max_num_seqs must be an int, got 2.5"),
+    ({"max_num_seqs": 2.5}, "max_num_seqs must be an int or None, got 2.5"),
     ({"max_model_len": 64.0}, "max_model_len must be an int or None, got 64.0"),
     ({"max_num_batched_tokens": 256.0}, "max_num_batched_tokens must be an int or None, got 256.0"),
     ({"seed": "1"}, "seed must be an int, got '1'"),
-    ({"max_num_seqs": "8"}, "max_num_seqs must be an int, got '8'"),
+    ({"max_num_seqs": "8"}, "max_num_seqs must be an int or None, got '8'"),
     ({"block_size": True}, "block_size must be an int, got True"),
     ({"gpu_memory_utilization": "0.5"}, "gpu_memory_utilization must be a number, got '0.5'"),
     ({"skip_tokenizer_init": "yes"}, "skip_tokenizer_init must be a bool, got 'yes'"),
@@ -165,7 +165,7 @@ ENGINE_INVALID = {
     "dtype": st.one_of(st.text(max_size=6).filter(lambda s: s not in _VALID_DTYPES), not_of(str)),
     "max_model_len": st.one_of(st.integers(max_value=0), st.integers(min_value=TINY_MAX_LEN + 1),
                                not_of(int, type(None))),
-    "max_num_seqs": st.one_of(st.integers(max_value=0), not_of(int)),
+    "max_num_seqs": st.one_of(st.integers(max_value=0), not_of(int, type(None))),
     "max_num_batched_tokens": st.one_of(st.integers(max_value=63), not_of(int, type(None))),  # < max_num_seqs
     "block_size": st.one_of(st.integers().filter(lambda b: b not in (16, 32, 64, 128)), not_of(int)),
     "gpu_memory_utilization": st.one_of(numbers_but(lambda x: 0 < x <= 1), not_of(float)),
