@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.models.config import ModelArchConfig
+from jaxllm.models.fp8 import QUANTIZATIONS
 from jaxllm.typecheck import check_field_types
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -32,6 +33,7 @@ class ModelConfig:
     skip_tokenizer_init: bool
     max_logprobs: int    # the most SamplingParams.logprobs a request may ask for
     tokenizer: str | None = None  # a tokenizer's HF folder or .gguf file; None: the model's own
+    quantization: str | None = None  # "fp8": e4m3 weights and activations (models/fp8.py); None: the dtype's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +107,7 @@ class EngineArgs:
     tokenizer_revision: str | None = None  # of the tokenizer's hub id (tokenizer, else model); None: main
     download_dir: str | None = None
     max_logprobs: int = 20  # vLLM's default; each step that returns logprobs computes this many
+    quantization: str | None = None  # "fp8": the Linears' weights and activations in e4m3 (models/fp8.py)
     async_scheduling: bool = True
     # Users' LogitsProcessor classes, or their "module:Class" names (jaxllm/sample/logits_processor.py)
     logits_processors: list[type | str] | None = None
@@ -125,6 +128,8 @@ class EngineArgs:
                f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         _check(0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}")
         _check(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        _check(self.quantization in (None, *QUANTIZATIONS),
+               f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         _check(self.load_format in ("auto", "dummy"), f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         _check(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         _check(self.data_parallel_size >= 1, f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
@@ -174,7 +179,7 @@ class EngineArgs:
             model=ModelConfig(path=path, format=fmt, hf_config=hf_config, arch=arch,
                               dtype=resolve_dtype(self.dtype, hf_config), max_model_len=max_len,
                               load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
-                              max_logprobs=self.max_logprobs, tokenizer=tokenizer),
+                              max_logprobs=self.max_logprobs, tokenizer=tokenizer, quantization=self.quantization),
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.num_gpu_blocks_override,
                               self.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, batched, max_len, self.async_scheduling),

@@ -24,8 +24,9 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from jaxllm.models.config import GEMMA_ARCHITECTURES, ModelArchConfig
+from jaxllm.models.fp8 import QUANTIZATIONS, Fp8Linear, quantize_kernel
 from jaxllm.models.gemma3 import Gemma3ForCausalLM
-from jaxllm.models.llama import INIT_STD, LlamaForCausalLM
+from jaxllm.models.llama import INIT_STD, Linear, LlamaForCausalLM
 from jaxllm.sharding import named_sharding
 
 ParamPath = tuple  # a param's path in the module, e.g. ("layers", 0, "self_attn", "qkv_proj", "kernel")
@@ -65,6 +66,33 @@ def create_model(config: ModelArchConfig, *, dtype, mesh: jax.sharding.Mesh,
         values = _load_params(config, params, shardings, weights, show_progress)
     state = nnx.from_flat_state([(path, var.replace(values[path])) for path, var in params.items()])
     return nnx.merge(graphdef, state)
+
+
+def quantize_model(model: LlamaForCausalLM | Gemma3ForCausalLM, quantization: str | None,
+                   mesh: jax.sharding.Mesh) -> None:
+    """With quantization="fp8", every Linear but the LM head becomes an Fp8Linear
+    (models/fp8.py), in place, one at a time: the bf16 and e4m3 copies of one kernel at most
+    are alive together. None: nothing to do."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}")
+    paths = [path for path, module in nnx.iter_modules(model) if isinstance(module, Linear) and path != ("lm_head",)]
+    for path in paths:
+        parent = model
+        for key in path[:-1]:
+            parent = parent[key] if isinstance(key, int) else getattr(parent, key)
+        linear = parent[path[-1]] if isinstance(path[-1], int) else getattr(parent, path[-1])
+        axes = linear.kernel.get_metadata()["out_sharding"]
+        fp8_axes = (*axes[1:], axes[0])  # [*out, in]
+        kernel, scale = _quantize_fn(named_sharding(mesh, fp8_axes), named_sharding(mesh, axes[1:]))(linear.kernel[...])
+        setattr(parent, path[-1], Fp8Linear(kernel, scale, fp8_axes, linear.bias))
+        del linear  # its bf16 kernel goes with it
+
+
+@functools.lru_cache(maxsize=None)
+def _quantize_fn(kernel_sharding, scale_sharding):
+    return jax.jit(quantize_kernel, out_shardings=(kernel_sharding, scale_sharding))
 
 
 def _dummy_params(params: dict, shardings: dict, seed: int) -> dict:

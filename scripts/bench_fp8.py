@@ -9,6 +9,9 @@ Forms, each y [M, N] = x [M, K] @ W [K, N] with W quantized per output channel (
               then both scales: the scaled-FP8 pattern XLA hands to cuBLASLt
   w8a8_dq     the same as dequantize-then-dot (convert * scale on each operand, then dot),
               the other pattern XLA's GEMM rewriter matches
+  w8a8_t      w8a8 with the weight stored transposed, [N, K] (K contiguous: cuBLASLt's FP8
+              GEMM takes its operands so, "TN"), x scaled per token
+FP8_FORMS picks forms (comma-separated), FP8_BATCHES the M values.
 Each timing: a fori_loop of ITERS matmuls over the same weight (larger than L2), one call,
 median of REPEATS. The table gives ms per matmul, the weight's bytes over that time, the
 relative error against float32 and what XLA compiled the dot to.
@@ -59,7 +62,20 @@ def w8a8_dq(x, w, w8, w_scale):
     return jnp.dot(xd, wd, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
 
-FORMS = {"bf16": bf16, "w8a16": w8a16, "w8a8": w8a8, "w8a8_dq": w8a8_dq}
+def quantize_act_per_token(x):
+    scale = jnp.max(jnp.abs(x), axis=1, keepdims=True).astype(jnp.float32) / E4M3_MAX  # [M, 1]
+    scale = jnp.maximum(scale, 1e-12)
+    return (x.astype(jnp.float32) / scale).astype(jnp.float8_e4m3fn), scale
+
+
+def w8a8_t(x, w, w8t, w_scale):
+    x8, x_scale = quantize_act_per_token(x)
+    y = jax.lax.dot_general(x8, w8t, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * x_scale * w_scale).astype(jnp.bfloat16)
+
+
+FORMS = {"bf16": bf16, "w8a16": w8a16, "w8a8": w8a8, "w8a8_dq": w8a8_dq, "w8a8_t": w8a8_t}
+FORMS = {name: FORMS[name] for name in os.environ.get("FP8_FORMS", ",".join(FORMS)).split(",")}
 
 
 def looped(form):
@@ -74,6 +90,8 @@ def what_xla_made(compiled_text: str) -> str:
     targets = set(re.findall(r'custom_call_target="([^"]+)"', compiled_text))
     kinds = set(re.findall(r'"kind":"(__triton_gemm|__cudnn\$fusion|__custom_fusion)"', compiled_text))
     names = sorted(t for t in targets if "gemm" in t.lower() or "matmul" in t.lower()) + sorted(kinds)
+    if re.search(r"= [^ ]+ (transpose|copy)\(|kind=kLoop.*transpose", compiled_text):
+        names.append("+transpose")  # a copy of an operand into another layout, every call
     return ",".join(names) or "other"
 
 
@@ -84,21 +102,23 @@ def main():
     for k, n in SHAPES:
         w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16)
         w8, w_scale = jax.jit(quantize_weight)(w)
+        w8t = jnp.asarray(w8.T)  # the transposed copy w8a8_t reads
         for m in BATCHES:
             x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
-            ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+            ref = np.asarray(jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest"))
             base_ms = None
             for name, form in FORMS.items():
+                weight8 = w8t if name == "w8a8_t" else w8  # the form's weight layout
                 try:
-                    y = np.asarray(jax.jit(form)(x, w, w8, w_scale), np.float32)
+                    y = np.asarray(jax.jit(form)(x, w, weight8, w_scale), np.float32)
                     err = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
                     fn = looped(form)
-                    made = what_xla_made(jax.jit(form).lower(x, w, w8, w_scale).compile().as_text())
-                    jax.block_until_ready(fn(x, w, w8, w_scale))
+                    made = what_xla_made(jax.jit(form).lower(x, w, weight8, w_scale).compile().as_text())
+                    jax.block_until_ready(fn(x, w, weight8, w_scale))
                     times = []
                     for _ in range(REPEATS):
                         start = time.perf_counter()
-                        jax.block_until_ready(fn(x, w, w8, w_scale))
+                        jax.block_until_ready(fn(x, w, weight8, w_scale))
                         times.append((time.perf_counter() - start) / ITERS)
                     ms = 1e3 * float(np.median(times))
                 except Exception as e:  # a form this XLA cannot compile: say so, go on
@@ -108,6 +128,7 @@ def main():
                 weight_bytes = k * n * (2 if name == "bf16" else 1)
                 rows.append((f"{k}x{n}", m, name, ms, weight_bytes / ms / 1e9, err,
                              base_ms / ms if base_ms else float("nan"), made))
+                print(*rows[-1], flush=True)  # as it comes, in case the call is cut short
     print(f"\n{'K x N':>11} {'M':>5} {'form':>8} {'ms':>8} {'TB/s':>6} {'rel err':>8} {'vs bf16':>7}  XLA's dot")
     for shape, m, name, ms, tbs, err, speedup, made in rows:
         print(f"{shape:>11} {m:>5} {name:>8} {ms:>8.4f} {tbs:>6.2f} {err:>8.4f} {speedup:>7.2f}  {made}")

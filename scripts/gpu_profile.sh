@@ -11,7 +11,7 @@
 #   4. `jaxllm bench throughput` at 128/128 (part "tput") and at 1000/1000 (part "tput1000", not
 #      run by default) with MAX_SEQS (default 1024) sequences and 16384 batched tokens, vLLM's
 #      defaults on this class of GPU (~120 s and ~150 s).
-# PARTS picks the parts: PARTS="step startup" bash scripts/gpu_profile.sh. A part that would not fit
+# QUANT=fp8 runs the engine's parts with --quantization fp8. PARTS picks the parts: PARTS="step startup" bash scripts/gpu_profile.sh. A part that would not fit
 # in the time left is skipped. Each prints its tail; the JSONs land in $OUT.
 #
 # Usage on the device: bash scripts/gpu_profile.sh
@@ -34,6 +34,7 @@ else
   STEP=(--batch-sizes 1,256 --input-len 1000 --output-len 96); SEQS=${MAX_SEQS:-1024}; BATCHED=16384; PROMPTS=1000
   export JAXLLM_COMPILATION_CACHE=/tmp/jaxllm-xla
 fi
+ENGINE+=(${QUANT:+--quantization "$QUANT"})  # QUANT=fp8: every run with FP8 weights and activations
 export PYTHONUNBUFFERED=1
 source scripts/gpu_steps.sh  # left, step
 quiet() { tr '\r' '\n' | grep -v -e Warning -e "Processed prompts" -e Compiling -e "it/s]" -e cuda_timer -e "Delay kernel"; }

@@ -36,7 +36,7 @@ from jaxllm.executor import multihost
 from jaxllm.engine import LogprobsArrays
 from jaxllm.kernels.attention import get_attention_fn
 from jaxllm.models.kv_layout import model_kv_layout
-from jaxllm.models.loader import create_model, iter_weights
+from jaxllm.models.loader import create_model, iter_weights, quantize_model
 from jaxllm.sample import processors
 from jaxllm.sample.logits_processor import AddedRequest, BatchUpdate
 from jaxllm.sample.logprobs import compute_logprobs
@@ -81,6 +81,7 @@ class ModelRunner:
                 weights = kv_heads.replicate_kv_weights(iter_weights(mc.path, mc.format), mc.arch.head_dim, repeat)
             model = create_model(self.arch, dtype=mc.dtype, mesh=self.mesh, weights=weights, seed=config.seed,
                                  show_progress=show_progress)
+        quantize_model(model, mc.quantization, self.mesh)
         self._graphdef, state = nnx.split(model)
         # A flat list of arrays dispatches faster than an nnx.State (0.14 vs 0.7 ms for 8B).
         self._params, self._params_treedef = jax.tree.flatten(state)
@@ -114,7 +115,7 @@ class ModelRunner:
         self._widest_step: tuple[tuple[int, int], int, np.ndarray, SampleMode, bool, int | None] | None = None
         self._prev_sampled = self._zero_sampled()
         forward_fn = step_functions.make_forward_fn(self._graphdef, self._params_treedef, self._attn_fn,
-                                      {layout.num_tokens: layout for layout in layouts}, sc.max_num_seqs)
+                                                    {layout.num_tokens: layout for layout in layouts}, sc.max_num_seqs)
         # Pin the outputs' shardings, so the next step sees the same inputs.
         kv_sharding = kv_cache_sharding(self.mesh)
         vocab_sharded = named_sharding(self.mesh, (None, "vocab"))
@@ -125,9 +126,9 @@ class ModelRunner:
                                static_argnums=(2,), out_shardings=replicated(self.mesh))
         # Users' processors (EngineArgs.logits_processors): every step runs them, in the processed sampler.
         self.logits_processors = tuple(cls(config) for cls in config.logits_processors)
-        self._sample_processed = jax.jit(functools.partial(step_functions.sample_processed, max_num_seqs=sc.max_num_seqs,
-                                                           user_processors=self.logits_processors),
-                                         donate_argnums=(2,), static_argnums=(5,),
+        sample_processed = functools.partial(step_functions.sample_processed, max_num_seqs=sc.max_num_seqs,
+                                             user_processors=self.logits_processors)
+        self._sample_processed = jax.jit(sample_processed, donate_argnums=(2,), static_argnums=(5,),
                                          out_shardings=(replicated(self.mesh), self._processor_state_sharding()))
         self._write_rows = jax.jit(processors.write_rows, donate_argnums=(0,),
                                    out_shardings=self._processor_state_sharding())

@@ -14,7 +14,7 @@ from jaxllm.kernels import reference
 from jaxllm.kernels.attention import AttentionMetadata
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.kv_layout import model_kv_layout
-from jaxllm.models.loader import create_model, iter_hf_weights
+from jaxllm.models.loader import create_model, iter_hf_weights, quantize_model
 from jaxllm.sharding import make_mesh
 from tests.conftest import tiny_model
 
@@ -148,9 +148,10 @@ def hybrid_model(tmp_path_factory):
     return str(folder), ModelArchConfig.from_hf_config(config)
 
 
-def plain_forward_logits(path, arch, token_ids):
+def plain_forward_logits(path, arch, token_ids, quantization=None):
     """Logits [n, vocab] of one forward pass over the whole sequence, every block held."""
     model = create_model(arch, dtype=jnp.float32, mesh=make_mesh(), weights=iter_hf_weights(path))
+    quantize_model(model, quantization, make_mesh())
     layout = model_kv_layout(arch)
     num_groups, n = len(layout.groups), len(token_ids)
     blocks = -(-n // BLOCK)
