@@ -82,7 +82,7 @@ def quantize_model(model: LlamaForCausalLM | Gemma3ForCausalLM, quantization: st
         parent = model
         for key in path[:-1]:
             parent = parent[key] if isinstance(key, int) else getattr(parent, key)
-        linear = parent[path[-1]] if isinstance(path[-1], int) else getattr(parent, path[-1])
+        linear = getattr(parent, path[-1])  # a Linear is always a named attribute
         axes = linear.kernel.get_metadata()["out_sharding"]
         fp8_axes = (*axes[1:], axes[0])  # [*out, in]
         kernel, scale = _quantize_fn(named_sharding(mesh, fp8_axes), named_sharding(mesh, axes[1:]))(linear.kernel[...])
