@@ -1,5 +1,5 @@
 """Tensor parallelism over 2, 4 and 8 devices, KV heads replicated where the devices
-outnumber them: the same greedy tokens and logprobs as one device, and every array
+outnumber them: the same greedy tokens and logprobs as one device (FP8 too), and every array
 placed by the sharding rules. The tests need 8 devices; in a process with fewer, the
 last test runs them in a child with 8 forced host devices."""
 import json
@@ -52,8 +52,8 @@ def eight_heads(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("eight_heads"))
 
 
-def run(model, tp):
-    with LLM(model, tensor_parallel_size=tp, **ENGINE) as llm:
+def run(model, tp, **overrides):
+    with LLM(model, tensor_parallel_size=tp, **{**ENGINE, **overrides}) as llm:
         outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]
     logprobs = [[[lp[t].logprob for t in sorted(lp)] for lp in o.outputs[0].logprobs] for o in outs]
@@ -68,6 +68,18 @@ def test_tensor_parallel_gives_one_devices_tokens_and_logprobs(request, model, t
     want_tokens, want_logprobs = run(path, 1)
     for tp in tps:
         tokens, logprobs = run(path, tp)
+        assert tokens == want_tokens, tp
+        for got, want in zip(logprobs, want_logprobs):
+            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5)
+
+
+@needs_8
+def test_fp8_under_tensor_parallelism_gives_one_devices_tokens_and_logprobs(eight_heads):
+    """quantization="fp8" over 2 and 8 devices (KV heads repeated): each device quantizes its
+    own shard of the activations with the token's global max, so the products are one device's."""
+    want_tokens, want_logprobs = run(eight_heads, 1, quantization="fp8")
+    for tp in (2, 8):
+        tokens, logprobs = run(eight_heads, tp, quantization="fp8")
         assert tokens == want_tokens, tp
         for got, want in zip(logprobs, want_logprobs):
             np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5)
@@ -108,4 +120,4 @@ def test_tensor_parallel_over_eight_forced_devices():
     """The tests above, in a child process with 8 forced host devices."""
     if jax.device_count() >= 8:
         pytest.skip("this process has the devices: the tests above run here")
-    run_with_host_devices(__file__, "not eight_forced", 8, "4 passed", timeout_s=900)
+    run_with_host_devices(__file__, "not eight_forced", 8, "5 passed", timeout_s=900)
