@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import pickle
+import shutil
 import threading
 from collections.abc import Iterable
 
@@ -88,6 +89,17 @@ def source_digest(packages: Iterable) -> str:
     return digest.hexdigest()
 
 
+KEPT_KEYS = 8  # the store keeps the executables of the 8 keys last used (tens of MB each for an 8B)
+
+
+def prune_folders(parent: str, keep: int) -> None:
+    """Remove all but the `keep` most recently modified folders in `parent` (a start that was
+    loading from one compiles what it can no longer read)."""
+    folders = sorted((e for e in os.scandir(parent) if e.is_dir()), key=lambda e: e.stat().st_mtime, reverse=True)
+    for entry in folders[keep:]:
+        shutil.rmtree(entry.path, ignore_errors=True)
+
+
 class ExecutableStore:
     """Compiled executables on disk, one file per name, in a folder named by the digest of
     `key`: the caller's description of everything they were built from (its config, the
@@ -121,8 +133,10 @@ class ExecutableStore:
         try:
             with open(self._path(name), "rb") as f:
                 payload, in_tree, out_tree = pickle.load(f)
-            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
-                                                             execution_devices=self.devices)
+            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                                 execution_devices=self.devices)
+            os.utime(self.folder)  # in use: the last to be pruned (prune_folders)
+            return compiled
         except FileNotFoundError:
             return None
         except Exception as e:  # a stale or broken file: compile instead
@@ -132,7 +146,9 @@ class ExecutableStore:
     def save(self, name: str, compiled: jax.stages.Compiled) -> None:
         try:
             blob = pickle.dumps(serialize_executable.serialize(compiled))
-            os.makedirs(self.folder, exist_ok=True)
+            if not os.path.isdir(self.folder):
+                os.makedirs(self.folder, exist_ok=True)
+                prune_folders(os.path.dirname(self.folder), keep=KEPT_KEYS)
             tmp = f"{self._path(name)}.{os.getpid()}.{threading.get_ident()}.tmp"
             with open(tmp, "wb") as f:
                 f.write(blob)

@@ -65,6 +65,15 @@ def test_a_broken_stored_executable_is_compiled_again(first, tmp_path):
     assert second["outputs"] == first[1]["outputs"]
 
 
+def test_the_store_keeps_the_keys_last_used(tmp_path):
+    from jaxllm.compilation import prune_folders
+    for i in range(5):
+        (tmp_path / f"key{i}").mkdir()
+        os.utime(tmp_path / f"key{i}", (1000 + i, 1000 + i))
+    prune_folders(str(tmp_path), keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["key2", "key3", "key4"]
+
+
 def _child(overrides: dict) -> None:
     from jaxllm import LLM, SamplingParams
     args = dict(model=tiny_model("llama"), skip_tokenizer_init=True, max_model_len=32, max_num_seqs=2,
