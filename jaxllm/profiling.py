@@ -86,7 +86,8 @@ def summarize_trace(path: str) -> dict:
     collective_ns = _union_ns(collectives)
     kind_ns: dict[str, int] = {}
     for name, (ns, _) in by_name.items():
-        kind_ns[kernel_kind(name)] = kind_ns.get(kernel_kind(name), 0) + ns
+        kind = kernel_kind(name)
+        kind_ns[kind] = kind_ns.get(kind, 0) + ns
     top = sorted(by_name.items(), key=lambda item: -item[1][0])[:_TOP_KERNELS]
     return {"steps": steps, "device_busy_ms": ms(busy_ns), "device_idle_ms": ms(span_ns - busy_ns),
             "collective_ms": ms(collective_ns), "collective_share": round(collective_ns / busy_ns, 3),

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from jaxllm.models.config import GEMMA_ARCHITECTURES, ModelArchConfig
-from jaxllm.models.fp8 import QUANTIZATIONS, Fp8Linear, quantize_kernel
+from jaxllm.models.fp8 import Fp8Linear, quantize_kernel
 from jaxllm.models.gemma3 import Gemma3ForCausalLM
 from jaxllm.models.llama import INIT_STD, Linear, LlamaForCausalLM
 from jaxllm.sharding import named_sharding
@@ -72,11 +72,9 @@ def quantize_model(model: LlamaForCausalLM | Gemma3ForCausalLM, quantization: st
                    mesh: jax.sharding.Mesh) -> None:
     """With quantization="fp8", every Linear but the LM head becomes an Fp8Linear
     (models/fp8.py), in place, one at a time: the bf16 and e4m3 copies of one kernel at most
-    are alive together. None: nothing to do."""
+    are alive together. None: nothing to do (EngineArgs checks the value)."""
     if quantization is None:
         return
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}")
     paths = [path for path, module in nnx.iter_modules(model) if isinstance(module, Linear) and path != ("lm_head",)]
     for path in paths:
         parent = model

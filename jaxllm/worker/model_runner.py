@@ -434,7 +434,7 @@ class ModelRunner:
         from jaxllm import kernels, models
         params = [(p.shape, p.dtype, p.sharding) for p in self._params]
         caches = [(k.shape, k.dtype, k.sharding) for k, _ in self.kv_caches]
-        key = "\n".join(map(repr, (self.config, self._params_treedef, params, caches, self.token_buckets,
+        key = "\n".join(map(repr, (self.config, self._params_treedef, params, caches,  # the buckets follow the config
                                     compilation.source_digest((jaxllm, models, kernels)))))
         return compilation.ExecutableStore.maybe(key, list(self.mesh.devices.flat))
 
