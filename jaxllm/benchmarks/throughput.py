@@ -11,6 +11,13 @@ generates exactly its output length. One `LLM.generate` call over all of them is
 after the engine is built and warmed up; total_num_tokens counts prompt and output
 tokens. Exits 1 if a request got the wrong number of tokens or anything compiled
 during the timed call.
+
+With --profile-dir, the engine core records a jax.profiler trace of the timed call
+(started before the clock, stopped after it), and the result's "profile" says how the
+device spent the run (jaxllm.profiling): its busy time (the union of its kernels) and idle
+time (the rest of the span from the first kernel to the last) in total, the idle share of
+that span (the host on the critical path), and the kernels' and host phases' ms per step.
+Tracing slows the host a little, so a profiled run's tokens/s is a bound from below.
 """
 import dataclasses
 import time
@@ -33,6 +40,9 @@ def add_cli_args(parser) -> None:
     parser.add_argument("--random-range-ratio", type=range_ratio, default=0.0,
                         help="lengths uniform in [len * (1 - r), len * (1 + r)], r in [0, 1)")
     parser.add_argument("--output-json", help="write the results to this file")
+    parser.add_argument("--profile-dir",
+                        help="record a jax.profiler trace of the timed call here and report the device's busy and "
+                             "idle time; tracing slows the host a little, so tokens/s is then a bound from below")
 
 
 def _prefix_cache_stats(engine) -> tuple[int, int] | None:
@@ -42,8 +52,23 @@ def _prefix_cache_stats(engine) -> tuple[int, int] | None:
     return tuple(stats()) if stats is not None else None
 
 
+def device_profile(trace_dir: str) -> dict:
+    """The device's time over the run that `trace_dir`'s latest trace recorded: busy and idle
+    ms in total and the idle share of the span from the first kernel to the last, with
+    summarize_trace's ms per step by kernel kind and host phase."""
+    from jaxllm.profiling import latest_trace, summarize_trace
+    path = latest_trace(trace_dir)
+    summary = summarize_trace(path)
+    steps = summary["steps"]
+    # summarize_trace gives ms per step; the share is the same over the whole run.
+    busy_ms, idle_ms = summary["device_busy_ms"] * steps, summary["device_idle_ms"] * steps
+    return {"steps": steps, "total_busy_ms": round(busy_ms, 1), "total_idle_ms": round(idle_ms, 1),
+            "device_idle_share": round(idle_ms / (busy_ms + idle_ms), 4) if busy_ms + idle_ms else 0.0,
+            "kernel_ms_per_step": summary["kernel_ms"], "host_ms_per_step": summary["host_ms"], "trace": path}
+
+
 def run_throughput_bench(engine_args, num_prompts: int, input_len: int, output_len: int,
-                         random_range_ratio: float = 0.0, prefix_len: int = 0) -> dict:
+                         random_range_ratio: float = 0.0, prefix_len: int = 0, profile_dir: str | None = None) -> dict:
     from jaxllm import LLM, SamplingParams
 
     rng = np.random.default_rng(engine_args.seed)
@@ -61,9 +86,15 @@ def run_throughput_bench(engine_args, num_prompts: int, input_len: int, output_l
 
         compiles_before = engine.get_stats()["num_compilations"]
         cache_before = _prefix_cache_stats(engine)
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params)
-        elapsed_time = time.perf_counter() - start
+        if profile_dir:
+            llm.start_profile(profile_dir)
+        try:
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params)
+            elapsed_time = time.perf_counter() - start
+        finally:
+            if profile_dir:  # writing the trace out is left off the clock
+                llm.stop_profile()
         compiles = engine.get_stats()["num_compilations"] - compiles_before
         cache_after = _prefix_cache_stats(engine)
         settings = engine_settings(engine)
@@ -76,7 +107,7 @@ def run_throughput_bench(engine_args, num_prompts: int, input_len: int, output_l
     if cache_before is not None and cache_after is not None:
         queries, hits = cache_after[0] - cache_before[0], cache_after[1] - cache_before[1]
         hit_rate = hits / queries if queries else 0.0
-    return {
+    result = {
         "elapsed_time": elapsed_time,
         "num_requests": len(outputs),
         "total_num_tokens": prompt_tokens + output_tokens,
@@ -97,16 +128,28 @@ def run_throughput_bench(engine_args, num_prompts: int, input_len: int, output_l
         "startup_s": round(startup_s, 1),
         "engine": settings,
     }
+    if profile_dir:
+        try:
+            result["profile"] = device_profile(profile_dir)
+        except ValueError as e:  # a trace with no kernels or no steps in it: the timings still stand
+            result["profile_error"] = str(e)
+    return result
 
 
 def main(ns, engine_args) -> int:
     result = run_throughput_bench(engine_args, ns.num_prompts, ns.input_len, ns.output_len, ns.random_range_ratio,
-                                  ns.prefix_len)
+                                  ns.prefix_len, ns.profile_dir)
     write_json(ns.output_json, result)
     elapsed = result["elapsed_time"]
     print_engine(result)
     print(f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.2f} "
           f"total tokens/s, {result['output_tokens_per_second']:.2f} output tokens/s ({elapsed:.2f} s)")
+    if "profile" in result:
+        p = result["profile"]
+        print(f"Device idle share: {100 * p['device_idle_share']:.1f}% (busy {p['total_busy_ms'] / 1e3:.2f} s, "
+              f"idle {p['total_idle_ms'] / 1e3:.2f} s over {p['steps']} steps)")
+    elif "profile_error" in result:
+        print(f"Device idle share: n/a ({result['profile_error']})")
     print(f"Total num prompt tokens:  {result['total_prompt_tokens']}")
     print(f"Total num output tokens:  {result['total_output_tokens']}")
     if result["prefix_cache_hit_rate"] is None:

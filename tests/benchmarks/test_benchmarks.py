@@ -1,6 +1,9 @@
 """`jaxllm bench throughput` and `jaxllm bench latency` (issue 9) on the tiny Llama:
 each runs through the CLI and writes vLLM's JSON keys, with values that agree; the
-random dataset's shared prefix (--prefix-len, issue 12) in both throughput benches."""
+random dataset's shared prefix (--prefix-len, issue 12) in both throughput benches, and
+the device's idle share over a profiled throughput run (--profile-dir)."""
+import contextlib
+import io
 import json
 import math
 
@@ -40,6 +43,16 @@ def prefixed(tmp_path_factory) -> dict:
     return run_bench(tmp_path_factory.mktemp("prefixed"), "throughput", "--num-prompts", str(PREFIX_PROMPTS),
                      "--prefix-len", str(PREFIX_LEN), "--input-len", str(OWN_LEN), "--output-len", "4",
                      "--max-num-seqs", "1", "--block-size", "16")
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory) -> tuple[dict, str]:
+    """A throughput run under the profiler: its JSON and what it printed."""
+    tmp = tmp_path_factory.mktemp("profiled")
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        result = run_bench(tmp, "throughput", "--num-prompts", "4", "--input-len", "8", "--output-len", "6",
+                           "--random-range-ratio", "0.5", "--profile-dir", str(tmp / "trace"))
+    return result, printed.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +134,42 @@ def test_throughput_with_a_shared_prefix_hits_the_prefix_cache(prefixed):
     assert prefixed["prefix_cache_hit_rate"] > 0
     assert prefixed["prefix_cache_hits"] == PREFIX_LEN * (PREFIX_PROMPTS - 1)
     assert prefixed["prefix_cache_queries"] == (PREFIX_LEN + OWN_LEN) * PREFIX_PROMPTS
+
+
+def test_a_profiled_throughput_run_reports_the_devices_idle_share(profiled):
+    r, _ = profiled
+    p = r["profile"]
+    assert {"steps", "total_busy_ms", "total_idle_ms", "device_idle_share", "kernel_ms_per_step",
+            "host_ms_per_step", "trace"} <= p.keys()
+    assert p["total_busy_ms"] > 0 and p["total_idle_ms"] >= 0
+    assert 0.0 <= p["device_idle_share"] <= 1.0
+    assert math.isclose(p["device_idle_share"], p["total_idle_ms"] / (p["total_busy_ms"] + p["total_idle_ms"]),
+                        abs_tol=1e-3)
+    # The kernels' span lies inside the timed call, which the trace covers.
+    assert p["total_busy_ms"] + p["total_idle_ms"] <= r["elapsed_time"] * 1e3
+    assert set(p["kernel_ms_per_step"]) <= {"gemm", "attention", "collective", "other"}
+    assert r["all_lengths_ok"] and r["compiles_after_warm_up"] == 0
+
+
+def test_a_profiled_throughput_run_counts_the_engines_steps(profiled):
+    # A step gives each request in it one token: the longest request needs max(output_lens)
+    # steps, and no step goes without one.
+    r, _ = profiled
+    assert max(r["output_lens"]) <= r["profile"]["steps"] <= sum(r["output_lens"])
+
+
+def test_a_profiled_throughput_run_prints_the_idle_share(profiled):
+    r, printed = profiled
+    p = r["profile"]
+    lines = printed.splitlines()
+    throughput_line = next(i for i, line in enumerate(lines) if line.startswith("Throughput: "))
+    assert lines[throughput_line + 1] == (
+        f"Device idle share: {100 * p['device_idle_share']:.1f}% (busy {p['total_busy_ms'] / 1e3:.2f} s, "
+        f"idle {p['total_idle_ms'] / 1e3:.2f} s over {p['steps']} steps)")
+
+
+def test_an_unprofiled_throughput_run_has_no_profile(throughput):
+    assert "profile" not in throughput and "profile_error" not in throughput
 
 
 def test_latency_json_has_vllms_keys_and_they_agree(latency):
