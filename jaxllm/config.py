@@ -12,6 +12,9 @@ from jaxllm.models.fp8 import QUANTIZATIONS
 from jaxllm.typecheck import check_field_types
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# EngineArgs.kv_cache_dtype -> CacheConfig.cache_dtype (None: the model's dtype)
+KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
+                   "fp8_e5m2": jnp.float8_e5m2}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
@@ -42,6 +45,7 @@ class CacheConfig:
     gpu_memory_utilization: float
     num_gpu_blocks_override: int | None
     enable_prefix_caching: bool = True  # reuse the KV blocks of a cached prefix (jaxllm/core/block_pool.py)
+    cache_dtype: object = None  # the KV cache's jnp dtype; None: the model's dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +112,9 @@ class EngineArgs:
     download_dir: str | None = None
     max_logprobs: int = 20  # vLLM's default; each step that returns logprobs computes this many
     quantization: str | None = None  # "fp8": the Linears' weights and activations in e4m3 (models/fp8.py)
+    # vLLM's: "auto" (the model's dtype), "fp8" (= "fp8_e4m3") or "fp8_e5m2": K and V stored in 8 bits
+    # (kernels/reference.py write_kv), read back in the attention kernels; twice the tokens per GB
+    kv_cache_dtype: str = "auto"
     async_scheduling: bool = True
     # Users' LogitsProcessor classes, or their "module:Class" names (jaxllm/sample/logits_processor.py)
     logits_processors: list[type | str] | None = None
@@ -130,6 +137,8 @@ class EngineArgs:
         _check(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")
         _check(self.quantization in (None, *QUANTIZATIONS),
                f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+               f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         _check(self.load_format in ("auto", "dummy"), f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         _check(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         _check(self.data_parallel_size >= 1, f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
@@ -181,7 +190,7 @@ class EngineArgs:
                               load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
                               max_logprobs=self.max_logprobs, tokenizer=tokenizer, quantization=self.quantization),
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.num_gpu_blocks_override,
-                              self.enable_prefix_caching),
+                              self.enable_prefix_caching, KV_CACHE_DTYPES[self.kv_cache_dtype]),
             scheduler=SchedulerConfig(max_num_seqs, batched, max_len, self.async_scheduling),
             parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.pipeline_parallel_size,
                                     self.num_hosts, self.host_rank, self.coordinator_address),

@@ -50,10 +50,13 @@ _MASKED = -1e30
 _LOG2E = math.log2(math.e)
 
 
-def supports(dtype, head_dim, block_size, soft_cap) -> bool:
+def supports(dtype, head_dim, block_size, soft_cap, cache_dtype=None) -> bool:
     """Whether `prefill_attention` serves these shapes (`paged_attention` falls back
-    to pallas_attention otherwise)."""
+    to pallas_attention otherwise). cache_dtype: the KV cache's (None: `dtype`); wgmma
+    reads K and V from shared memory as they land, so an 8-bit cache, which would need
+    q in 8 bits too, is left to pallas_attention."""
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and jnp.dtype(cache_dtype or dtype) == jnp.dtype(dtype)
             and head_dim in (64, 128) and block_size & (block_size - 1) == 0
             and soft_cap is None)
 
@@ -265,9 +268,9 @@ def prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tabl
     interpret: True, or `plgpu.InterpretGPUParams`, runs the Mosaic GPU interpreter."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    if not supports(q.dtype, head_dim, block_size, None):
-        raise ValueError(f"mosaic prefill: unsupported {q.dtype}, head_dim {head_dim}, "
-                         f"block_size {block_size}")
+    if not supports(q.dtype, head_dim, block_size, None, k_cache.dtype):
+        raise ValueError(f"mosaic prefill: unsupported {q.dtype} (cache {k_cache.dtype}), "
+                         f"head_dim {head_dim}, block_size {block_size}")
     padded = max(num_tokens, _ROWS)
     if padded > num_tokens:
         q = jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, 0)))
@@ -323,7 +326,7 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
                   interpret=interpret)
     args = (q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs)
     if (q.shape[0] <= seq_lens.shape[0]
-            or not supports(q.dtype, q.shape[2], k_cache.shape[1], soft_cap)):
+            or not supports(q.dtype, q.shape[2], k_cache.shape[1], soft_cap, k_cache.dtype)):
         return pallas_attention.paged_attention(*args, **kwargs)
     out = prefill_attention(*args, scale=scale, sliding_window=sliding_window,
                             interpret=interpret)

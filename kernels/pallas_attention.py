@@ -100,13 +100,17 @@ class Launch:
     num_stages: int
 
 
-def plan(num_tokens, max_num_reqs, num_q_heads, num_kv_heads, head_dim, itemsize, **override):
+def plan(num_tokens, max_num_reqs, num_q_heads, num_kv_heads, head_dim, itemsize,
+         cache_itemsize=None, **override):
     """The launches for static input shapes. A decode-only bucket (no more tokens
     than request slots) takes one launch of 16-row q blocks, split-K when the
     requests are too few to fill the GPU. A bucket with prefill chunks takes two:
     the one-token requests as above, then the longer ones with large q blocks, so
     that K/V tiles are shared by many rows. `override` (non-None Launch fields)
-    forces a single launch of that shape over every request."""
+    forces a single launch of that shape over every request. cache_itemsize: the KV
+    cache's (None: itemsize); over an 8-bit cache the decode launch takes KV tiles of
+    the same bytes, twice the tokens, in 2 stages (on the H200 at dim 128: 1.22x at
+    batch 64 x context 4k, even at 256 x 1k; scripts/bench_kv_dtype.py)."""
     group_pad = _next_pow2(num_q_heads // num_kv_heads)
     # K/V tiles of 16 KiB and q tiles of 32 KiB keep 3 pipeline stages in shared memory.
     tile = max(16, min(64, 16384 // (head_dim * itemsize)))
@@ -114,6 +118,8 @@ def plan(num_tokens, max_num_reqs, num_q_heads, num_kv_heads, head_dim, itemsize
     num_splits = min(_MAX_SPLITS, max(1, _TARGET_PROGRAMS // (max_num_reqs * num_kv_heads)))
     num_splits = 1 << (num_splits.bit_length() - 1)  # a power of two, rounded down
     decode = Launch(None, max(16, group_pad), tile, num_splits, 4, 3)
+    if cache_itemsize == 1:
+        decode = dataclasses.replace(decode, tile=max(16, min(128, 16384 // head_dim)), num_stages=2)
     prefill = Launch("prefill", prefill_m, tile, 1, 8, 3)
     override = {k: v for k, v in override.items() if v is not None}
     if set(override) - {"num_splits"}:
@@ -166,11 +172,14 @@ def _attention_kernel(meta_ref, q_ref, k_ref, v_ref, tables_ref, *out_refs, scal
         kpos = t * tile + jnp.arange(tile)
         # Masked tiles may run past the context: their loads are masked too.
         kv_ok, other = ((kpos < kv_end)[:, None], 0) if masked else (None, None)
+        # A float fill: the lowering casts an int one to the cache's dtype, which fails for 8 bits.
+        kv_other = None if other is None else 0.0
         page = plgpu.load(tables_ref.at[req, (kpos // block_size)[:, None]], mask=kv_ok,
                           other=other)
         slot = page * block_size + (kpos % block_size)[:, None]  # [tile, 1]
-        k = plgpu.load(k_ref.at[slot, kv_head, dims], mask=kv_ok, other=other)
-        v = plgpu.load(v_ref.at[slot, kv_head, dims], mask=kv_ok, other=other)
+        # An 8-bit cache is widened to q's dtype here, after the load: half the bytes read.
+        k = plgpu.load(k_ref.at[slot, kv_head, dims], mask=kv_ok, other=kv_other).astype(q.dtype)
+        v = plgpu.load(v_ref.at[slot, kv_head, dims], mask=kv_ok, other=kv_other).astype(q.dtype)
         s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [block_m, tile] f32
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -271,8 +280,8 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
     """
     num_tokens, num_q_heads, head_dim = q.shape
     launches = plan(num_tokens, seq_lens.shape[0], num_q_heads, k_cache.shape[2], head_dim,
-                    q.dtype.itemsize, block_m=block_m, tile=tile, num_splits=num_splits,
-                    num_warps=num_warps, num_stages=num_stages)
+                    q.dtype.itemsize, k_cache.dtype.itemsize, block_m=block_m, tile=tile,
+                    num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
     return _run(launches, None, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                 num_seqs, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
                 interpret=interpret)
@@ -298,7 +307,7 @@ def decode_into(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_table
     q_heads, dim], from another kernel that served the others) in place."""
     num_tokens, num_q_heads, head_dim = q.shape
     [launch, *_] = plan(num_tokens, seq_lens.shape[0], num_q_heads, k_cache.shape[2],
-                        head_dim, q.dtype.itemsize)
+                        head_dim, q.dtype.itemsize, k_cache.dtype.itemsize)
     launch = dataclasses.replace(launch, only="decode", num_splits=1)
     return _run([launch], out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                 num_seqs, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,

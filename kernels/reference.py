@@ -94,6 +94,16 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
     num_blocks, block_size = k_cache.shape[:2]
     slot = jnp.where(slot_mapping < 0, num_blocks * block_size, slot_mapping)
     block, offset = slot // block_size, slot % block_size
-    k_cache = k_cache.at[block, offset].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[block, offset].set(v.astype(v_cache.dtype), mode="drop")
+    k_cache = k_cache.at[block, offset].set(to_cache_dtype(k, k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[block, offset].set(to_cache_dtype(v, v_cache.dtype), mode="drop")
     return k_cache, v_cache
+
+
+def to_cache_dtype(x, dtype):
+    """x in the cache's dtype. An 8-bit float cache (kv_cache_dtype "fp8", scale 1 as in vLLM
+    without calibrated scales) saturates at its largest finite value: a plain cast would make
+    e4m3's overflow NaN and e5m2's inf."""
+    if jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
+        largest = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x, -largest, largest)
+    return x.astype(dtype)

@@ -87,6 +87,8 @@ def _kernel():
                 else:
                     k = tl.load(k_ptr + kv_off)
                     v = tl.load(v_ptr + kv_off)
+                k = k.to(q.dtype)  # an 8-bit cache is widened after the load
+                v = v.to(q.dtype)
                 s = tl.dot(q, tl.trans(k), input_precision=precision) * scale
                 if soft_cap > 0:
                     # tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both infinities.

@@ -180,6 +180,8 @@ ENGINE_INVALID = {
     "tokenizer": st.one_of(st.text(max_size=6).map(lambda s: f"/no/such/tokenizer{s}"), not_of(str, type(None))),
     "max_logprobs": st.one_of(st.integers(max_value=-1), not_of(int)),
     "quantization": st.one_of(st.text(max_size=6).filter(lambda s: s != "fp8"), not_of(str, type(None))),
+    "kv_cache_dtype": st.one_of(st.text(max_size=8).filter(lambda s: s not in config_module.KV_CACHE_DTYPES),
+                                not_of(str)),
     "async_scheduling": NOT_BOOL,
     "logits_processors": st.one_of(st.lists(st.sampled_from(["no.such:Thing", "json:loads", "os"]), min_size=1),
                                    st.lists(st.sampled_from([int, dict]), min_size=1), not_of(list, type(None))),

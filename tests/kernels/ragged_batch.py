@@ -19,12 +19,13 @@ class Batch:
 
 
 def make_batch(rng, *, ctx_lens, q_lens, num_q_heads, num_kv_heads, head_dim, block_size,
-               dtype=jnp.float32, extra_tokens=0, extra_reqs=0, spare_blocks=3):
+               dtype=jnp.float32, cache_dtype=None, extra_tokens=0, extra_reqs=0, spare_blocks=3):
     """A batch whose request i has ctx_lens[i] cached tokens and q_lens[i] new ones.
 
     Padding: `extra_tokens` junk query rows after the real ones and `extra_reqs` empty
     request slots (repeated last offset, seq_len 0, junk block table). Unused block
-    table entries hold an out-of-range block id, so reading one is a bug.
+    table entries hold an out-of-range block id, so reading one is a bug. cache_dtype:
+    the KV cache's (None: dtype), as the engine's kv_cache_dtype would store it.
     """
     seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
     blocks_per_req = [-(-s // block_size) for s in seq_lens]
@@ -48,8 +49,8 @@ def make_batch(rng, *, ctx_lens, q_lens, num_q_heads, num_kv_heads, head_dim, bl
         return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
 
     q = rand(num_tokens, num_q_heads, head_dim)
-    k_cache = rand(num_blocks, block_size, num_kv_heads, head_dim)
-    v_cache = rand(num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = rand(num_blocks, block_size, num_kv_heads, head_dim).astype(cache_dtype or dtype)
+    v_cache = rand(num_blocks, block_size, num_kv_heads, head_dim).astype(cache_dtype or dtype)
     args = (q, k_cache, v_cache, jnp.asarray(qsl), jnp.asarray(lens), jnp.asarray(tables),
             jnp.asarray([len(seq_lens)], jnp.int32))
     return Batch(args, num_real_tokens, list(ctx_lens), list(q_lens))

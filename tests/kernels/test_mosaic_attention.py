@@ -96,6 +96,8 @@ def test_unserved_shapes_fall_back_to_pallas():
     assert not mosaic_attention.supports(jnp.bfloat16, 256, 16, None)
     assert not mosaic_attention.supports(jnp.bfloat16, 128, 48, None)
     assert not mosaic_attention.supports(jnp.bfloat16, 128, 16, 30.0)
+    assert mosaic_attention.supports(jnp.bfloat16, 128, 16, None, jnp.bfloat16)
+    assert not mosaic_attention.supports(jnp.bfloat16, 128, 16, None, jnp.float8_e4m3fn)
     rng = np.random.default_rng(901)
     batch = make_batch(rng, ctx_lens=[3, 0], q_lens=[9, 1], num_q_heads=2, num_kv_heads=1,
                        head_dim=32, block_size=16, extra_tokens=2)
@@ -114,14 +116,15 @@ def test_default_backend_off_gpu_is_the_reference():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not mosaic_attention.is_hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("cache_dtype", [None, jnp.float8_e4m3fn])  # fp8: served by pallas_attention
 @pytest.mark.parametrize("i", range(6))
-def test_gpu_mosaic_matches_reference(i):
+def test_gpu_mosaic_matches_reference(cache_dtype, i):
     shapes, window = case(i)
     rng = np.random.default_rng(1000 + i)
     ctx_lens, q_lens = random_requests(rng, int(rng.integers(2, 40)), max_ctx=3000,
                                        max_chunk=600)
     batch = make_batch(rng, ctx_lens=ctx_lens, q_lens=q_lens, extra_tokens=7, extra_reqs=3,
-                       **shapes)
+                       cache_dtype=cache_dtype, **shapes)
     out = mosaic_attention.ragged_paged_attention(*batch.args, scale=0.1, sliding_window=window)
     with jax.default_matmul_precision("highest"):
         ref = reference.ragged_paged_attention(*batch.args, scale=0.1, sliding_window=window)
