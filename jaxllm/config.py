@@ -12,9 +12,9 @@ from jaxllm.models.fp8 import QUANTIZATIONS
 from jaxllm.typecheck import check_field_types
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-# EngineArgs.kv_cache_dtype -> CacheConfig.cache_dtype (None: the model's dtype)
-KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
-                   "fp8_e5m2": jnp.float8_e5m2}
+# EngineArgs.kv_cache_dtype (vLLM's names) -> CacheConfig.cache_dtype (None: the model's dtype)
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn,
+                   "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
@@ -44,8 +44,8 @@ class CacheConfig:
     block_size: int
     gpu_memory_utilization: float
     num_gpu_blocks_override: int | None
+    cache_dtype: type  # the KV cache's jnp dtype (EngineArgs.kv_cache_dtype resolved)
     enable_prefix_caching: bool = True  # reuse the KV blocks of a cached prefix (jaxllm/core/block_pool.py)
-    cache_dtype: object = None  # the KV cache's jnp dtype; None: the model's dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +112,7 @@ class EngineArgs:
     download_dir: str | None = None
     max_logprobs: int = 20  # vLLM's default; each step that returns logprobs computes this many
     quantization: str | None = None  # "fp8": the Linears' weights and activations in e4m3 (models/fp8.py)
-    # vLLM's: "auto" (the model's dtype), "fp8" (= "fp8_e4m3") or "fp8_e5m2": K and V stored in 8 bits
+    # vLLM's: "auto" (the model's dtype), "bfloat16", "fp8" (= "fp8_e4m3") or "fp8_e5m2": K and V in 8 bits
     # (kernels/reference.py write_kv), read back in the attention kernels; twice the tokens per GB
     kv_cache_dtype: str = "auto"
     async_scheduling: bool = True
@@ -179,6 +179,7 @@ class EngineArgs:
         _check(max_len <= arch.max_position_embeddings,
                f"max_model_len must be in [1, {arch.max_position_embeddings}] (the model's "
                f"max_position_embeddings), got {max_len}")
+        dtype = resolve_dtype(self.dtype, hf_config)
         on_gpu = jax.default_backend() == "gpu"
         max_num_seqs = self.max_num_seqs or (256 if on_gpu else 64)
         batched = self.max_num_batched_tokens or (8192 if on_gpu else min(2048, max(max_len, max_num_seqs)))
@@ -186,11 +187,11 @@ class EngineArgs:
                f"max_num_batched_tokens ({batched}) must be >= max_num_seqs ({max_num_seqs})")
         return Config(
             model=ModelConfig(path=path, format=fmt, hf_config=hf_config, arch=arch,
-                              dtype=resolve_dtype(self.dtype, hf_config), max_model_len=max_len,
+                              dtype=dtype, max_model_len=max_len,
                               load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
                               max_logprobs=self.max_logprobs, tokenizer=tokenizer, quantization=self.quantization),
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.num_gpu_blocks_override,
-                              self.enable_prefix_caching, KV_CACHE_DTYPES[self.kv_cache_dtype]),
+                              KV_CACHE_DTYPES[self.kv_cache_dtype] or dtype, self.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, batched, max_len, self.async_scheduling),
             parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.pipeline_parallel_size,
                                     self.num_hosts, self.host_rank, self.coordinator_address),

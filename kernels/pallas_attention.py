@@ -109,8 +109,9 @@ def plan(num_tokens, max_num_reqs, num_q_heads, num_kv_heads, head_dim, itemsize
     that K/V tiles are shared by many rows. `override` (non-None Launch fields)
     forces a single launch of that shape over every request. cache_itemsize: the KV
     cache's (None: itemsize); over an 8-bit cache the decode launch takes KV tiles of
-    the same bytes, twice the tokens, in 2 stages (on the H200 at dim 128: 1.22x at
-    batch 64 x context 4k, even at 256 x 1k; scripts/bench_kv_dtype.py)."""
+    up to 128 tokens in 2 stages (on the H200 at dim 128: 1.22x at batch 64 x context
+    4k, within 1.3% at 256 x 1k; scripts/bench_kv_dtype.py). The jax-triton backend
+    does not pass it: its launch stays the 16-bit one."""
     group_pad = _next_pow2(num_q_heads // num_kv_heads)
     # K/V tiles of 16 KiB and q tiles of 32 KiB keep 3 pipeline stages in shared memory.
     tile = max(16, min(64, 16384 // (head_dim * itemsize)))

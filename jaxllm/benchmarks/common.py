@@ -76,7 +76,7 @@ def engine_settings(engine) -> dict:
     config = engine.config
     return {"model": config.model.path, "load_format": config.model.load_format,
             "dtype": str(np.dtype(config.model.dtype)), "quantization": config.model.quantization,
-            "kv_cache_dtype": str(np.dtype(config.cache.cache_dtype or config.model.dtype)), "max_model_len": config.model.max_model_len,
+            "kv_cache_dtype": str(np.dtype(config.cache.cache_dtype)), "max_model_len": config.model.max_model_len,
             "max_num_seqs": config.scheduler.max_num_seqs,
             "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
             "block_size": config.cache.block_size, "tensor_parallel_size": config.parallel.tensor_parallel_size,

@@ -131,7 +131,8 @@ def run_throughput_bench(engine_args, num_prompts: int, input_len: int, output_l
     if profile_dir:
         try:
             result["profile"] = device_profile(profile_dir)
-        except ValueError as e:  # a trace with no kernels or no steps in it: the timings still stand
+        # No trace written, or one with no kernels, steps or host plane: the timings still stand.
+        except (ValueError, FileNotFoundError, KeyError) as e:
             result["profile_error"] = str(e)
     return result
 

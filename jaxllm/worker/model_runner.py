@@ -157,14 +157,10 @@ class ModelRunner:
         self._store = self._executable_store()
 
     # ---- memory ----
-    @property
-    def kv_cache_dtype(self):
-        return self.config.cache.cache_dtype or self.config.model.dtype
-
     def _kv_bytes_per_block(self) -> int:
         """A block id holds one block in each KV tensor (a layer of each group)."""
         arch = self.arch
-        itemsize = jnp.dtype(self.kv_cache_dtype).itemsize
+        itemsize = jnp.dtype(self.config.cache.cache_dtype).itemsize
         return 2 * self.kv_layout.num_tensors * self.block_size * arch.num_kv_heads * arch.head_dim * itemsize
 
     def _num_blocks(self) -> int:
@@ -228,7 +224,7 @@ class ModelRunner:
         arch = self.arch
         shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
         sharding = kv_cache_sharding(self.mesh)
-        zeros = jax.jit(lambda: jnp.zeros(shape, self.kv_cache_dtype), out_shardings=sharding)
+        zeros = jax.jit(lambda: jnp.zeros(shape, self.config.cache.cache_dtype), out_shardings=sharding)
         return [(zeros(), zeros()) for _ in range(self.kv_layout.num_tensors)]
 
     def _zero_sampled(self) -> jax.Array:
@@ -547,8 +543,9 @@ class ModelRunner:
         startup = ", ".join(f"{phase} {s:.1f} s" for phase, s in self.startup_s.items())
         if self.compile_split:
             startup += f" ({self.compile_split})"
+        dtype = jnp.dtype(self.config.cache.cache_dtype).name
         return (f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens "
-                f"({self.kv_cache_tokens} tokens, {gib:.2f} GiB, {jnp.dtype(self.kv_cache_dtype).name}); token buckets {self.token_buckets}; "
+                f"({self.kv_cache_tokens} tokens, {gib:.2f} GiB, {dtype}); token buckets {self.token_buckets}; "
                 f"attention backend {self.config.attention_backend}; start-up: {startup}")
 
 

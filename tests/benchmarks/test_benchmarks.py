@@ -147,7 +147,6 @@ def test_a_profiled_throughput_run_reports_the_devices_idle_share(profiled):
                         abs_tol=1e-3)
     # The kernels' span lies inside the timed call, which the trace covers.
     assert p["total_busy_ms"] + p["total_idle_ms"] <= r["elapsed_time"] * 1e3
-    assert set(p["kernel_ms_per_step"]) <= {"gemm", "attention", "collective", "other"}
     assert r["all_lengths_ok"] and r["compiles_after_warm_up"] == 0
 
 

@@ -19,7 +19,8 @@ def runner(llm):
 
 
 @pytest.mark.parametrize("name,dtype", [("fp8", jnp.float8_e4m3fn), ("fp8_e4m3", jnp.float8_e4m3fn),
-                                        ("fp8_e5m2", jnp.float8_e5m2), ("auto", None)])
+                                        ("fp8_e5m2", jnp.float8_e5m2), ("bfloat16", jnp.bfloat16),
+                                        ("auto", jnp.float32)])  # auto: the model's, float32 on CPU
 def test_the_names_are_vllms(name, dtype):
     config = EngineArgs(model=tiny_model("llama"), kv_cache_dtype=name, skip_tokenizer_init=True).create_config()
     assert config.cache.cache_dtype == dtype
@@ -30,7 +31,7 @@ def test_an_unknown_name_is_refused_by_name():
         EngineArgs(model=tiny_model("llama"), kv_cache_dtype="int8").create_config()
 
 
-def test_an_fp8_cache_holds_twice_the_tokens_in_the_same_bytes():
+def test_an_fp8_block_takes_a_quarter_of_a_float32_ones_bytes():
     args = dict(model=tiny_model("llama"), skip_tokenizer_init=True, max_model_len=256, show_progress=False,
                 enable_multiprocessing=False)
     with LLM(**args) as llm:
