@@ -51,7 +51,8 @@ def _union_ns(intervals: list[tuple[int, int]]) -> int:
 
 def summarize_trace(path: str) -> dict:
     """Per dispatched step, in ms: the device's busy time (the union of its kernels)
-    and idle time (the rest of the span from the first kernel to the last), the time in
+    and idle time (the rest of the span from the first kernel to the last; also in total over
+    the trace, with the idle share of the span), the time in
     collectives (and their share of the busy time), the number of kernels, the kernels'
     time by kind (kernel_kind) and of the longest-running kernel names (top_kernels:
     name, ms and launches per step; GPU traces only), and the time in each host phase.
@@ -90,6 +91,9 @@ def summarize_trace(path: str) -> dict:
         kind_ns[kind] = kind_ns.get(kind, 0) + ns
     top = sorted(by_name.items(), key=lambda item: -item[1][0])[:_TOP_KERNELS]
     return {"steps": steps, "device_busy_ms": ms(busy_ns), "device_idle_ms": ms(span_ns - busy_ns),
+            # over the whole trace: the idle share of the span is the host's share of the critical path
+            "total_busy_ms": round(busy_ns / 1e6, 3), "total_idle_ms": round((span_ns - busy_ns) / 1e6, 3),
+            "device_idle_share": round((span_ns - busy_ns) / span_ns, 4) if span_ns else 0.0,
             "collective_ms": ms(collective_ns), "collective_share": round(collective_ns / busy_ns, 3),
             "kernels_per_step": round(len(kernels) / steps, 1),
             "kernel_ms": {kind: ms(ns) for kind, ns in sorted(kind_ns.items())},

@@ -174,7 +174,7 @@ def _attention_kernel(meta_ref, q_ref, k_ref, v_ref, tables_ref, *out_refs, scal
         # Masked tiles may run past the context: their loads are masked too.
         kv_ok, other = ((kpos < kv_end)[:, None], 0) if masked else (None, None)
         # A float fill: the lowering casts an int one to the cache's dtype, which fails for 8 bits.
-        kv_other = None if other is None else 0.0
+        kv_other = 0.0 if masked else None
         page = plgpu.load(tables_ref.at[req, (kpos // block_size)[:, None]], mask=kv_ok,
                           other=other)
         slot = page * block_size + (kpos % block_size)[:, None]  # [tile, 1]

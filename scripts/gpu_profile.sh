@@ -41,8 +41,9 @@ else
   SMALL_IN=(--input-len 562 --output-len 562 --random-range-ratio 0.82)  # uniform in [102, 1022]
   export JAXLLM_COMPILATION_CACHE=/tmp/jaxllm-xla
 fi
-ENGINE+=(${QUANT:+--quantization "$QUANT"})  # QUANT=fp8: every run with FP8 weights and activations
-ENGINE+=(${KV:+--kv-cache-dtype "$KV"})       # KV=fp8: every run with an e4m3 KV cache
+# QUANT=fp8: every run with FP8 weights and activations; KV=fp8: with an e4m3 KV cache
+NUMERICS=(${QUANT:+--quantization "$QUANT"} ${KV:+--kv-cache-dtype "$KV"})
+ENGINE+=("${NUMERICS[@]}")
 export PYTHONUNBUFFERED=1
 source scripts/gpu_steps.sh  # left, step
 # Every part's whole output also goes to $OUT/log.txt, which comes back even when a part times out.
@@ -71,7 +72,7 @@ has tput2048 && step 120 "throughput 2048/128" "$PY" -m jaxllm.cli bench through
   --max-num-seqs "$SEQS" --max-num-batched-tokens "$BATCHED" --input-len "$LONG_IN" --output-len 128 \
   --num-prompts "$PROMPTS" --output-json "$OUT/throughput2048.json" 2>&1 | quiet | tail -6
 has qwen && step 150 "Qwen3-0.6B, uniform 100-1024, profiled" "$PY" -m jaxllm.cli bench throughput "${SMALL[@]}" \
-  ${QUANT:+--quantization "$QUANT"} ${KV:+--kv-cache-dtype "$KV"} --max-num-seqs "$SEQS" \
+  "${NUMERICS[@]}" --max-num-seqs "$SEQS" \
   --max-num-batched-tokens "$BATCHED" "${SMALL_IN[@]}" --num-prompts "$PROMPTS" --profile-dir /tmp/profile-qwen \
   --output-json "$OUT/qwen.json" 2>&1 | quiet | tail -7
 echo "done in $(( SECONDS - T0 )) s"

@@ -59,12 +59,9 @@ def device_profile(trace_dir: str) -> dict:
     from jaxllm.profiling import latest_trace, summarize_trace
     path = latest_trace(trace_dir)
     summary = summarize_trace(path)
-    steps = summary["steps"]
-    # summarize_trace gives ms per step; the share is the same over the whole run.
-    busy_ms, idle_ms = summary["device_busy_ms"] * steps, summary["device_idle_ms"] * steps
-    return {"steps": steps, "total_busy_ms": round(busy_ms, 3), "total_idle_ms": round(idle_ms, 3),
-            "device_idle_share": round(idle_ms / (busy_ms + idle_ms), 4) if busy_ms + idle_ms else 0.0,
-            "kernel_ms_per_step": summary["kernel_ms"], "host_ms_per_step": summary["host_ms"], "trace": path}
+    keys = ("steps", "total_busy_ms", "total_idle_ms", "device_idle_share")
+    return {**{key: summary[key] for key in keys}, "kernel_ms_per_step": summary["kernel_ms"],
+            "host_ms_per_step": summary["host_ms"], "trace": path}
 
 
 def run_throughput_bench(engine_args, num_prompts: int, input_len: int, output_len: int,
