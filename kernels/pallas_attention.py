@@ -2,7 +2,9 @@
 decode tokens of many requests in one jitted call. Same signature and cache layout
 as `reference.ragged_paged_attention`.
 
-Grid (num_programs, num_kv_heads, num_splits):
+Grid (num_programs, num_kv_heads, num_splits), or (num_kv_heads, num_programs, num_splits)
+for a head-major launch (the decode one), whose programs of one request's KV heads run
+side by side:
   axis 0  one "q block": up to `block_q` consecutive new tokens of one request.
           `schedule` maps programs to (request, first token) outside the kernel; the
           count is static (an upper bound), and programs past the real blocks run no
@@ -98,6 +100,8 @@ class Launch:
     num_splits: int   # split-K pieces
     num_warps: int
     num_stages: int
+    head_major: bool = False  # grid (kv_heads, programs, splits): a request's KV heads run together
+    prefetch: bool = False    # each loop step loads the next tile's page ids, for the next step
 
 
 def plan(num_tokens, max_num_reqs, num_q_heads, num_kv_heads, head_dim, itemsize,
@@ -107,22 +111,25 @@ def plan(num_tokens, max_num_reqs, num_q_heads, num_kv_heads, head_dim, itemsize
     requests are too few to fill the GPU. A bucket with prefill chunks takes two:
     the one-token requests as above, then the longer ones with large q blocks, so
     that K/V tiles are shared by many rows. `override` (non-None Launch fields)
-    forces a single launch of that shape over every request. cache_itemsize: the KV
-    cache's (None: itemsize); over an 8-bit cache the decode launch takes KV tiles of
-    up to 128 tokens in 2 stages (on the H200 at dim 128: 1.22x at batch 64 x context
-    4k, within 1.3% at 256 x 1k; scripts/bench_kv_dtype.py). The jax-triton backend
-    does not pass it: its launch stays the 16-bit one."""
+    forces a single launch of that shape over every request (head_major and prefetch
+    apply to both launches). The decode launch runs head-major with its page ids
+    prefetched (3-10% at batch 64-256 on the H200). cache_itemsize: the KV cache's
+    (None: itemsize); over an 8-bit cache the decode launch takes KV tiles of up to 128
+    tokens (scripts/bench_kv_dtype.py has both sweeps). The jax-triton backend shares the
+    shapes only: it passes no cache_itemsize and ignores head_major and prefetch."""
     group_pad = _next_pow2(num_q_heads // num_kv_heads)
     # K/V tiles of 16 KiB and q tiles of 32 KiB keep 3 pipeline stages in shared memory.
     tile = max(16, min(64, 16384 // (head_dim * itemsize)))
     prefill_m = max(group_pad, min(128, 32768 // (head_dim * itemsize)))
     num_splits = min(_MAX_SPLITS, max(1, _TARGET_PROGRAMS // (max_num_reqs * num_kv_heads)))
     num_splits = 1 << (num_splits.bit_length() - 1)  # a power of two, rounded down
-    decode = Launch(None, max(16, group_pad), tile, num_splits, 4, 3)
+    decode = Launch(None, max(16, group_pad), tile, num_splits, 4, 3, head_major=True, prefetch=True)
     if cache_itemsize == 1:
-        decode = dataclasses.replace(decode, tile=max(16, min(128, 16384 // head_dim)), num_stages=2)
+        decode = dataclasses.replace(decode, tile=max(16, min(128, 16384 // head_dim)))
     prefill = Launch("prefill", prefill_m, tile, 1, 8, 3)
     override = {k: v for k, v in override.items() if v is not None}
+    flags = {k: override.pop(k) for k in ("head_major", "prefetch") if k in override}
+    decode, prefill = (dataclasses.replace(x, **flags) for x in (decode, prefill))
     if set(override) - {"num_splits"}:
         base = decode if num_tokens <= max_num_reqs else dataclasses.replace(prefill, only=None)
         base = dataclasses.replace(base, **override)
@@ -139,9 +146,11 @@ def plan(num_tokens, max_num_reqs, num_q_heads, num_kv_heads, head_dim, itemsize
 
 def _attention_kernel(meta_ref, q_ref, k_ref, v_ref, tables_ref, *out_refs, scale,
                       sliding_window, soft_cap, group, group_pad, block_q, tile,
-                      block_size, num_splits, aliased, precision):
+                      block_size, num_splits, aliased, precision, head_major, prefetch):
     num_tokens, _, head_dim = q_ref.shape
     prog, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if head_major:
+        prog, kv_head = kv_head, prog
     req, q_start, q_end, offset = (meta_ref[prog, i] for i in range(4))
     out_refs = out_refs[1:] if aliased else out_refs  # skip the aliased input
 
@@ -156,6 +165,12 @@ def _attention_kernel(meta_ref, q_ref, k_ref, v_ref, tables_ref, *out_refs, scal
     token, head = token_1d[:, None], head_1d[:, None]
     dims = jnp.arange(head_dim)[None, :]
     q = plgpu.load(q_ref.at[token, head, dims], mask=row_ok[:, None], other=0)
+    # An 8-bit cache is widened after the load, to q's dtype, or to float16 beside a bfloat16 q:
+    # e4m3/e5m2 -> float16 is one conversion on Hopper, to bfloat16 several (1.35x decode on the
+    # H200). q is scaled first, which keeps it far inside float16's range.
+    prescaled = k_ref.dtype.itemsize == 1 and q.dtype == jnp.bfloat16
+    if prescaled:
+        q = (q.astype(jnp.float32) * scale).astype(jnp.float16)
 
     kv_end = q_end + offset  # one past the last position this block attends to
     kv_start = 0
@@ -168,20 +183,28 @@ def _attention_kernel(meta_ref, q_ref, k_ref, v_ref, tables_ref, *out_refs, scal
     # Tiles before `mid` are visible to every row: they skip the masks.
     mid = lo if sliding_window is not None else (q_start + offset + 1) // tile
 
-    def body(t, carry, masked):
-        m, l, acc = carry
+    def pages_of(t, masked=True):
+        """The cache block of each of tile t's positions, [tile, 1] (0 past the context)."""
         kpos = t * tile + jnp.arange(tile)
-        # Masked tiles may run past the context: their loads are masked too.
         kv_ok, other = ((kpos < kv_end)[:, None], 0) if masked else (None, None)
-        # A float fill: the lowering casts an int one to the cache's dtype, which fails for 8 bits.
-        kv_other = 0.0 if masked else None
-        page = plgpu.load(tables_ref.at[req, (kpos // block_size)[:, None]], mask=kv_ok,
-                          other=other)
+        return plgpu.load(tables_ref.at[req, (kpos // block_size)[:, None]], mask=kv_ok, other=other)
+
+    def body(t, carry, masked):
+        m, l, acc, *page = carry
+        # With prefetch, tile t's page ids came from the step before, and this step loads the
+        # next tile's: the K/V gathers below never wait on a load of their own step.
+        page, next_page = (page[0], pages_of(t + 1)) if prefetch else (pages_of(t, masked), None)
+        kpos = t * tile + jnp.arange(tile)
+        # Masked tiles may run past the context: their loads are masked too. A float fill: the
+        # lowering casts an int one to the cache's dtype, which fails for 8 bits.
+        kv_ok, kv_other = ((kpos < kv_end)[:, None], 0.0) if masked else (None, None)
         slot = page * block_size + (kpos % block_size)[:, None]  # [tile, 1]
-        # An 8-bit cache is widened to q's dtype here, after the load: half the bytes read.
+        # Widened to q's dtype after the load (see above): an 8-bit cache reads half the bytes.
         k = plgpu.load(k_ref.at[slot, kv_head, dims], mask=kv_ok, other=kv_other).astype(q.dtype)
         v = plgpu.load(v_ref.at[slot, kv_head, dims], mask=kv_ok, other=kv_other).astype(q.dtype)
-        s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [block_m, tile] f32
+        s = plgpu.dot(q, k, trans_b=True, precision=precision)  # [block_m, tile] f32
+        if not prescaled:
+            s = s * scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         s = s * _LOG2E
@@ -197,14 +220,16 @@ def _attention_kernel(meta_ref, q_ref, k_ref, v_ref, tables_ref, *out_refs, scal
         alpha = jnp.exp2(m - m_new)
         l = l * alpha + p.sum(axis=1)
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
-        return m_new, l, acc
+        return (m_new, l, acc, next_page) if prefetch else (m_new, l, acc)
 
     block_m = rows.shape[0]
     carry = (jnp.full((block_m,), _MASKED, jnp.float32), jnp.zeros((block_m,), jnp.float32),
              jnp.zeros((block_m, head_dim), jnp.float32))
+    if prefetch:
+        carry = (*carry, pages_of(lo))
     mid = jnp.clip(mid, lo, hi)
     carry = jax.lax.fori_loop(lo, mid, functools.partial(body, masked=False), carry)
-    m, l, acc = jax.lax.fori_loop(mid, hi, functools.partial(body, masked=True), carry)
+    m, l, acc, *_ = jax.lax.fori_loop(mid, hi, functools.partial(body, masked=True), carry)
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
     if num_splits == 1:
         (o_ref,) = out_refs
@@ -249,10 +274,12 @@ def _launch(launch, q, k_slots, v_slots, query_start_loc, seq_lens, block_tables
     kernel = functools.partial(
         _attention_kernel, group=group, group_pad=group_pad, block_q=block_q,
         tile=launch.tile, block_size=block_size, num_splits=splits, aliased=aliased,
+        head_major=launch.head_major, prefetch=launch.prefetch,
         precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None, **options)
+    grid = (num_kv_heads, num_programs, splits) if launch.head_major else (num_programs, num_kv_heads, splits)
     outs = pl.pallas_call(
         kernel,
-        grid=(num_programs, num_kv_heads, splits),
+        grid=grid,
         out_shape=out_shape,
         input_output_aliases={5: 0} if aliased else {},
         interpret=interpret,
@@ -267,10 +294,11 @@ def _launch(launch, q, k_slots, v_slots, query_start_loc, seq_lens, block_tables
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "sliding_window", "soft_cap", "block_m", "tile", "num_splits", "num_warps",
-    "num_stages", "interpret"))
+    "num_stages", "head_major", "prefetch", "interpret"))
 def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs,
                     *, scale, sliding_window=None, soft_cap=None, block_m=None, tile=None,
-                    num_splits=None, num_warps=None, num_stages=None, interpret=False):
+                    num_splits=None, num_warps=None, num_stages=None, head_major=None,
+                    prefetch=None, interpret=False):
     """`ragged_paged_attention` with the launch shape exposed (None: `plan` decides).
 
     q [num_tokens, num_q_heads, head_dim]; k_cache, v_cache [num_blocks, block_size,
@@ -282,7 +310,8 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
     num_tokens, num_q_heads, head_dim = q.shape
     launches = plan(num_tokens, seq_lens.shape[0], num_q_heads, k_cache.shape[2], head_dim,
                     q.dtype.itemsize, k_cache.dtype.itemsize, block_m=block_m, tile=tile,
-                    num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+                    num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+                    head_major=head_major, prefetch=prefetch)
     return _run(launches, None, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                 num_seqs, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
                 interpret=interpret)

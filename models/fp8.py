@@ -6,7 +6,8 @@ stored [*out, in], the in axis contiguous, as cuBLASLt's FP8 GEMM reads it (stor
 [in, out], XLA copies it into that layout every call). Activations are quantized per
 token, each row by its own max |x| / 448, on the fly. The product runs as one
 `dot_general` of two e4m3 operands with a float32 result, the one form XLA hands to
-cuBLASLt's FP8 GEMM on Hopper, then both scales.
+cuBLASLt's FP8 GEMM on Hopper, then both scales. The runner compiles an FP8 model with XLA's
+Triton GEMMs off, so that it does (worker/model_runner.py).
 
     y [T, *out] = (x8 [T, in] . w8 [*out, in]) * x_scale [T] * w_scale [*out]
 

@@ -10,11 +10,14 @@ Forms, each y [M, N] = x [M, K] @ W [K, N] with W quantized per output channel (
   w8a8_dq     the same as dequantize-then-dot (convert * scale on each operand, then dot),
               the other pattern XLA's GEMM rewriter matches
   w8a8_t      w8a8 with the weight stored transposed, [N, K] (K contiguous: cuBLASLt's FP8
-              GEMM takes its operands so, "TN"), x scaled per token
+              GEMM takes its operands so, "TN"), x scaled per token: models/fp8.py's form
+  w8a8_t_lt   w8a8_t compiled without XLA's Triton GEMMs (xla_gpu_enable_triton_gemm off),
+              as the runner compiles an FP8 model: the GEMM goes to cuBLASLt
 FP8_FORMS picks forms (comma-separated), FP8_BATCHES the M values.
 Each timing: a fori_loop of ITERS matmuls over the same weight (larger than L2), one call,
 median of REPEATS. The table gives ms per matmul, the weight's bytes over that time, the
-relative error against float32 and what XLA compiled the dot to.
+relative error against float32, the seconds one matmul took to compile (XLA's GEMM autotuning)
+and what XLA compiled the dot to.
 """
 import os
 import re
@@ -74,7 +77,8 @@ def w8a8_t(x, w, w8t, w_scale):
     return (y * x_scale * w_scale).astype(jnp.bfloat16)
 
 
-FORMS = {"bf16": bf16, "w8a16": w8a16, "w8a8": w8a8, "w8a8_dq": w8a8_dq, "w8a8_t": w8a8_t}
+FORMS = {"bf16": bf16, "w8a16": w8a16, "w8a8": w8a8, "w8a8_dq": w8a8_dq, "w8a8_t": w8a8_t, "w8a8_t_lt": w8a8_t}
+OPTIONS = {"w8a8_t_lt": {"xla_gpu_enable_triton_gemm": False}}  # XLA's compiler options, per form
 FORMS = {name: FORMS[name] for name in os.environ.get("FP8_FORMS", ",".join(FORMS)).split(",")}
 
 
@@ -108,17 +112,21 @@ def main():
             ref = np.asarray(jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest"))
             base_ms = None
             for name, form in FORMS.items():
-                weight8 = w8t if name == "w8a8_t" else w8  # the form's weight layout
+                weight8 = w8t if name.startswith("w8a8_t") else w8  # the form's weight layout
+                args, options = (x, w, weight8, w_scale), OPTIONS.get(name, {})
                 try:
-                    y = np.asarray(jax.jit(form)(x, w, weight8, w_scale), np.float32)
+                    start = time.perf_counter()
+                    once = jax.jit(form).lower(*args).compile(compiler_options=options)
+                    compile_s = time.perf_counter() - start
+                    y = np.asarray(once(*args), np.float32)
                     err = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
-                    fn = looped(form)
-                    made = what_xla_made(jax.jit(form).lower(x, w, weight8, w_scale).compile().as_text())
-                    jax.block_until_ready(fn(x, w, weight8, w_scale))
+                    fn = looped(form).lower(*args).compile(compiler_options=options)
+                    made = what_xla_made(once.as_text())
+                    jax.block_until_ready(fn(*args))
                     times = []
                     for _ in range(REPEATS):
                         start = time.perf_counter()
-                        jax.block_until_ready(fn(x, w, weight8, w_scale))
+                        jax.block_until_ready(fn(*args))
                         times.append((time.perf_counter() - start) / ITERS)
                     ms = 1e3 * float(np.median(times))
                 except Exception as e:  # a form this XLA cannot compile: say so, go on
@@ -127,11 +135,12 @@ def main():
                 base_ms = ms if name == "bf16" else base_ms
                 weight_bytes = k * n * (2 if name == "bf16" else 1)
                 rows.append((f"{k}x{n}", m, name, ms, weight_bytes / ms / 1e9, err,
-                             base_ms / ms if base_ms else float("nan"), made))
+                             base_ms / ms if base_ms else float("nan"), compile_s, made))
                 print(*rows[-1], flush=True)  # as it comes, in case the call is cut short
-    print(f"\n{'K x N':>11} {'M':>5} {'form':>8} {'ms':>8} {'TB/s':>6} {'rel err':>8} {'vs bf16':>7}  XLA's dot")
-    for shape, m, name, ms, tbs, err, speedup, made in rows:
-        print(f"{shape:>11} {m:>5} {name:>8} {ms:>8.4f} {tbs:>6.2f} {err:>8.4f} {speedup:>7.2f}  {made}")
+    print(f"\n{'K x N':>11} {'M':>5} {'form':>9} {'ms':>8} {'TB/s':>6} {'rel err':>8} {'vs bf16':>7} "
+          f"{'compile s':>9}  XLA's dot")
+    for shape, m, name, ms, tbs, err, speedup, compile_s, made in rows:
+        print(f"{shape:>11} {m:>5} {name:>9} {ms:>8.4f} {tbs:>6.2f} {err:>8.4f} {speedup:>7.2f} {compile_s:>9.1f}  {made}")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
 """Decode attention over a bf16 and an e4m3 KV cache (kv_cache_dtype="fp8"), in one GPU run:
-the Pallas kernel's default launch on both, then the 8-bit cache under a sweep of KV tile,
-pipeline stages and warps, and jax-triton's default on both; each checked against the
+the Pallas kernel's default launch on both and jax-triton's, the Pallas decode launch without
+its head-major order and page-id prefetch (and with each alone), then the 8-bit cache under
+a sweep of KV tile, pipeline stages and warps; each checked against the
 reference on the same cache, and timed as scripts/bench_attention.py times (median of 7
 jitted loops). Llama-3.1-8B heads (32 q, 8 KV, dim 128), block 16. Prints TB/s of KV read
 (the cache's own bytes) and the table last.
 
 Usage (device command, after scripts/gpu_setup.sh): python3 scripts/bench_kv_dtype.py
 """
-import itertools
 import math
 import os
 import sys
@@ -21,8 +21,12 @@ import numpy as np  # noqa: E402
 
 from jaxllm.kernels import pallas_attention, reference, triton_attention  # noqa: E402
 
-SHAPES = ((256, 1024), (64, 4096))  # (batch, context)
-SWEEP = list(itertools.product((64, 128), (2, 3, 4), (4, 8)))  # (tile, stages, warps)
+SHAPES = ((256, 1024), (64, 4096), (4, 2048))  # (batch, context)
+# The decode launch's order and prefetch against the plain launch, on both caches; then the 8-bit
+# cache under a sweep of KV tile, pipeline stages and warps.
+PLAIN = dict(head_major=False, prefetch=False)
+SWEEP = [dict(tile=t, num_stages=st, num_warps=w) for t, st, w in
+         ((64, 3, 4), (128, 2, 4), (128, 4, 4), (128, 3, 8), (256, 2, 4), (256, 3, 8))]
 
 
 def main():
@@ -39,7 +43,10 @@ def main():
         sets = {name: [ba.batch_args(rng, k, v, [ctx - 1] * batch, [1] * batch, batch, batch, ctx // ba.BLOCK_SIZE + 1)
                        for _ in range(3)] for name, (k, v) in caches.items()}
         variants = [("pallas", "bf16", {}), ("pallas", "e4m3", {}), ("triton", "bf16", {}), ("triton", "e4m3", {})]
-        variants += [("pallas", "e4m3", dict(tile=t, num_stages=s, num_warps=w)) for t, s, w in SWEEP]
+        variants += [("pallas", dtype, PLAIN) for dtype in caches]
+        variants += [("pallas", dtype, dict(PLAIN, **flag)) for dtype in caches for flag in
+                     (dict(head_major=True), dict(prefetch=True))]
+        variants += [("pallas", "e4m3", knobs) for knobs in SWEEP]
         for backend, dtype, knobs in variants:
             module = pallas_attention if backend == "pallas" else triton_attention
             fn = lambda *a, m=module, kn=knobs: m.paged_attention(*a, scale=scale, **kn)  # noqa: E731

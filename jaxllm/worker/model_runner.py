@@ -154,6 +154,10 @@ class ModelRunner:
         self._write_rows_fn: jax.stages.Compiled | None = None
         self._executable_names = {id(self._forwards): "forward", id(self._samplers): "sampler",
                                   id(self._logprob_fns): "logprobs", id(self._prompt_logprob_fns): "prompt logprobs"}
+        # FP8 GEMMs go to cuBLASLt: on an H200, XLA's Triton GEMM autotuner spends ~45 s on each FP8
+        # GEMM shape of 8192 tokens, cuBLASLt's 0.3 s, for a GEMM 12% slower there and 17% faster
+        # at 16 tokens (docs/benchmarks.md). Part of the compilation caches' keys.
+        self._compiler_options = {"xla_gpu_enable_triton_gemm": False} if mc.quantization == "fp8" else {}
         self._store = self._executable_store()
 
     # ---- memory ----
@@ -260,7 +264,7 @@ class ModelRunner:
         [C])]. `user_rows`: the step's rows, for the users' processors' states. What warm_up
         did not compile compiles here. Returns (the sampled ids, their Logprobs or None, the
         prompt inputs' Logprobs)."""
-        forward = _compiled(self._forwards, token_bucket, lambda: self._lower_forward(token_bucket))
+        forward = self._compiled(self._forwards, token_bucket, lambda: self._lower_forward(token_bucket))
         with TraceAnnotation("dispatch"):
             greedy, logits, words, hidden, self.kv_caches = forward(self._params, self.kv_caches,
                                                                     self._prev_sampled, buffer)
@@ -268,7 +272,7 @@ class ModelRunner:
         if processed:
             bitmask = self._all_allowed_bitmask(num_reqs) if host_bitmask is None else host_bitmask()
             user_states = self._user_states(user_rows, num_reqs)
-            sampler = _compiled(self._samplers, (num_reqs, mode, True), lambda: self._sample_processed.lower(
+            sampler = self._compiled(self._samplers, (num_reqs, mode, True), lambda: self._sample_processed.lower(
                 logits, words, self._processor_state, bitmask, user_states, mode))
             with TraceAnnotation("dispatch"):
                 self._prev_sampled, self._processor_state = sampler(logits, words, self._processor_state, bitmask,
@@ -276,19 +280,19 @@ class ModelRunner:
         elif mode == SampleMode.GREEDY:
             self._prev_sampled = greedy
         else:
-            sampler = _compiled(self._samplers, (num_reqs, mode, False), lambda: self._sample.lower(
+            sampler = self._compiled(self._samplers, (num_reqs, mode, False), lambda: self._sample.lower(
                 logits, words, mode))
             with TraceAnnotation("dispatch"):
                 self._prev_sampled = sampler(logits, words)
         logprobs = None
         if num_logprobs is not None:
-            fn = _compiled(self._logprob_fns, (num_reqs, num_logprobs), lambda: self._logprobs.lower(
+            fn = self._compiled(self._logprob_fns, (num_reqs, num_logprobs), lambda: self._logprobs.lower(
                 logits, self._prev_sampled, num_logprobs))
             with TraceAnnotation("dispatch"):
                 logprobs = Logprobs(*fn(logits, self._prev_sampled))
         prompt_logprobs = []
         for indices, targets in prompt_inputs:
-            fn = _compiled(self._prompt_logprob_fns, token_bucket, lambda: self._prompt_logprobs.lower(
+            fn = self._compiled(self._prompt_logprob_fns, token_bucket, lambda: self._prompt_logprobs.lower(
                 self._params, hidden, indices, targets))
             with TraceAnnotation("dispatch"):
                 prompt_logprobs.append(Logprobs(*fn(self._params, hidden, indices, targets)))
@@ -419,8 +423,14 @@ class ModelRunner:
         return self._sample_processed.lower(logits, words, self._processor_state, self._all_allowed_bitmask(num_reqs),
                                             self._user_states(None, num_reqs), mode)
 
+    def _compiled(self, executables: dict, key, lower) -> jax.stages.Compiled:
+        """executables[key], compiled from `lower()` the first time."""
+        if key not in executables:
+            executables[key] = lower().compile(compiler_options=self._compiler_options)
+        return executables[key]
+
     def _compile_and_store(self, name: str, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options=self._compiler_options)
         if self._store:
             self._store.save(name, compiled)
         return compiled
@@ -592,8 +602,3 @@ class StepOutput:
         return per_request
 
 
-def _compiled(executables: dict, key, lower) -> jax.stages.Compiled:
-    """executables[key], compiled from `lower()` the first time."""
-    if key not in executables:
-        executables[key] = lower().compile()
-    return executables[key]
