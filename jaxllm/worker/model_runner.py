@@ -98,6 +98,9 @@ class ModelRunner:
                 f"the KV cache has {self.num_blocks} blocks, fewer than one request of max_model_len "
                 f"({mc.max_model_len}) tokens takes ({self._blocks_per_request()}): raise "
                 "gpu_memory_utilization or num_gpu_blocks_override, or lower max_model_len")
+        if jnp.dtype(config.cache.cache_dtype).itemsize == 1:  # as vLLM warns, for the same reason
+            logger.warning("the %s KV cache stores K and V with scale 1.0 (a checkpoint's k_scale / v_scale are "
+                           "not read): values past the format's range saturate", jnp.dtype(config.cache.cache_dtype).name)
         start = time.perf_counter()
         self.kv_caches = jax.block_until_ready(self._allocate_kv_caches())
         self.startup_s["kv_cache"] = time.perf_counter() - start

@@ -1,6 +1,8 @@
 """kv_cache_dtype="fp8": K and V stored in e4m3 (kernels/reference.py write_kv), half the bytes a
 token, so twice the tokens in the same memory; the embedded model stays within a stated distance
 of its own cache's dtype."""
+import logging
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -31,13 +33,22 @@ def test_an_unknown_name_is_refused_by_name():
         EngineArgs(model=tiny_model("llama"), kv_cache_dtype="int8").create_config()
 
 
-def test_an_fp8_block_takes_a_quarter_of_a_float32_ones_bytes():
+def scale_warnings(caplog):
+    return [r for r in caplog.records if r.name == "jaxllm.worker.model_runner" and "scale 1.0" in r.getMessage()]
+
+
+def test_an_fp8_block_takes_a_quarter_of_a_float32_ones_bytes(caplog):
+    """...and the engine warns, once, that the 8-bit cache's scale is 1 (as vLLM does)."""
+    caplog.set_level(logging.WARNING, logger="jaxllm.worker.model_runner")
     args = dict(model=tiny_model("llama"), skip_tokenizer_init=True, max_model_len=256, show_progress=False,
                 enable_multiprocessing=False)
     with LLM(**args) as llm:
         exact = runner(llm)
         exact_bytes, exact_blocks = exact._kv_bytes_per_block(), exact.num_blocks
+    assert not scale_warnings(caplog)
     with LLM(kv_cache_dtype="fp8", **args) as llm:
+        [warning] = scale_warnings(caplog)
+        assert "float8_e4m3fn" in warning.getMessage()
         fp8 = runner(llm)
         assert {c.dtype for pair in fp8.kv_caches for c in pair} == {jnp.dtype(jnp.float8_e4m3fn)}
         assert "float8_e4m3fn" in fp8.describe()
