@@ -30,7 +30,8 @@ from jaxllm.engine import (EngineCoreOutput, EngineCoreOutputs, EngineCoreReques
 from jaxllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from jaxllm.executor.multihost import IterationPublisher, init_distributed
 from jaxllm.request import Request, RequestStatus
-from jaxllm.worker.model_runner import ModelRunner, StepOutput
+from jaxllm.worker.model_runner import ModelRunner
+from jaxllm.worker.step_output import StepOutput
 
 logger = logging.getLogger(__name__)
 

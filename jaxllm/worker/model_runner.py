@@ -12,13 +12,12 @@ the device, padded to max_num_seqs, and the next step reads from there a token t
 host does not have yet (asynchronous scheduling).
 """
 import concurrent.futures
-import dataclasses
 import functools
 import itertools
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +32,6 @@ from jaxllm.config import Config
 from jaxllm.core.kv_cache_utils import cdiv
 from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.executor import multihost
-from jaxllm.engine import LogprobsArrays
 from jaxllm.kernels.attention import get_attention_fn
 from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.models.loader import create_model, iter_weights, quantize_model
@@ -45,6 +43,7 @@ from jaxllm.sample.sampler import SampleMode
 from jaxllm.sharding import kv_cache_sharding, make_mesh, named_sharding, replicated
 from jaxllm.sample import host_masks
 from jaxllm.worker import batch as batching, kv_heads, step_functions
+from jaxllm.worker.step_output import Logprobs, StepOutput
 
 if TYPE_CHECKING:
     from jaxllm.request import Request
@@ -98,9 +97,10 @@ class ModelRunner:
                 f"the KV cache has {self.num_blocks} blocks, fewer than one request of max_model_len "
                 f"({mc.max_model_len}) tokens takes ({self._blocks_per_request()}): raise "
                 "gpu_memory_utilization or num_gpu_blocks_override, or lower max_model_len")
-        if jnp.dtype(config.cache.cache_dtype).itemsize == 1:  # as vLLM warns, for the same reason
+        cache_dtype = jnp.dtype(config.cache.cache_dtype)
+        if cache_dtype.itemsize == 1:  # as vLLM warns, for the same reason
             logger.warning("the %s KV cache stores K and V with scale 1.0 (a checkpoint's k_scale / v_scale are "
-                           "not read): values past the format's range saturate", jnp.dtype(config.cache.cache_dtype).name)
+                           "not read): values past the format's range saturate", cache_dtype.name)
         start = time.perf_counter()
         self.kv_caches = jax.block_until_ready(self._allocate_kv_caches())
         self.startup_s["kv_cache"] = time.perf_counter() - start
@@ -560,48 +560,3 @@ class ModelRunner:
         return (f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens "
                 f"({self.kv_cache_tokens} tokens, {gib:.2f} GiB, {dtype}); token buckets {self.token_buckets}; "
                 f"attention backend {self.config.attention_backend}; start-up: {startup}")
-
-
-class Logprobs(NamedTuple):
-    """A step's sample logprobs on the device (compute_logprobs), one row per request of its bucket."""
-    logprobs: jax.Array   # [R, 1 + K] float32: the sampled token's, then the top K
-    token_ids: jax.Array  # [R, 1 + K] int32
-    ranks: jax.Array      # [R] int32: the sampled token's rank (1 = most likely)
-
-
-@dataclasses.dataclass
-class StepOutput:
-    """A dispatched step: its sampled ids (and logprobs, if a request asked) are on their way to the host."""
-    sampled: jax.Array  # [max_num_seqs] int32, on the device
-    num_reqs: int
-    logprobs: Logprobs | None = None
-    prompt_logprobs: list[Logprobs] = dataclasses.field(default_factory=list)  # chunks of [C] positions
-    prompt_segments: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (request index, positions)
-
-    def token_ids(self) -> list[int]:
-        """Each scheduled request's sampled id; blocks until the step has finished."""
-        return np.asarray(self.sampled)[:self.num_reqs].tolist()
-
-    def host_logprobs(self) -> LogprobsArrays | None:
-        """The logprobs on the host, row i for scheduled request i (blocks until the step has
-        finished), or None if no request asked."""
-        if self.logprobs is None:
-            return None
-        return LogprobsArrays(*(np.asarray(a) for a in self.logprobs))
-
-    def host_prompt_logprobs(self) -> list[LogprobsArrays | None] | None:
-        """Per scheduled request, the logprobs of its prompt positions this step (or None);
-        None if no request asked."""
-        if not self.prompt_segments:
-            return None
-        chunks = [[np.asarray(a) for a in chunk] for chunk in self.prompt_logprobs]
-        logprobs, token_ids, ranks = (np.concatenate(arrays) for arrays in zip(*chunks))
-        per_request: list[LogprobsArrays | None] = [None] * self.num_reqs
-        start = 0
-        for i, count in self.prompt_segments:
-            part = slice(start, start + count)
-            per_request[i] = LogprobsArrays(logprobs[part], token_ids[part], ranks[part])
-            start += count
-        return per_request
-
-

@@ -1,0 +1,51 @@
+"""What a dispatched step hands back: its sampled ids and logprobs, on the device until the host asks."""
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from jaxllm.engine import LogprobsArrays
+
+
+class Logprobs(NamedTuple):
+    """A step's sample logprobs on the device (compute_logprobs), one row per request of its bucket."""
+    logprobs: jax.Array   # [R, 1 + K] float32: the sampled token's, then the top K
+    token_ids: jax.Array  # [R, 1 + K] int32
+    ranks: jax.Array      # [R] int32: the sampled token's rank (1 = most likely)
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """A dispatched step: its sampled ids (and logprobs, if a request asked) are on their way to the host."""
+    sampled: jax.Array  # [max_num_seqs] int32, on the device
+    num_reqs: int
+    logprobs: Logprobs | None = None
+    prompt_logprobs: list[Logprobs] = dataclasses.field(default_factory=list)  # chunks of [C] positions
+    prompt_segments: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (request index, positions)
+
+    def token_ids(self) -> list[int]:
+        """Each scheduled request's sampled id; blocks until the step has finished."""
+        return np.asarray(self.sampled)[:self.num_reqs].tolist()
+
+    def host_logprobs(self) -> LogprobsArrays | None:
+        """The logprobs on the host, row i for scheduled request i (blocks until the step has
+        finished), or None if no request asked."""
+        if self.logprobs is None:
+            return None
+        return LogprobsArrays(*(np.asarray(a) for a in self.logprobs))
+
+    def host_prompt_logprobs(self) -> list[LogprobsArrays | None] | None:
+        """Per scheduled request, the logprobs of its prompt positions this step (or None);
+        None if no request asked."""
+        if not self.prompt_segments:
+            return None
+        chunks = [[np.asarray(a) for a in chunk] for chunk in self.prompt_logprobs]
+        logprobs, token_ids, ranks = (np.concatenate(arrays) for arrays in zip(*chunks))
+        per_request: list[LogprobsArrays | None] = [None] * self.num_reqs
+        start = 0
+        for i, count in self.prompt_segments:
+            part = slice(start, start + count)
+            per_request[i] = LogprobsArrays(logprobs[part], token_ids[part], ranks[part])
+            start += count
+        return per_request
