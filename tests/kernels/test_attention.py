@@ -155,8 +155,9 @@ def test_pallas_matches_reference_on_mixed_batches(i):
                                                (jnp.bfloat16, jnp.float8_e4m3fn),
                                                (jnp.bfloat16, jnp.float8_e5m2)])
 def test_pallas_reads_an_8_bit_cache_as_the_reference_does(dtype, cache_dtype):
-    """kv_cache_dtype "fp8": the kernel widens each K/V tile to q's dtype after loading it, as
-    the reference widens the cache, over prefill chunks (two launches) and split-K decodes."""
+    """kv_cache_dtype "fp8": the kernel widens each K/V tile after loading it (to q's dtype, to
+    float16 beside a bfloat16 q), as the reference widens the cache, over prefill chunks (two
+    launches) and split-K decodes."""
     [launch] = pallas_attention.plan(16, 16, 8, 2, 64, jnp.dtype(dtype).itemsize, 1)
     assert launch.tile == 128  # the same bytes a tile, twice the tokens
     rng = np.random.default_rng(150)
