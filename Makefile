@@ -14,7 +14,7 @@ BASE_PYTHON := $(firstword $(foreach p,$(PYTHON_CANDIDATES),$(shell $(p) -c 'imp
 
 .PHONY: run test venv clean
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml setup.py Makefile
 	@if [ -z "$(BASE_PYTHON)" ]; then echo "error: jaxllm needs Python >= 3.12; none found (set PYTHON=/path/to/python3.12)" >&2; exit 1; fi
 	@echo "using $(BASE_PYTHON)"
 	$(BASE_PYTHON) -m venv $(VENV)
