@@ -120,6 +120,20 @@ class Request:
         return False
 
 
+def check_token_ids(request: EngineCoreRequest, vocab_size: int) -> None:
+    """Every token id a request carries is in [0, vocab_size): each indexes a vocabulary row of
+    the step. The front end checks them too; this guards the core from any other sender."""
+    params = request.sampling_params
+    fields = {"prompt_token_ids": request.prompt_token_ids, "stop_token_ids": params.stop_token_ids,
+              "allowed_token_ids": params.allowed_token_ids, "logit_bias": params.logit_bias,
+              "bad_words": [t for word in request.bad_words_token_ids for t in word],
+              "eos_token_ids": request.eos_token_ids}
+    for name, ids in fields.items():
+        if ids and (min(ids) < 0 or max(ids) >= vocab_size):  # builtins: a 100k-token prompt in about 1 ms
+            outside = [t for t in ids if not 0 <= t < vocab_size]
+            raise ValueError(f"{name} holds token ids outside the vocabulary [0, {vocab_size}): {outside[:5]}")
+
+
 def _sampling_row(params: SamplingParams, seed: int, num_prompt_tokens: int, processed: bool) -> np.ndarray:
     """The request's words of the sampler's inputs [NUM_REQUEST_WORDS] int32, in the order of
     sampler.SAMPLING_COLUMNS (floats as their bits). Made once per request."""

@@ -92,6 +92,7 @@ class SamplingParams:
         check_field_types(self)
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self._check_int64()
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         numbers = {name: getattr(self, name) for name in ("temperature", "top_p", "min_p", "presence_penalty",
@@ -99,7 +100,8 @@ class SamplingParams:
         numbers.update((f"logit_bias[{t}]", bias) for t, bias in (self.logit_bias or {}).items())
         for name, value in numbers.items():
             if not -sys.float_info.max <= value <= sys.float_info.max:  # nan, inf, an int too large for a float
-                raise ValueError(f"{name} must be a finite number, got {value}")
+                raise ValueError(f"{name} must be a finite number, got "
+                                 f"{_short_repr(value) if isinstance(value, int) else value}")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -146,6 +148,23 @@ class SamplingParams:
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True: without text there is nothing to match them in")
 
+    def _check_int64(self) -> None:
+        """Every int the engine carries fits in 64 bits: a larger one (from JSON, say) would fail
+        in the messages to the engine core, far from the field that holds it."""
+        ints = {name: getattr(self, name) for name in ("n", "top_k", "seed", "max_tokens", "min_tokens",
+                                                       "truncate_prompt_tokens", "logprobs", "prompt_logprobs")}
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ints.update((f"{name}[{i}]", t) for i, t in enumerate(getattr(self, name) or ()))
+        ints.update((f"logit_bias key {i}", t) for i, t in enumerate(self.logit_bias or ()))
+        for name, value in ints.items():
+            if value is not None and not -2**63 <= value < 2**63:
+                raise ValueError(f"{name} must fit in 64 bits, got {_short_repr(value)}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _short_repr(value: int) -> str:
+    """Python refuses to print an int of more than 4300 digits; its size says enough."""
+    return repr(value) if abs(value) < 10**30 else f"an int of {value.bit_length()} bits"

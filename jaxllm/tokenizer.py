@@ -1,9 +1,12 @@
 """The tokenizer of a model, whatever its format (a transformers fast tokenizer), and what
 the model's files say about generation: its EOS ids and its recommended sampling params."""
 import json
+import logging
 import os
 
 from jaxllm.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 # generation_config.json's keys -> SamplingParams fields, vLLM's list (get_diff_sampling_param).
 _HF_SAMPLING_KEYS = {"repetition_penalty": "repetition_penalty", "temperature": "temperature", "top_p": "top_p",
@@ -55,15 +58,20 @@ def generation_eos_ids(mc: ModelConfig, tokenizer) -> tuple[int, ...]:
     file's EOS, end-of-turn and end-of-message ids; without an end-of-turn id, the token
     spelled as a chat format's end of turn, when the vocabulary has one."""
     if mc.format == "gguf":
-        return _gguf_end_of_generation_ids(mc.path)
-    ids = generation_config(mc).get("eos_token_id")
-    if ids is None:
-        ids = mc.hf_config.get("eos_token_id")
-    if ids is None and tokenizer is not None:
-        ids = tokenizer.eos_token_id
-    if ids is None:
-        return ()
-    return tuple(ids) if isinstance(ids, list) else (ids,)
+        ids = _gguf_end_of_generation_ids(mc.path)
+    else:
+        ids = generation_config(mc).get("eos_token_id")
+        if ids is None:
+            ids = mc.hf_config.get("eos_token_id")
+        if ids is None and tokenizer is not None:
+            ids = tokenizer.eos_token_id
+        ids = () if ids is None else tuple(ids) if isinstance(ids, list) else (ids,)
+    # An id the model cannot produce ends nothing, and would index past the sampler's vocabulary rows.
+    outside = [i for i in ids if not (type(i) is int and 0 <= i < mc.arch.vocab_size)]
+    if outside:
+        logger.warning("%s: end-of-generation ids outside the vocabulary [0, %d) are ignored: %s",
+                       mc.path, mc.arch.vocab_size, outside)
+    return tuple(i for i in ids if i not in outside)
 
 
 def _gguf_end_of_generation_ids(path: str) -> tuple[int, ...]:

@@ -12,8 +12,9 @@ PYTHON=${PYTHON:-python3}
 DEST=${WHEEL_DIR:-.whl}
 # jax-triton 0.4.x needs triton >= 3.7; the image has triton 3.6. Their other needs
 # (jax, triton, absl-py) are already in the image.
-# gguf: GGUF files; pyzmq, msgspec: the engine-core process; llguidance: structured outputs
-WHEELS=("jax-triton==0.3.1" "gguf==0.19.0" "pyzmq==27.3.0" "msgspec==0.23.0" "llguidance==1.9.1")
+# gguf: GGUF files; pyzmq, msgspec, cloudpickle: the engine-core process; llguidance: structured outputs
+WHEELS=("jax-triton==0.3.1" "gguf==0.19.0" "pyzmq==27.3.0" "msgspec==0.23.0" "cloudpickle==3.1.3"
+        "llguidance==1.9.1")
 # `jaxllm serve` (fastapi, uvicorn, prometheus-client) and `jaxllm bench serve` (aiohttp),
 # with everything they import in turn. pydantic-core, aiohttp, multidict, yarl, frozenlist
 # and propcache are compiled (cp312 manylinux); the rest are pure Python.

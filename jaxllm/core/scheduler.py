@@ -19,12 +19,15 @@ token or a stop string ends.
 """
 import collections
 import dataclasses
+import logging
 import time
 
 from jaxllm.config import SchedulerConfig
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.engine import EngineCoreOutput, LogprobsArrays, SchedulerStats
 from jaxllm.request import FINISH_REASONS, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
@@ -162,39 +165,61 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: list[int],
                            logprobs: LogprobsArrays | None = None,
-                           prompt_logprobs: list[LogprobsArrays | None] | None = None) -> list[EngineCoreOutput]:
+                           prompt_logprobs: list[LogprobsArrays | None] | None = None,
+                           failed: dict[str, str] | None = None) -> list[EngineCoreOutput]:
         """Append the token each sampling request drew and finish the ones that stop.
         Requests that ended while the step ran (abort, stop, error) drop theirs.
         `logprobs`: the step's, row i for scheduled request i; `prompt_logprobs`: for
         scheduled request i, its prompt positions' (or None). A request gets them cut
-        to its own number of top logprobs."""
-        outputs = []
-        max_model_len = self.config.max_model_len
+        to its own number of top logprobs. `failed`: {request id: error} of the requests
+        whose host work failed in the step; they end with the error, as does one whose
+        update here raises, and the others go on."""
+        outputs, failed = [], failed or {}
         for i, (sched, token_id) in enumerate(zip(scheduler_output.requests, sampled_token_ids)):
             request = sched.request
-            new_prompt_logprobs = None
-            if prompt_logprobs is not None and prompt_logprobs[i] is not None and not request.is_finished:
-                new_prompt_logprobs = _columns(prompt_logprobs[i], request.sampling_params.prompt_logprobs)
-            if not sched.samples:  # a prefill chunk short of the prompt's end
-                if new_prompt_logprobs is not None:
-                    outputs.append(EngineCoreOutput(request.request_id, [], new_prompt_logprobs=new_prompt_logprobs))
-                continue
-            request.num_output_placeholders -= 1
-            if request.is_finished:
-                continue
-            request.append_token(token_id)
-            output = EngineCoreOutput(request.request_id, [token_id], new_prompt_logprobs=new_prompt_logprobs)
-            if request.num_output_tokens == 1:
-                output.first_scheduled_time = request.first_scheduled_time
-                output.num_cached_tokens = request.num_cached_tokens
-            num_logprobs = request.sampling_params.logprobs
-            if num_logprobs is not None and logprobs is not None:
-                output.new_logprobs = _columns(logprobs, num_logprobs, row=i)
-            if request.check_stop(max_model_len):
+            if sched.samples:
+                request.num_output_placeholders -= 1
+            error = failed.get(request.request_id)
+            if error is None:
+                try:
+                    output = self._update_request(sched, i, token_id, logprobs, prompt_logprobs)
+                    if output is not None:
+                        outputs.append(output)
+                    continue
+                except Exception as e:
+                    logger.exception("request %s: its update failed", request.request_id)
+                    error = f"{type(e).__name__}: {e}"
+            if not request.is_finished:
+                request.status = RequestStatus.FINISHED_ERROR
                 self._free(request)
-                output.finish_reason, output.stop_reason = FINISH_REASONS[request.status], request.stop_reason
-            outputs.append(output)
+                outputs.append(EngineCoreOutput(request.request_id, [], "error", error=error))
         return outputs
+
+    def _update_request(self, sched: ScheduledRequest, i: int, token_id: int, logprobs: LogprobsArrays | None,
+                        prompt_logprobs: list[LogprobsArrays | None] | None) -> EngineCoreOutput | None:
+        """Scheduled request i's news from the step (None: nothing to tell)."""
+        request = sched.request
+        new_prompt_logprobs = None
+        if prompt_logprobs is not None and prompt_logprobs[i] is not None and not request.is_finished:
+            new_prompt_logprobs = _columns(prompt_logprobs[i], request.sampling_params.prompt_logprobs)
+        if not sched.samples:  # a prefill chunk short of the prompt's end
+            if new_prompt_logprobs is not None:
+                return EngineCoreOutput(request.request_id, [], new_prompt_logprobs=new_prompt_logprobs)
+            return None
+        if request.is_finished:
+            return None
+        request.append_token(token_id)
+        output = EngineCoreOutput(request.request_id, [token_id], new_prompt_logprobs=new_prompt_logprobs)
+        if request.num_output_tokens == 1:
+            output.first_scheduled_time = request.first_scheduled_time
+            output.num_cached_tokens = request.num_cached_tokens
+        num_logprobs = request.sampling_params.logprobs
+        if num_logprobs is not None and logprobs is not None:
+            output.new_logprobs = _columns(logprobs, num_logprobs, row=i)
+        if request.check_stop(self.config.max_model_len):
+            self._free(request)
+            output.finish_reason, output.stop_reason = FINISH_REASONS[request.status], request.stop_reason
+        return output
 
     def finish_requests(self, request_ids, status: RequestStatus) -> None:
         """End requests from outside the step (abort, stop string, error): free their blocks."""

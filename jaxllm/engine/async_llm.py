@@ -104,14 +104,21 @@ class AsyncLLM(FrontEnd):
         return collector
 
     async def abort(self, request_id: str | list[str]) -> None:
-        """Abort one request id or several; their generate calls end without a final output."""
-        self._abort(request_id)
+        """Abort one request id or several: each generate call still iterating gets a last output
+        with finish_reason "abort" (what it had not yet taken) and ends."""
+        self._abort(request_id, final_outputs=True)
 
-    def _abort(self, request_ids) -> None:
+    def _abort(self, request_ids, final_outputs: bool = False) -> None:
+        finals = [] if final_outputs else None
+        core_ids = self._forget(request_ids, finals)
+        for out in finals or ():
+            collector = self._collectors.get(out.request_id)
+            if collector is not None:
+                collector.put(out)
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             self._collectors.pop(request_id, None)
         try:
-            self.engine_core.abort_requests(self._forget(request_ids))
+            self.engine_core.abort_requests(core_ids)
         except EngineDeadError:
             pass  # nothing left to abort
 

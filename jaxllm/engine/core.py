@@ -11,12 +11,14 @@ import logging
 import os
 import pickle
 import queue
+import signal
 import struct
 import sys
 import threading
 import time
 import traceback
 
+import cloudpickle
 import jax
 import zmq
 from jax.profiler import TraceAnnotation
@@ -29,7 +31,7 @@ from jaxllm.engine import (EngineCoreOutput, EngineCoreOutputs, EngineCoreReques
                            UtilityOutput)
 from jaxllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from jaxllm.executor.multihost import IterationPublisher, init_distributed
-from jaxllm.request import Request, RequestStatus
+from jaxllm.request import Request, RequestStatus, check_token_ids
 from jaxllm.worker.model_runner import ModelRunner
 from jaxllm.worker.step_output import StepOutput
 
@@ -56,7 +58,17 @@ class EngineCore:
         self._rejected: list[EngineCoreOutput] = []  # requests that failed on arrival, for the next step's outputs
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        core_request = Request.from_engine_core_request(request)
+        """Queue a request; one the core cannot take ends at once with an error, alone."""
+        if request.request_id in self.scheduler.requests:  # the front ends never send one: nothing to answer
+            logger.error("request %s: the id is already in use; the request is dropped", request.request_id)
+            return
+        try:
+            check_token_ids(request, self.config.model.arch.vocab_size)
+            core_request = Request.from_engine_core_request(request)
+        except Exception as e:
+            logger.exception("request %s: rejected", request.request_id)
+            self._rejected.append(EngineCoreOutput(request.request_id, [], "error", error=f"{type(e).__name__}: {e}"))
+            return
         structured = request.sampling_params.structured_outputs
         if structured is not None:
             try:
@@ -109,7 +121,7 @@ class EngineCore:
         except Exception as e:
             return self._fail_steps(e, sched)
         with TraceAnnotation("update"):
-            outputs = self.scheduler.update_from_output(sched, token_ids, logprobs, prompt_logprobs)
+            outputs = self.scheduler.update_from_output(sched, token_ids, logprobs, prompt_logprobs, step.failed)
             return EngineCoreOutputs(outputs, time.monotonic(), self.scheduler.make_stats())
 
     def _fail_steps(self, error: Exception, sched: SchedulerOutput) -> EngineCoreOutputs:
@@ -293,6 +305,9 @@ def run_engine_core(input_address: str, output_address: str) -> int:
     length-prefixed pickle; READY (with the resolved Config) or STARTUP_FAILED (with
     the exception) goes out first on the output socket, then the busy loop serves
     until SHUTDOWN."""
+    # Ctrl-C in a terminal reaches the whole process group: it is the user's program's to handle
+    # (LLM.generate aborts its requests and the engine serves on), and the front end ends this process.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     (size,) = struct.unpack("<Q", sys.stdin.buffer.read(8))
     engine_args, show_progress = pickle.loads(sys.stdin.buffer.read(size))
     threading.Thread(target=_exit_when_parent_dies, daemon=True).start()
@@ -326,7 +341,8 @@ def serve_engine_core(engine_args, show_progress: bool, input_address: str, outp
     # What start-up made lives as long as the process: keep the collector from walking it every few steps.
     gc.collect()
     gc.freeze()
-    handshake.send_multipart([READY, pickle.dumps((config, core.describe()))])
+    # By value: the config holds the user's logits processor classes, which may live in a script's __main__.
+    handshake.send_multipart([READY, cloudpickle.dumps((config, core.describe()))])
     handshake.close(linger=5000)
 
     proc = EngineCoreProc(core, input_address, output_address, ctx, engine_index, publisher)

@@ -25,6 +25,7 @@ import threading
 import time
 import weakref
 
+import cloudpickle
 import zmq
 import zmq.asyncio
 
@@ -69,7 +70,8 @@ class _LocalCore:
                  env: dict[str, str] | None):
         self.proc = subprocess.Popen([sys.executable, "-c", _CORE_MAIN, input_address, output_address],
                                      stdin=subprocess.PIPE, env=env)
-        payload = pickle.dumps((engine_args, show_progress))
+        # cloudpickle: a logits processor class defined in the user's script (__main__) travels by value.
+        payload = cloudpickle.dumps((engine_args, show_progress))
         try:
             self.proc.stdin.write(struct.pack("<Q", len(payload)) + payload)
             self.proc.stdin.flush()

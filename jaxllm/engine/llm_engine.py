@@ -101,10 +101,11 @@ class FrontEnd:
                                               seed, arrival_time, processed.bad_words_token_ids))
         return requests
 
-    def _forget(self, request_ids) -> list[str]:
-        """Drop the requests from the output processor; returns the ids to abort in the core."""
+    def _forget(self, request_ids, final_outputs: list | None = None) -> list[str]:
+        """Drop the requests from the output processor; returns the ids to abort in the core.
+        With `final_outputs`, the unfinished requests' last RequestOutputs ("abort") go there."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        return self.output_processor.abort(ids)
+        return self.output_processor.abort(ids, final_outputs)
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()

@@ -1,5 +1,6 @@
 """OutputProcessor: incremental detokenization, stop strings, RequestOutputs."""
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 
@@ -11,6 +12,7 @@ from jaxllm.outputs import (CompletionOutput, Logprob, PromptLogprobs, RequestMe
                             SampleLogprobs)
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
+logger = logging.getLogger(__name__)
 _PROMPT_CONTEXT_TOKENS = 6  # enough prompt context for the first output token's spacing
 
 DecodeEach = Callable[[list[int]], list[str | None]]
@@ -211,29 +213,15 @@ class OutputProcessor:
             state = self.states.get(co.request_id)
             if state is None:
                 continue  # aborted here, or ended by a stop string, while the core ran on
-            metrics = state.metrics
-            if co.first_scheduled_time is not None and metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = co.first_scheduled_time
-                metrics.time_in_queue = co.first_scheduled_time - metrics.arrival_time
-            if co.num_cached_tokens:
-                state.num_cached_tokens = co.num_cached_tokens
-            if co.new_token_ids:
-                if metrics.first_token_time is None:
-                    metrics.first_token_time = timestamp
-                metrics.last_token_time = timestamp
-            if co.new_logprobs is not None:
-                state.append_logprobs(co.new_logprobs)
-            prompt_done = False
-            if co.new_prompt_logprobs is not None and state.index == 0 and state.prompt_logprobs is not None:
-                state.prompt_logprobs.append(co.new_prompt_logprobs)
-                prompt_done = state.prompt_logprobs.complete
-            if not co.new_token_ids and co.finish_reason is None and not prompt_done:
-                continue  # a prefill chunk's prompt logprobs: nothing to tell until the prompt is done
-            if co.new_token_ids and state.append(co.new_token_ids, stop_terminated=co.finish_reason == "stop"):
+            try:
+                out, stop = self._process(state, co, timestamp)
+            except Exception as e:  # this request's text or logprobs: it alone ends, with the error
+                logger.exception("request %s: processing its output failed", co.request_id)
+                state.finish_reason, state.stop_reason = "error", None
+                state.error = f"{type(e).__name__}: {e}"
+                out, stop = state.output(), co.finish_reason is None
+            if stop:
                 stopped.append(co.request_id)
-            elif co.finish_reason is not None:
-                state.finish_reason, state.stop_reason, state.error = co.finish_reason, co.stop_reason, co.error
-            out = state.output()
             if out is not None:
                 outputs.append(out)
             if state.finish_reason is not None:
@@ -242,12 +230,45 @@ class OutputProcessor:
                     del self.parents[state.parent.request_id]
         return outputs, stopped
 
-    def abort(self, request_ids: list[str]) -> list[str]:
-        """Forget the requests; returns the ids the core must abort (a parent's: its children's)."""
+    @staticmethod
+    def _process(state: RequestState, co: EngineCoreOutput, timestamp: float) -> tuple[RequestOutput | None, bool]:
+        """One request's news: (its RequestOutput or None, whether a stop string ended it)."""
+        metrics = state.metrics
+        if co.first_scheduled_time is not None and metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = co.first_scheduled_time
+            metrics.time_in_queue = co.first_scheduled_time - metrics.arrival_time
+        if co.num_cached_tokens:
+            state.num_cached_tokens = co.num_cached_tokens
+        if co.new_token_ids:
+            if metrics.first_token_time is None:
+                metrics.first_token_time = timestamp
+            metrics.last_token_time = timestamp
+        if co.new_logprobs is not None:
+            state.append_logprobs(co.new_logprobs)
+        prompt_done = False
+        if co.new_prompt_logprobs is not None and state.index == 0 and state.prompt_logprobs is not None:
+            state.prompt_logprobs.append(co.new_prompt_logprobs)
+            prompt_done = state.prompt_logprobs.complete
+        if not co.new_token_ids and co.finish_reason is None and not prompt_done:
+            return None, False  # a prefill chunk's prompt logprobs: nothing to tell until the prompt is done
+        stopped = bool(co.new_token_ids) and state.append(co.new_token_ids, stop_terminated=co.finish_reason == "stop")
+        if not stopped and co.finish_reason is not None:
+            state.finish_reason, state.stop_reason, state.error = co.finish_reason, co.stop_reason, co.error
+        return state.output(), stopped
+
+    def abort(self, request_ids: list[str], outputs: list[RequestOutput] | None = None) -> list[str]:
+        """Forget the requests; returns the ids the core must abort (a parent's: its children's).
+        With `outputs`, each unfinished request's last RequestOutput (finish_reason "abort") goes there."""
         core_ids = []
         for request_id in request_ids:
             parent = self.parents.pop(request_id, None)
+            last = None
             for core_id in parent.child_ids if parent is not None else [request_id]:
-                self.states.pop(core_id, None)
+                state = self.states.pop(core_id, None)
                 core_ids.append(core_id)
+                if state is not None and outputs is not None:
+                    state.finish_reason = "abort"
+                    last = state.output() or last  # a parent's FINAL_ONLY output comes with its last child
+            if last is not None:
+                outputs.append(last)
         return core_ids

@@ -56,7 +56,7 @@ class Processor:
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
                 raise ValueError(f"{name} must be <= max_logprobs ({self.max_logprobs}, an engine arg), got {value}")
-        for name in ("logit_bias", "allowed_token_ids"):
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
             outside = [t for t in getattr(params, name) or () if t >= self.vocab_size]
             if outside:
                 raise ValueError(f"{name} holds token ids outside the vocabulary [0, {self.vocab_size}): "

@@ -319,9 +319,10 @@ class ModelRunner:
     def _prompt_logprobs_chunk(self, token_bucket: int) -> int:
         return min(_PROMPT_LOGPROBS_CHUNK, token_bucket)
 
-    def _write_processor_rows(self, new_rows: list[tuple[int, "Request"]]) -> None:
+    def _write_processor_rows(self, new_rows: list[tuple[int, "Request"]], failed: dict[str, str]) -> None:
         """Write the ProcessorState rows of requests that took a row this step, WRITE_ROWS at a
-        time (with none, one call that writes nothing: warm_up's)."""
+        time (with none, one call that writes nothing: warm_up's). A request whose rows cannot be
+        made goes into `failed`, its row left as it was."""
         vocab = self.config.model.arch.vocab_size
         for start in range(0, max(len(new_rows), 1), processors.WRITE_ROWS):
             chunk = new_rows[start:start + processors.WRITE_ROWS]
@@ -329,11 +330,16 @@ class ModelRunner:
             values = [np.zeros((processors.WRITE_ROWS, vocab), dtype)
                       for dtype in (np.int32, bool, np.float32, bool)]
             for i, (row, request) in enumerate(chunk):
-                rows[i] = row
                 params = request.sampling_params
-                state_rows = processors.request_state_rows(
-                    request.prompt_token_ids, request.output_token_ids, params.logit_bias, params.allowed_token_ids,
-                    request.banned_token_ids, request.stop_token_ids, vocab)
+                try:
+                    state_rows = processors.request_state_rows(
+                        request.prompt_token_ids, request.output_token_ids, params.logit_bias,
+                        params.allowed_token_ids, request.banned_token_ids, request.stop_token_ids, vocab)
+                except Exception as e:
+                    logger.exception("request %s: its logits processors' rows failed", request.request_id)
+                    failed[request.request_id] = f"logits processors: {type(e).__name__}: {e}"
+                    continue
+                rows[i] = row
                 for array, value in zip(values, state_rows):
                     array[i] = value
             if self._write_rows_fn is None:
@@ -370,7 +376,7 @@ class ModelRunner:
                 executables[key] = job.result()
         compiled_s = time.perf_counter() - start
         multihost.barrier("jaxllm-compiled")  # other hosts may compile for longer
-        self._write_processor_rows([])
+        self._write_processor_rows([], {})
         request_buckets = set()
         for token_bucket in self.token_buckets:
             buffer, views = self._next_host_buffer(token_bucket)
@@ -454,14 +460,12 @@ class ModelRunner:
         """Dispatch one step and return at once; its sampled ids land later (but a step with
         host-made token masks first waits for the previous step's ids, see _host_bitmask)."""
         rows, added, removed = self.request_rows.update(sched)
+        failed: dict[str, str] = {}  # request id -> why its host work failed: only it ends, with the error
         new_processed = [(row, request) for row, request in added if self.request_rows.processed[row]]
         if new_processed:
-            self._write_processor_rows(new_processed)
+            self._write_processor_rows(new_processed, failed)
         if self.logits_processors and (added or removed):
-            update = BatchUpdate([AddedRequest(row, r.sampling_params, r.prompt_token_ids, list(r.output_token_ids))
-                                  for row, r in added], removed)
-            for processor in self.logits_processors:
-                processor.update_state(update)
+            self._update_processors(added, removed, failed)
         token_bucket = self._token_bucket(sched.num_scheduled_tokens)
         buffer, views = self._next_host_buffer(token_bucket)
         batching.pack(sched, rows, self.request_rows, views, self.block_size)
@@ -473,7 +477,7 @@ class ModelRunner:
         host_bitmask = None
         if self.request_rows.host_masked[rows].any():
             prev_sampled = self._prev_sampled
-            host_bitmask = lambda: self._host_bitmask(sched, rows, views, prev_sampled)
+            host_bitmask = lambda: self._host_bitmask(sched, rows, views, prev_sampled, failed)
         sampled, logprobs, prompt_logprobs = self._dispatch(token_bucket, buffer, mode, processed, num_logprobs,
                                                             host_bitmask, prompt_inputs, rows)
         for array in (sampled, *(logprobs or ()), *(a for p in prompt_logprobs for a in p)):
@@ -481,7 +485,26 @@ class ModelRunner:
         width = (len(sched.requests), -sched.num_scheduled_tokens)  # most requests, then fewest tokens
         if self._widest_step is None or width > self._widest_step[0]:
             self._widest_step = (width, token_bucket, buffer.copy(), mode, processed, num_logprobs)
-        return StepOutput(sampled, len(sched.requests), logprobs, prompt_logprobs, prompt_segments)
+        return StepOutput(sampled, len(sched.requests), logprobs, prompt_logprobs, prompt_segments, failed)
+
+    def _update_processors(self, added: list[tuple[int, "Request"]], removed: list[int], failed: dict) -> None:
+        """Tell the users' processors who left and who joined, one joining request at a time: a
+        processor that fails on one request's arguments fails that request alone."""
+        updates = [(None, BatchUpdate([], removed))] if removed else []
+        updates += [(r.request_id, BatchUpdate([AddedRequest(row, r.sampling_params, r.prompt_token_ids,
+                                                             list(r.output_token_ids))], []))
+                    for row, r in added]
+        for request_id, update in updates:
+            for processor in self.logits_processors:
+                if request_id is None:
+                    processor.update_state(update)
+                    continue
+                try:
+                    processor.update_state(update)
+                except Exception as e:
+                    logger.exception("request %s: logits processor %s failed", request_id, type(processor).__name__)
+                    failed[request_id] = f"logits processor {type(processor).__name__}: {type(e).__name__}: {e}"
+                    break
 
     def _prompt_logprob_inputs(self, sched: SchedulerOutput, views, token_bucket: int):
         """The step's prompt positions whose logprobs a request asked for (ScheduledRequest.prompt_logprobs)
@@ -506,7 +529,8 @@ class ModelRunner:
             inputs.append((pair[0], pair[1]))
         return inputs, segments
 
-    def _host_bitmask(self, sched: SchedulerOutput, rows: np.ndarray, views, prev_sampled: jax.Array) -> np.ndarray:
+    def _host_bitmask(self, sched: SchedulerOutput, rows: np.ndarray, views, prev_sampled: jax.Array,
+                      failed: dict[str, str]) -> np.ndarray:
         """The token masks made on the host [R, bitmask_words] int32, for the step's requests with a
         grammar or multi-token bad words. They need every token before the one being sampled,
         and the last may still be on the device: this waits for the previous step (its ids
@@ -527,7 +551,7 @@ class ModelRunner:
             if sched.requests[i].samples:
                 in_flight = prev_rows[last_tokens[i]]  # where the previous step put this request's last token
                 entries.append((sched.requests[i].request, [int(prev_host[in_flight])] if in_flight >= 0 else [], i))
-        host_masks.fill_bitmask(entries, bitmask)
+        failed.update(host_masks.fill_bitmask(entries, bitmask))
         return bitmask
 
     def time_widest_step(self, num_iters: int) -> float:

@@ -23,6 +23,7 @@ class StepOutput:
     logprobs: Logprobs | None = None
     prompt_logprobs: list[Logprobs] = dataclasses.field(default_factory=list)  # chunks of [C] positions
     prompt_segments: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (request index, positions)
+    failed: dict[str, str] = dataclasses.field(default_factory=dict)  # request id -> why its host work failed
 
     def token_ids(self) -> list[int]:
         """Each scheduled request's sampled id; blocks until the step has finished."""
