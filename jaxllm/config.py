@@ -7,6 +7,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from jaxllm.device_facts import DeviceFacts, device_facts
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.fp8 import QUANTIZATIONS
 from jaxllm.typecheck import check_field_types
@@ -99,7 +100,7 @@ class EngineArgs:
     # "uni": this process drives its local devices through one mesh; "multihost": num_hosts processes,
     # one per host, joined by jax.distributed at coordinator_address ("host:port"), one mesh over all
     # their devices; host_rank 0 serves, the others run `jaxllm worker` (executor/multihost.py);
-    # "ray": each data-parallel replica in a Ray actor, anywhere in the cluster (executor/ray_dp.py).
+    # "ray": each data-parallel replica in a Ray actor, anywhere in the cluster (engine/ray_dp.py).
     distributed_executor_backend: str = "uni"
     num_hosts: int = 1
     host_rank: int = 0
@@ -121,7 +122,10 @@ class EngineArgs:
     # The engine core in its own process (EngineCoreProc); None reads $JAXLLM_ENABLE_MULTIPROCESSING (on unless "0").
     enable_multiprocessing: bool | None = None
 
-    def create_config(self) -> Config:
+    def create_config(self, devices: DeviceFacts | None = None) -> Config:
+        """The validated Config, for the devices `devices` describes (default: those a fresh process
+        of this environment sees, found without starting a JAX backend here: jaxllm/device_facts.py).
+        A hub id is downloaded here."""
         check_field_types(self)
         _check(self.max_model_len is None or self.max_model_len >= 1,
                f"max_model_len must be >= 1, got {self.max_model_len}")
@@ -157,9 +161,11 @@ class EngineArgs:
                f"coordinator_address must be 'host:port' with num_hosts > 1, got {self.coordinator_address!r}")
         _check(self.num_hosts == 1 or self.data_parallel_size == 1,
                "data_parallel_size > 1 over several hosts is not built: use num_hosts with tensor parallelism")
-        _check(self.tensor_parallel_size <= jax.device_count(),
-               f"tensor_parallel_size={self.tensor_parallel_size} exceeds the {jax.device_count()} visible device(s)")
-        from jaxllm.kernels.attention import BACKENDS, default_backend
+        devices = devices or device_facts()
+        num_devices = devices.local_device_count * self.num_hosts
+        _check(self.tensor_parallel_size <= num_devices,
+               f"tensor_parallel_size={self.tensor_parallel_size} exceeds the {num_devices} visible device(s)")
+        from jaxllm.kernels.attention import BACKENDS
         _check(self.attention_backend in (None, *BACKENDS),
                f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
 
@@ -179,8 +185,8 @@ class EngineArgs:
         _check(max_len <= arch.max_position_embeddings,
                f"max_model_len must be in [1, {arch.max_position_embeddings}] (the model's "
                f"max_position_embeddings), got {max_len}")
-        dtype = resolve_dtype(self.dtype, hf_config)
-        on_gpu = jax.default_backend() == "gpu"
+        dtype = resolve_dtype(self.dtype, hf_config, platform=devices.platform)
+        on_gpu = devices.platform == "gpu"
         max_num_seqs = self.max_num_seqs or (256 if on_gpu else 64)
         batched = self.max_num_batched_tokens or (8192 if on_gpu else min(2048, max(max_len, max_num_seqs)))
         _check(batched >= max_num_seqs,
@@ -195,7 +201,7 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs, batched, max_len, self.async_scheduling),
             parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.pipeline_parallel_size,
                                     self.num_hosts, self.host_rank, self.coordinator_address),
-            attention_backend=self.attention_backend or default_backend(),
+            attention_backend=self.attention_backend or devices.attention_backend,
             seed=self.seed,
             logits_processors=logits_processors,
         )

@@ -58,12 +58,15 @@ class AsyncLLM(FrontEnd):
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, show_progress: bool = True) -> "AsyncLLM":
-        """Start the engine core process (always a process of its own, whatever
-        enable_multiprocessing says), or one per data-parallel replica; blocks until it has warmed up."""
-        if data_parallel(args):
+        """Resolve `args` into a Config here and start the engine core process (always a process
+        of its own, whatever enable_multiprocessing says), or one per data-parallel replica;
+        blocks until it has warmed up."""
+        replicas = data_parallel(args)
+        config = args.create_config()
+        if replicas:
             from jaxllm.engine.dp_client import DPAsyncClient
-            return cls(DPAsyncClient(args, show_progress))
-        return cls(AsyncMPClient(args, show_progress))
+            return cls(DPAsyncClient(config, args.distributed_executor_backend == "ray", show_progress))
+        return cls(AsyncMPClient(config, show_progress))
 
     @property
     def errored(self) -> bool:

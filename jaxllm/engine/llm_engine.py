@@ -9,7 +9,8 @@ import time
 from collections.abc import Iterable
 
 from jaxllm.config import EngineArgs
-from jaxllm.engine import EngineCoreRequest
+from jaxllm.device_facts import live_device_facts
+from jaxllm.contracts.engine_core import EngineCoreRequest
 from jaxllm.engine.core_client import InprocClient, SyncMPClient
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.parallel_sampling import ParentRequest
@@ -29,8 +30,7 @@ def multiprocessing_enabled(args: EngineArgs) -> bool:
 
 
 def data_parallel(args: EngineArgs) -> bool:
-    """Whether `args` asks for replicas (several engine cores, or Ray's). Checked here, in the front end, which
-    never builds the Config (that would take the GPUs the replicas need)."""
+    """Whether `args` asks for replicas (several engine cores, or Ray's)."""
     check_field_types(args)
     replicas = args.data_parallel_size > 1 or args.distributed_executor_backend == "ray"
     if replicas and args.enable_multiprocessing is False:
@@ -124,15 +124,18 @@ class FrontEnd:
 class LLMEngine(FrontEnd):
     @classmethod
     def from_engine_args(cls, args: EngineArgs, show_progress: bool = True) -> "LLMEngine":
-        if data_parallel(args):
-            from jaxllm.engine.dp_client import DPSyncClient
-            return cls(DPSyncClient(args, show_progress))
-        if multiprocessing_enabled(args):
-            return cls(SyncMPClient(args, show_progress))
-        if args.num_hosts > 1:
+        """The engine of `args`, resolved here into a Config, which is all the engine core gets."""
+        replicas = data_parallel(args)
+        if not replicas and not multiprocessing_enabled(args) and args.num_hosts > 1:
             raise ValueError("num_hosts > 1 needs the engine core in a process of its own: "
                              "enable_multiprocessing must not be False")
-        return cls(InprocClient(args.create_config(), show_progress))
+        if replicas or multiprocessing_enabled(args):
+            config = args.create_config()  # for a fresh process of this environment: its devices
+            if replicas:
+                from jaxllm.engine.dp_client import DPSyncClient
+                return cls(DPSyncClient(config, args.distributed_executor_backend == "ray", show_progress))
+            return cls(SyncMPClient(config, show_progress))
+        return cls(InprocClient(args.create_config(live_device_facts()), show_progress))
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
         """Validate and queue one request (with n > 1, its n children); a bad one raises

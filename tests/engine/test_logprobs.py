@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, RequestOutputKind, SamplingParams
-from jaxllm.engine import LogprobsArrays
+from jaxllm.contracts.engine_core import LogprobsArrays
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from tests.conftest import tiny_model
 from tests.engine.test_core_process import engine_args

@@ -106,7 +106,7 @@ def test_bad_words_of_one_and_several_tokens_never_appear(llm):
 
 
 def _requests(llm, prompts, params, bad_words_token_ids):
-    from jaxllm.engine import EngineCoreRequest
+    from jaxllm.contracts.engine_core import EngineCoreRequest
     engine = llm.llm_engine
     requests = []
     for i, prompt in enumerate(prompts):

@@ -7,7 +7,7 @@ import logging
 import httpx
 import pytest
 
-from jaxllm.engine import SchedulerStats
+from jaxllm.contracts.engine_core import SchedulerStats
 from jaxllm.entrypoints.openai.metrics import ServerMetrics, log_stats_periodically
 from tests.entrypoints.conftest import MODEL_NAME, metric_values
 
