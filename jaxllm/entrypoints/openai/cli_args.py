@@ -17,6 +17,23 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--max-log-len", type=int, default=None,
                         help="log at most this many prompt characters or token ids per request (default: all)")
+    parser.add_argument("--max-request-body-bytes", type=_positive(int), default=16 << 20,
+                        help="refuse (413) a request body larger than this (default: 16 MiB)")
+    parser.add_argument("--max-seqs-per-request", type=_positive(int), default=1024,
+                        help="the most sequences one request may start: its prompts times n (default: 1024)")
+    parser.add_argument("--shutdown-timeout", type=_positive(float), default=5.0, metavar="SECONDS",
+                        help="on SIGINT or SIGTERM, how long requests in flight may still run before they are "
+                             "ended (default: 5)")
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its error
+    return parse
 
 
 def served_model_names(ns: argparse.Namespace, model_path: str) -> list[str]:
