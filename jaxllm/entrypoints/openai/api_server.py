@@ -27,7 +27,8 @@ from jaxllm.entrypoints.openai.metrics import ServerMetrics, log_stats_periodica
 from jaxllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                 ModelCard, ModelList, TokenizeRequest)
 from jaxllm.entrypoints.openai.request_body import RequestLimits, parse_request, read_body
-from jaxllm.entrypoints.openai.serving import (MAX_TOKENIZE_TOKENS, APIError, OpenAIServing, engine_dead_error)
+from jaxllm.entrypoints.openai.errors import APIError, engine_dead_error
+from jaxllm.entrypoints.openai.serving import MAX_TOKENIZE_TOKENS, OpenAIServing
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,9 @@
 """Text prompts to token ids for the server, off the event loop and bounded by max_model_len.
 
 A 10 MB prompt takes the tokenizer ~10 s; on the event loop that stalled every stream and
-/health. Here the work runs in worker threads (the tokenizers library lets go of the
-interpreter while it encodes), and a prompt that cannot fit is refused cheaply: by its
+/health. Here the work runs in worker threads (the tokenizers library's encode_batch_fast
+lets go of the interpreter while it works; its encode does not), and a prompt that cannot fit
+is refused cheaply: by its
 length in characters when the tokenizer bounds the characters a token stands for
 (`max_chars_per_token`), else by its Encoding's length before the ids become a Python list
 (10M ids take the interpreter for most of a second).
@@ -83,8 +84,9 @@ class PromptEncoder:
         self.max_tokens = max_tokens
         tokenizer.encode("warm-up")
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        # The backend's encode is transformers' without its conversion to a list (the same ids
-        # for the test tokenizers and GGUF's), unless padding or truncation is set.
+        # The backend's encode_batch_fast gives transformers' ids (tests/entrypoints/test_prompts.py)
+        # without offsets, and lets the length be read before the ids become a list; not with
+        # padding or truncation set.
         self._backend = backend if backend is not None and backend.truncation is None \
             and backend.padding is None else None
         self.chars_per_token = max_chars_per_token(tokenizer)
@@ -94,15 +96,12 @@ class PromptEncoder:
         if self.chars_per_token is not None and len(text) > max_tokens * self.chars_per_token:
             raise PromptTooLong(None)
         if self._backend is None:
-            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            encoding = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         else:
-            encoding = self._backend.encode(text, add_special_tokens=add_special_tokens)
-            if len(encoding) > max_tokens:
-                raise PromptTooLong(len(encoding))
-            ids = encoding.ids
-        if len(ids) > max_tokens:
-            raise PromptTooLong(len(ids))
-        return ids
+            encoding = self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
+        if len(encoding) > max_tokens:
+            raise PromptTooLong(len(encoding))
+        return encoding if self._backend is None else encoding.ids
 
     def apply_chat_template(self, messages, **kwargs) -> str:
         return self.tokenizer.apply_chat_template(messages, **kwargs)

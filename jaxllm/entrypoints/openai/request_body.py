@@ -9,15 +9,18 @@ nesting deeper than _MAX_DEPTH, and more values than pydantic can validate quick
 `parse_request` runs in a worker thread: what it costs grows with the body, and the event
 loop must stay free (a 10 MB body of JSON numbers takes about a second to parse).
 """
+import contextlib
 import dataclasses
+import gc
 import json
 import json.scanner
 import math
 import re
+import threading
 
 from pydantic import BaseModel, ValidationError
 
-from jaxllm.entrypoints.openai.serving import APIError
+from jaxllm.entrypoints.openai.errors import APIError
 
 _INT64 = 2**63
 _MAX_DEPTH = 64
@@ -28,6 +31,7 @@ _MAX_VALUES = 65536
 # holds the interpreter for the whole document, about 10 ms here. Above, the standard library's
 # pure-Python scanner, whose every value is a step the event loop's thread can cut in between.
 _C_PARSER_MAX_VALUES = 100_000
+_FREE_PER_STEP = 4096
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _JSON_TYPES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "a list",
                dict: "an object", type(None): "null"}
@@ -68,7 +72,18 @@ def _too_large(max_bytes: int) -> APIError:
 
 def parse_request(body: bytes, model: type[BaseModel], limits: RequestLimits) -> BaseModel:
     """The body as `model`, or an APIError (400) naming what is wrong."""
-    data = parse_json(body)
+    with _collector_paused():
+        data = parse_json(body)
+        try:
+            return _validated(data, model, limits)
+        except APIError as e:
+            error = APIError(e.status, e.message, e.param)
+        # Out of the except block, the error's traceback (whose frames hold the body) is gone.
+        _free_gradually(data)
+    raise error
+
+
+def _validated(data, model: type[BaseModel], limits: RequestLimits) -> BaseModel:
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
     check_values(data, limits)
@@ -76,6 +91,23 @@ def parse_request(body: bytes, model: type[BaseModel], limits: RequestLimits) ->
         return model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
+
+
+def _free_gradually(value) -> None:
+    """Frees a refused body a slice of a container at a time, each step a Python one the
+    event loop's thread can run between: freed in one go, millions of small lists held the
+    interpreter for a third of a second."""
+    stack = [value]
+    while stack:
+        container = stack.pop()
+        if type(container) is dict:
+            container = list(container.values())  # the dict's keys and values, freed with it below
+        elif type(container) is not list:
+            continue
+        while container:
+            piece = container[-_FREE_PER_STEP:]
+            del container[-_FREE_PER_STEP:]
+            stack.extend(item for item in piece if type(item) is list or type(item) is dict)
 
 
 def parse_json(body: bytes):
@@ -94,6 +126,28 @@ def parse_json(body: bytes):
         raise APIError(400, "the request body is not valid JSON: it is nested too deeply") from None
     except ValueError:  # int() refuses more than 4300 digits
         raise APIError(400, "the request body holds an integer of more than 4300 digits") from None
+
+
+_paused_lock = threading.Lock()
+_paused = 0
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """The cyclic garbage collector off (in every thread) while a body is parsed and checked:
+    a body of millions of small lists and objects (none in a cycle) set off collections over
+    all of them, each holding the interpreter for ~100 ms."""
+    global _paused
+    with _paused_lock:
+        _paused += 1
+        gc.disable()
+    try:
+        yield
+    finally:
+        with _paused_lock:
+            _paused -= 1
+            if not _paused:
+                gc.enable()
 
 
 class _BadValue(ValueError):

@@ -17,21 +17,21 @@ import dataclasses
 import functools
 import json
 import logging
-import re
 import time
 import weakref
 from collections.abc import AsyncIterator
 
 from jaxllm.engine.exceptions import EngineDeadError
 from jaxllm.entrypoints.chat_utils import apply_chat_template, chat_messages
+from jaxllm.entrypoints.openai.errors import APIError, bad_request, engine_dead_error, shutdown_error
 from jaxllm.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from jaxllm.entrypoints.openai.prompts import PromptEncoder, PromptTooLong
 from jaxllm.entrypoints.openai.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk,
                                                 ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
                                                 ChatStreamChoice, CompletionChoice, CompletionLogprobs,
-                                                CompletionRequest, CompletionResponse, DeltaMessage, ErrorInfo,
-                                                ErrorResponse, SamplingRequest, TokenLogprob, TopLogprob, UsageInfo,
-                                                random_id)
+                                                CompletionRequest, CompletionResponse, DeltaMessage,
+                                                SamplingRequest, TokenLogprob, TopLogprob, UsageInfo, random_id)
+from jaxllm.entrypoints.openai.request_streams import RequestStreams, ServerShuttingDown
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -48,45 +48,6 @@ _WORKER_THREADS = 4
 MAX_TOKENIZE_TOKENS = 2**20
 
 
-class APIError(Exception):
-    """An error the client gets as OpenAI's error JSON, with this HTTP status."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                             413: "invalid_request_error", 415: "invalid_request_error",
-                             503: "service_unavailable"}.get(status, "server_error")
-
-    def body(self) -> dict:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
-                                             code=self.code)).model_dump()
-
-
-def engine_dead_error() -> APIError:
-    return APIError(503, "the engine has died; restart the server", type="service_unavailable",
-                    code="engine_dead")
-
-
-class ServerShuttingDown(Exception):
-    """What a request's outputs end with when the server stops it to shut down."""
-
-
-def shutdown_error() -> APIError:
-    return APIError(503, "the server is shutting down; retry on another replica or once it is back",
-                    code="server_shutdown")
-
-
-def bad_request(error: Exception, fields) -> APIError:
-    """A ValueError or TypeError of the engine's checks as a 400: its message starts with the
-    field it names (`max_tokens must be >= 1, got 0`), which becomes the error's param."""
-    message = " ".join(str(error).splitlines())
-    match = re.match(r"(\w+)", message)
-    param = match.group(1) if match and match.group(1) in fields else None
-    return APIError(400, message, param=param)
-
-
 def sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 
@@ -97,89 +58,6 @@ def error_event(error: APIError) -> str:
 
 def _token_text(token_id: int, logprob) -> str:
     return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
-
-
-class _Requests:
-    """The engine requests of one API request (one per prompt), their outputs interleaved as
-    they come: each request is read by a task of its own into one small queue. A consumer
-    that falls behind leaves outputs in AsyncLLM, which merges a request's DELTA outputs: a
-    slow client gets fewer, larger chunks, and the server does less work per token, not
-    more. Closing aborts every unfinished request; `stop` does too, and the consumer then
-    gets ServerShuttingDown."""
-
-    def __init__(self, streams: list[AsyncIterator[RequestOutput]]):
-        self._buffer: list[tuple[int, RequestOutput]] = []
-        self._num_streams = self._live = len(streams)
-        self._queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
-        self._stopping = False
-        self._tasks = [asyncio.ensure_future(self._read(i, s)) for i, s in enumerate(streams)]
-
-    async def _read(self, i: int, stream: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async with contextlib.aclosing(stream):  # closing the engine's generator aborts the request
-                async for out in stream:
-                    await self._queue.put((i, out))
-        except asyncio.CancelledError:
-            if not self._stopping:
-                raise
-            asyncio.current_task().uncancel()  # stop() cancelled this reader, to tell the consumer
-            await self._queue.put((i, ServerShuttingDown()))
-        except Exception as e:
-            await self._queue.put((i, e))
-        else:
-            await self._queue.put((i, None))
-
-    async def _next(self) -> tuple[int, RequestOutput] | None:
-        """The next output of any request; None once all have ended. Raises what a request raised."""
-        while self._live:
-            i, item = await self._queue.get()
-            if item is None:
-                self._live -= 1
-            elif isinstance(item, Exception):
-                self._cancel_readers()
-                raise item
-            else:
-                return i, item
-        return None
-
-    async def first_outputs(self) -> list[RequestOutput]:
-        """Each request's first output; if one fails (or this is cancelled), all are aborted."""
-        firsts: dict[int, RequestOutput] = {}
-        try:
-            while len(firsts) < self._num_streams:
-                item = await self._next()
-                if item is None:
-                    raise RuntimeError("a request ended without an output")
-                self._buffer.append(item)
-                firsts.setdefault(item[0], item[1])
-        except BaseException:
-            self._cancel_readers()
-            raise
-        return [firsts[i] for i in range(self._num_streams)]
-
-    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) as they come, from the first outputs on."""
-        try:
-            while self._buffer:
-                yield self._buffer.pop(0)
-            while (item := await self._next()) is not None:
-                yield item
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """Abort what has not finished: each reader, cancelled, closes its request's stream.
-        Nothing here awaits, so it completes even inside a cancelled task."""
-        self._cancel_readers()
-
-    def stop(self) -> None:
-        """End every request now, for a shutdown: the consumer gets ServerShuttingDown."""
-        self._stopping = True
-        self._cancel_readers()
-
-    def _cancel_readers(self) -> None:
-        for task in self._tasks:
-            task.cancel()
 
 
 class OpenAIServing:
@@ -195,7 +73,7 @@ class OpenAIServing:
         self.default_fields = dict(engine.default_sampling_fields)
         self.encoder = None if engine.tokenizer is None else PromptEncoder(engine.tokenizer, self.max_model_len)
         self._workers = concurrent.futures.ThreadPoolExecutor(_WORKER_THREADS, thread_name_prefix="jaxllm-request")
-        self._running: weakref.WeakSet[_Requests] = weakref.WeakSet()
+        self._running: weakref.WeakSet[RequestStreams] = weakref.WeakSet()
         self.draining = False
 
     async def in_worker(self, fn, *args, **kwargs):
@@ -358,7 +236,7 @@ class OpenAIServing:
             tracker.finish(default_reason)
 
     def _start(self, request_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
-               max_tokens: int) -> "_Requests":
+               max_tokens: int) -> RequestStreams:
         self.check_alive()  # again: the engine may have died, or a shutdown begun, while it was prepared
         streams = []
         for i, (text, token_ids) in enumerate(prompts):
@@ -367,12 +245,12 @@ class OpenAIServing:
             prompt = {"prompt_token_ids": token_ids} if text is None else {"prompt": text,
                                                                           "prompt_token_ids": token_ids}
             streams.append(self._outputs(rid, prompt, params, RequestTracker(self.metrics, params.n, max_tokens)))
-        requests = _Requests(streams)
+        requests = RequestStreams(streams)
         self._running.add(requests)
         return requests
 
     @staticmethod
-    async def _first_outputs(requests: "_Requests", fields) -> list[RequestOutput]:
+    async def _first_outputs(requests: RequestStreams, fields) -> list[RequestOutput]:
         """Each request's first output (for FINAL_ONLY, its only one). The engine's own checks
         (vocabulary, logprobs limit, ...) fail here, before any response starts."""
         try:
@@ -468,7 +346,7 @@ class OpenAIServing:
         return result
 
     async def _completion_stream(self, request: CompletionRequest, request_id: str, model: str, prompts,
-                                 requests: _Requests) -> AsyncIterator[str]:
+                                 requests: RequestStreams) -> AsyncIterator[str]:
         created = int(time.time())
         options = request.stream_options
         include_usage = options is not None and options.include_usage
@@ -574,7 +452,7 @@ class OpenAIServing:
         return ChatLogprobs(content=content)
 
     async def _chat_stream(self, request: ChatCompletionRequest, request_id: str, model: str, prompt_tokens: int,
-                           requests: _Requests, top: int) -> AsyncIterator[str]:
+                           requests: RequestStreams, top: int) -> AsyncIterator[str]:
         created = int(time.time())
         options = request.stream_options
         include_usage = options is not None and options.include_usage
