@@ -124,6 +124,26 @@ def metric_values(text: str, name: str) -> dict[str, float]:
     return values
 
 
+def scrape(server) -> str:
+    return httpx.get(server.url + "/metrics").text
+
+
+def metric(text: str, name: str, labels: str = f'{{model_name="{MODEL_NAME}"}}') -> float:
+    return metric_values(text, name).get(labels, 0.0)
+
+
+def wait_for_idle_engine(server, timeout_s: float = 20.0) -> str:
+    """/metrics once the engine holds no request (aborts reach the core asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = scrape(server)
+        busy = (metric(text, "jaxllm:num_requests_running") or metric(text, "jaxllm:num_requests_waiting")
+                or metric(text, "jaxllm:kv_cache_usage_perc"))
+        if not busy or time.monotonic() > deadline:
+            return text
+        time.sleep(0.1)
+
+
 def write_byte_tokenizer(folder: str) -> None:
     """A GPT-2-style byte-level tokenizer for the tiny models' 256 ids: 0-2 are <unk>, <s>,
     </s>, every other id one byte (all but 0xF5-0xF7, which UTF-8 never uses). Unlike the

@@ -14,6 +14,7 @@ from jaxllm.entrypoints.openai.request_body import RequestLimits, parse_json, pa
 
 LIMITS = RequestLimits(max_body_bytes=1 << 20, max_seqs=8, max_model_len=64)
 NESTED_70_DEEP = functools.reduce(lambda value, _: [value], range(70), 0)
+NESTED_900_DEEP = functools.reduce(lambda value, _: [value], range(900), 0)  # a repr of it would recurse too deep
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
                     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(), inner, max_size=5),
                     max_leaves=30)
@@ -45,7 +46,8 @@ def error_of(body: dict | bytes, model=CompletionRequest) -> APIError:
     ({"prompt": "x", "logit_bias": {"5": float("inf")}}, "logit_bias.5 is inf", "logit_bias"),
     ({"prompt": "x", "structured_outputs": {"json": {"enum": ["\udfff"]}}}, "structured_outputs.json.enum[0]",
      "structured_outputs"),
-    ({"prompt": [[1, 2], [3, True]]}, "prompt[1][1] is True, not a token id", "prompt"),
+    ({"prompt": [[1, 2], [3, True]]}, "prompt[1][1] is true, not a token id", "prompt"),
+    ({"prompt": [[1], NESTED_900_DEEP]}, "prompt[1][0] is a list, not a token id", "prompt"),
     ({"prompt": [[1]] * 9}, "prompt holds 9 prompts", "prompt"),
     ({"prompt": list(range(65))}, "prompt has 65 tokens, more than max_model_len (64)", "prompt"),
     ({"prompt": "x", "chat_template_kwargs": {"a": NESTED_70_DEEP}}, "nested more than 64", "chat_template_kwargs"),

@@ -233,7 +233,7 @@ def _check_prompt(prompt, limits: RequestLimits) -> None:
         return _check_text(prompt)
     if not isinstance(prompt, list):
         raise _BadValue(f"must be a string, a list of strings, a list of token ids or a list of token-id lists, "
-                        f"got {_JSON_TYPES.get(type(prompt), type(prompt).__name__)}")
+                        f"got {_json_type(prompt)}")
     if prompt and type(prompt[0]) is int:
         return _check_token_ids(prompt, limits.max_model_len)
     if len(prompt) > limits.max_seqs:
@@ -242,7 +242,7 @@ def _check_prompt(prompt, limits: RequestLimits) -> None:
     kinds = {type(p) for p in prompt}
     if not (kinds <= {str} or kinds <= {list}):
         raise _BadValue("must be a string, a list of strings, a list of token ids or a list of token-id lists, got a "
-                        f"list of {' and '.join(sorted(_JSON_TYPES.get(k, k.__name__) for k in kinds))}")
+                        f"list of {' and '.join(sorted(_JSON_TYPES[k] for k in kinds))}")
     for i, p in enumerate(prompt):
         try:
             _check_text(p) if kinds == {str} else _check_token_ids(p, limits.max_model_len)
@@ -253,15 +253,20 @@ def _check_prompt(prompt, limits: RequestLimits) -> None:
 
 def _check_token_ids(ids, max_model_len: int) -> None:
     if not isinstance(ids, list):
-        raise _BadValue(f"must be a list of token ids, got {_JSON_TYPES.get(type(ids), type(ids).__name__)}")
+        raise _BadValue(f"must be a list of token ids, got {_json_type(ids)}")
     if len(ids) > max_model_len:
         raise _BadValue(f"has {len(ids)} tokens, more than max_model_len ({max_model_len})")
     for i, t in enumerate(ids):
         if type(t) is not int or not 0 <= t < _INT64:
-            error = _BadValue(f"is {ascii(t):.40}, not a token id" if type(t) is not int
+            error = _BadValue(f"is {_json_type(t)}, not a token id" if type(t) is not int
                               else f"is {_digits(t)}: a token id outside the vocabulary")
             error.path.append(i)
             raise error
+
+
+def _json_type(value) -> str:
+    """What a parsed JSON value is, in JSON's words (never its repr: it may be nested 1000 deep)."""
+    return _JSON_TYPES[type(value)] if type(value) is not bool else ("true" if value else "false")
 
 
 def validation_error(error: ValidationError) -> APIError:
