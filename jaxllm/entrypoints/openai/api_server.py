@@ -23,11 +23,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from jaxllm.engine.exceptions import EngineDeadError
+from jaxllm.entrypoints.openai.cli_args import MAX_REQUEST_BODY_BYTES, MAX_SEQS_PER_REQUEST, SHUTDOWN_TIMEOUT_S
+from jaxllm.entrypoints.openai.errors import APIError, engine_dead_error
 from jaxllm.entrypoints.openai.metrics import ServerMetrics, log_stats_periodically
 from jaxllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                 ModelCard, ModelList, TokenizeRequest)
 from jaxllm.entrypoints.openai.request_body import RequestLimits, parse_request, read_body
-from jaxllm.entrypoints.openai.errors import APIError, engine_dead_error
 from jaxllm.entrypoints.openai.serving import MAX_TOKENIZE_TOKENS, OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -103,8 +104,8 @@ def _error_response(error: APIError) -> Response:
 
 
 def build_app(engine, model_names: list[str], api_key: str | None = None, chat_template: str | None = None,
-              max_log_len: int | None = None, max_request_body_bytes: int = 16 << 20,
-              max_seqs_per_request: int = 1024) -> FastAPI:
+              max_log_len: int | None = None, max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
+              max_seqs_per_request: int = MAX_SEQS_PER_REQUEST) -> FastAPI:
     metrics = ServerMetrics(model_names[0], engine.config.model.max_model_len)
     serving = OpenAIServing(engine, model_names, metrics, chat_template, max_log_len, max_seqs_per_request)
     limits = RequestLimits(max_request_body_bytes, max_seqs_per_request, engine.config.model.max_model_len)
@@ -225,8 +226,9 @@ def configure_logging() -> None:
 
 def run_server(engine, model_names: list[str], host: str, port: int, api_key: str | None = None,
                chat_template: str | None = None, max_log_len: int | None = None,
-               uvicorn_log_level: str = "info", max_request_body_bytes: int = 16 << 20,
-               max_seqs_per_request: int = 1024, shutdown_timeout_s: float = 5.0) -> None:
+               uvicorn_log_level: str = "info", max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
+               max_seqs_per_request: int = MAX_SEQS_PER_REQUEST,
+               shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
     """Serve the engine until interrupted (SIGINT, SIGTERM); the engine is shut down then."""
     import uvicorn
 

@@ -2,11 +2,10 @@
 
 A 10 MB prompt takes the tokenizer ~10 s; on the event loop that stalled every stream and
 /health. Here the work runs in worker threads (the tokenizers library's encode_batch_fast
-lets go of the interpreter while it works; its encode does not), and a prompt that cannot fit
-is refused cheaply: by its
-length in characters when the tokenizer bounds the characters a token stands for
-(`max_chars_per_token`), else by its Encoding's length before the ids become a Python list
-(10M ids take the interpreter for most of a second).
+lets go of the interpreter while it works; its encode does not), and a prompt that cannot
+fit is refused cheaply: by its length in characters when the tokenizer bounds the
+characters a token stands for (`max_chars_per_token`), else by its Encoding's length
+before the ids become a Python list (10M ids take the interpreter for most of a second).
 """
 import json
 

@@ -1,4 +1,5 @@
-"""The engine requests of one API request (one per prompt), read as one stream of outputs."""
+"""RequestStreams: the outputs of one API request's engine requests, read as one stream,
+which a shutdown can end at once."""
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
@@ -54,7 +55,7 @@ class RequestStreams:
             if item is None:
                 self._live -= 1
             elif isinstance(item, Exception):
-                self._cancel_readers()
+                self.close()
                 raise item
             else:
                 return i, item
@@ -71,7 +72,7 @@ class RequestStreams:
                 self._buffer.append(item)
                 firsts.setdefault(item[0], item[1])
         except BaseException:
-            self._cancel_readers()
+            self.close()
             raise
         return [firsts[i] for i in range(self._num_streams)]
 
@@ -88,13 +89,10 @@ class RequestStreams:
     def close(self) -> None:
         """Abort what has not finished: each reader, cancelled, closes its request's stream.
         Nothing here awaits, so it completes even inside a cancelled task."""
-        self._cancel_readers()
+        for task in self._tasks:
+            task.cancel()
 
     def stop(self) -> None:
         """End every request now, for a shutdown: the consumer gets ServerShuttingDown."""
         self._stopping = True
-        self._cancel_readers()
-
-    def _cancel_readers(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        self.close()

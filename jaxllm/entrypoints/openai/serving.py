@@ -62,7 +62,7 @@ def _token_text(token_id: int, logprob) -> str:
 
 class OpenAIServing:
     def __init__(self, engine, served_model_names: list[str], metrics: ServerMetrics,
-                 chat_template: str | None = None, max_log_len: int | None = None, max_seqs_per_request: int = 1024):
+                 chat_template: str | None, max_log_len: int | None, max_seqs_per_request: int):
         self.engine = engine
         self.model_names = served_model_names
         self.metrics = metrics
@@ -97,7 +97,7 @@ class OpenAIServing:
     # ---- shared checks ----
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
-            raise APIError(404, f"The model {name!r} does not exist.", param="model", code="model_not_found")
+            raise APIError(404, f"The model {name[:200]!r} does not exist.", param="model", code="model_not_found")
 
     @staticmethod
     def check_stream_options(request: SamplingRequest) -> None:
