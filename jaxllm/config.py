@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.device_facts import DeviceFacts, device_facts
-from jaxllm.models.config import ModelArchConfig
-from jaxllm.models.fp8 import QUANTIZATIONS
+from jaxllm.models.config import QUANTIZATIONS, ModelArchConfig
 from jaxllm.typecheck import check_field_types
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}

@@ -5,6 +5,8 @@ jaxllm/contracts). The layers are docs/architecture.md's."""
 import ast
 import importlib.util
 import pkgutil
+import subprocess
+import sys
 
 import jaxllm
 
@@ -14,7 +16,7 @@ LAYERS = [
     {"base": ["jaxllm.utils", "jaxllm.typecheck", "jaxllm.sharding", "jaxllm.distributed", "jaxllm.compilation",
               "jaxllm.kernels", "jaxllm.models", "jaxllm.sampling_params", "jaxllm.structured_output",
               "jaxllm.outputs", "jaxllm.sample.logits_processor"]},
-    {"config": ["jaxllm.config", "jaxllm.model_hub", "jaxllm.tokenizer", "jaxllm.profiling"]},
+    {"config": ["jaxllm.config", "jaxllm.device_facts", "jaxllm.model_hub", "jaxllm.tokenizer", "jaxllm.profiling"]},
     {"contracts": ["jaxllm.contracts"]},
     {"sample": ["jaxllm.sample"]},
     {"core": ["jaxllm.core", "jaxllm.request"], "worker": ["jaxllm.worker"]},
@@ -111,3 +113,17 @@ def test_the_worker_never_imports_the_request_class():
     graph = import_graph()
     offenders = [m for m, targets in graph.items() if m.startswith("jaxllm.worker") and "jaxllm.request" in targets]
     assert offenders == []
+
+
+def loaded_after(statement: str) -> set[str]:
+    """The top-level packages a fresh interpreter holds after `statement`."""
+    code = f"import sys; {statement}; print(' '.join(sorted({{m.split('.')[0] for m in sys.modules}})))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    return set(out.stdout.split())
+
+
+def test_import_jaxllm_loads_no_jax_and_the_front_end_no_flax():
+    """`import jaxllm` is nearly free, and the caller's process, which only tokenizes and
+    detokenizes, never loads the model code (flax): the engine core's process does."""
+    assert "jax" not in loaded_after("import jaxllm")
+    assert "flax" not in loaded_after("from jaxllm import LLM, AsyncLLM, SamplingParams, EngineArgs")

@@ -10,6 +10,12 @@ import numpy as np
 from jaxllm.sampling_params import SamplingParams
 
 
+# Messages of the core process's protocol that are not msgpack structs: the first frame of its
+# start-up answer, and what its output socket says when it dies.
+READY, STARTUP_FAILED, ENGINE_CORE_DEAD = b"READY", b"STARTUP_FAILED", b"ENGINE_CORE_DEAD"
+DP_RANK_ENV = "JAXLLM_DATA_PARALLEL_RANK"  # a data-parallel replica's index, in its core process's environment
+
+
 class EngineCoreRequestType(enum.Enum):
     """The first frame of each message on the core's input socket."""
     ADD = b"\x00"

@@ -130,16 +130,12 @@ class AsyncLLM(FrontEnd):
         try:
             while True:
                 core_outputs = await self.engine_core.get_output_async()
-                outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs,
-                                                                         core_outputs.timestamp)
-                for out in outputs:
+                for out in self._process(core_outputs):
                     collector = self._collectors.get(out.request_id)
                     if collector is not None:
                         collector.put(out)
                     if out.finished:
                         self._collectors.pop(out.request_id, None)
-                if stopped:
-                    self.engine_core.abort_requests(stopped)
                 # A core that runs ahead leaves many steps queued, and a get from a non-empty
                 # queue never yields: without this, the consumers (a server's streams, its
                 # disconnect checks) would wait until the whole backlog was processed.

@@ -27,8 +27,8 @@ from jax.profiler import TraceAnnotation
 
 from jaxllm import compilation
 from jaxllm.config import Config
-from jaxllm.contracts.engine_core import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
-                                          EngineCoreRequestType, UtilityOutput)
+from jaxllm.contracts.engine_core import (DP_RANK_ENV, ENGINE_CORE_DEAD, READY, STARTUP_FAILED, EngineCoreOutput,
+                                          EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, UtilityOutput)
 from jaxllm.contracts.serial import MsgpackDecoder, MsgpackEncoder
 from jaxllm.contracts.step import SchedulerOutput
 from jaxllm.core.kv_cache_manager import KVCacheManager
@@ -42,9 +42,6 @@ from jaxllm.worker.step_output import StepOutput
 
 logger = logging.getLogger(__name__)
 
-DP_RANK_ENV = "JAXLLM_DATA_PARALLEL_RANK"  # a data-parallel replica's index, set by dp_client.py
-# Messages of the process protocol that are not msgpack structs.
-READY, STARTUP_FAILED, ENGINE_CORE_DEAD = b"READY", b"STARTUP_FAILED", b"ENGINE_CORE_DEAD"
 
 
 class EngineCore:
@@ -243,7 +240,7 @@ class EngineCoreProc:
                 break
             if self.core.has_work():
                 outputs = self.core.step()
-                if outputs.outputs:
+                if outputs.outputs or outputs.scheduler_stats is not None:  # stats: the metrics count each
                     outputs.engine_index = self.engine_index
                     self.output_queue.put(outputs)
 
@@ -265,6 +262,10 @@ class EngineCoreProc:
             result = apply_message(self.core, kind, message)
             if result is not None:
                 self.output_queue.put(EngineCoreOutputs(utility_output=result))
+            elif kind == EngineCoreRequestType.ABORT and not self.core.has_work():
+                # No step will follow to carry the stats: the front end's gauges would keep the aborted requests.
+                self.output_queue.put(EngineCoreOutputs([], time.monotonic(), self.core.scheduler.make_stats(),
+                                                        engine_index=self.engine_index))
 
     def shutdown(self) -> None:
         self.output_queue.put(None)  # the output thread sends what is queued, then stops

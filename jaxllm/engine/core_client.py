@@ -30,8 +30,8 @@ import zmq
 import zmq.asyncio
 
 from jaxllm.config import Config
-from jaxllm.contracts.engine_core import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
-from jaxllm.engine.core import ENGINE_CORE_DEAD, READY, EngineCore
+from jaxllm.contracts.engine_core import (ENGINE_CORE_DEAD, READY, EngineCoreOutputs, EngineCoreRequest,
+                                          EngineCoreRequestType)
 from jaxllm.engine.exceptions import EngineDeadError
 from jaxllm.contracts.serial import MsgpackDecoder, MsgpackEncoder
 
@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 class InprocClient:
     def __init__(self, config: Config, show_progress: bool = True):
+        from jaxllm.engine.core import EngineCore  # the model and kernels: only where they run
         self.core = EngineCore(config, show_progress)
         self.config = config
         self.description = self.core.describe()

@@ -17,8 +17,7 @@ import os
 import queue
 
 from jaxllm.config import Config
-from jaxllm.contracts.engine_core import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from jaxllm.engine.core import DP_RANK_ENV
+from jaxllm.contracts.engine_core import DP_RANK_ENV, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from jaxllm.engine.core_client import AsyncMPClient, SyncMPClient, _CoreProcess
 
 

@@ -6,11 +6,11 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from jaxllm.config import EngineArgs
 from jaxllm.device_facts import live_device_facts
-from jaxllm.contracts.engine_core import EngineCoreRequest
+from jaxllm.contracts.engine_core import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from jaxllm.engine.core_client import InprocClient, SyncMPClient
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.parallel_sampling import ParentRequest
@@ -58,6 +58,19 @@ class FrontEnd:
         self.processor = Processor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._arrivals = itertools.count()
+        # Called with the SchedulerStats that come with the core's outputs (the server's metrics).
+        self.stats_listeners: list[Callable[[SchedulerStats], None]] = []
+
+    def _process(self, core_outputs: EngineCoreOutputs) -> list[RequestOutput]:
+        """The RequestOutputs of one message of the core's; the requests a stop string ended are
+        aborted in the core, and the stats go to the listeners."""
+        outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs, core_outputs.timestamp)
+        if stopped:
+            self.engine_core.abort_requests(stopped)
+        if core_outputs.scheduler_stats is not None:
+            for listener in self.stats_listeners:
+                listener(core_outputs.scheduler_stats)
+        return outputs
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -152,11 +165,7 @@ class LLMEngine(FrontEnd):
         """The outputs of the next engine step (it blocks while the core computes)."""
         if not self.has_unfinished_requests():
             return []
-        core_outputs = self.engine_core.get_output()
-        outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs, core_outputs.timestamp)
-        if stopped:
-            self.engine_core.abort_requests(stopped)
-        return outputs
+        return self._process(self.engine_core.get_output())
 
     def get_stats(self) -> dict:
         """The core's counters: KV blocks (total, free, cached), requests, preemptions, compilations,

@@ -1,7 +1,8 @@
 """ModelRunner: one step per SchedulerOutput, on the weights and the paged KV cache it holds
 on the mesh. Its parts: the weights (model_loader.py), the KV cache (kv_cache.py), the
 compiled executables (executables.py), the persistent request rows and the packing of a
-step's inputs (input_batch.py), and the jitted functions (step_functions.py).
+step's inputs (input_batch.py), the logits processors' per-request state (processor_state.py),
+and the jitted functions (step_functions.py).
 
 A step is the forward pass to the logits at each request's last token and their argmax
 (one executable per token bucket, the KV cache donated, so updated in place), then, unless
@@ -28,12 +29,9 @@ from jax.profiler import TraceAnnotation
 
 from jaxllm import compilation, distributed
 from jaxllm.config import Config
-from jaxllm.contracts.step import NewRequestData, SchedulerOutput, TokenMasks
+from jaxllm.contracts.step import SchedulerOutput, TokenMasks
 from jaxllm.kernels.attention import get_attention_fn
 from jaxllm.models.kv_layout import model_kv_layout
-from jaxllm.sample import processors
-from jaxllm.sample.logits_processor import AddedRequest, BatchUpdate
-from jaxllm.sample.processors import ProcessorState
 from jaxllm.sample.sampler import SampleMode
 from jaxllm.sharding import make_mesh, replicated
 from jaxllm.utils import cdiv
@@ -41,6 +39,7 @@ from jaxllm.worker import input_batch as batching, kv_heads
 from jaxllm.worker.executables import FORWARD, LOGPROBS, PROMPT_LOGPROBS, SAMPLER, ExecutableKey, Executables
 from jaxllm.worker.kv_cache import KVCache
 from jaxllm.worker.model_loader import load_weights
+from jaxllm.worker.processor_state import ProcessorRows
 from jaxllm.worker.step_functions import StepFunctions
 from jaxllm.worker.step_output import Logprobs, StepOutput
 from jaxllm.worker.step_replay import StepReplay
@@ -111,23 +110,22 @@ class ModelRunner:
         # Per request bucket: a bitmask allowing every token, on the device, and two host buffers for masks.
         self._all_allowed: dict[int, jax.Array] = {}
         self._host_bitmasks: dict[int, list[np.ndarray]] = {}
-        # Users' processors (EngineArgs.logits_processors): every step runs them, in the processed sampler.
-        self.logits_processors = tuple(cls(config) for cls in config.logits_processors)
+        user_processors = tuple(cls(config) for cls in config.logits_processors)
         self.num_logprobs = min(mc.max_logprobs, mc.arch.vocab_size)  # the most top tokens a request gets
         # A step computes the top K of the bucket that holds its requests' most: a top-k of 8
         # costs a fifth of one of 20 at [256, 128k] on an H200 (above 16, XLA sorts the rows).
         self.logprob_buckets = sorted({0, min(8, self.num_logprobs), self.num_logprobs})
         self.fns = StepFunctions(self.weights.graphdef, self.weights.treedef, get_attention_fn(
             config.attention_backend, self.mesh), layouts, sc.max_num_seqs, self.mesh, self.kv_layout.num_tensors,
-            self.logits_processors, self.num_logprobs)
+            user_processors, self.num_logprobs)
+        self.processor_rows = ProcessorRows(config, user_processors, self.fns.write_rows,
+                                            self.fns.processor_state_sharding)
         self._prev_sampled = self._zero_sampled()
-        self._processor_state = self._zero_processor_state()
         # FP8 GEMMs go to cuBLASLt: on an H200, XLA's Triton GEMM autotuner spends ~45 s on each FP8
         # GEMM shape of 8192 tokens, cuBLASLt's 0.3 s, for a GEMM 12% slower there and 17% faster
         # at 16 tokens (docs/benchmarks.md). Part of the compilation caches' keys.
         compiler_options = {"xla_gpu_enable_triton_gemm": False} if mc.quantization == "fp8" else {}
         self.executables = Executables(self._executable_store(), compiler_options)
-        self._write_rows_fn: jax.stages.Compiled | None = None
         self._waiting: _Step | None = None  # a step whose sampling waits for the core's token masks
         self.step_replay: StepReplay | None = None  # a benchmark's recorder, off unless armed
 
@@ -139,11 +137,6 @@ class ModelRunner:
     def kv_caches(self) -> list[tuple[jax.Array, jax.Array]]:
         return self.kv_cache.caches
 
-    def _zero_processor_state(self) -> ProcessorState:
-        num_rows, vocab = self.config.scheduler.max_num_seqs, self.config.model.arch.vocab_size
-        return jax.jit(lambda: processors.zero_state(num_rows, vocab),
-                       out_shardings=self.fns.processor_state_sharding)()
-
     def _zero_sampled(self) -> jax.Array:
         return jax.device_put(np.zeros(self.config.scheduler.max_num_seqs, np.int32), replicated(self.mesh))
 
@@ -154,15 +147,14 @@ class ModelRunner:
         self.request_rows.clear()
         self._waiting = None
         self._prev_sampled = self._zero_sampled()
-        self._processor_state = self._zero_processor_state()
+        self.processor_rows.reset()
 
     def shutdown(self) -> None:
         """Free the device memory now (weights and KV cache), not when a collector finds it."""
         self.weights.delete()
         self.kv_cache.delete()
-        for array in jax.tree.leaves((self._prev_sampled, self._processor_state)):
-            array.delete()
-        self._prev_sampled = self._processor_state = None
+        self.processor_rows.delete()
+        self._prev_sampled.delete()
 
     # ---- the step ----
     def execute_model(self, sched: SchedulerOutput) -> StepOutput | None:
@@ -172,14 +164,14 @@ class ModelRunner:
         failed: dict[str, str] = {}  # request id -> why its host work failed: only it ends, with the error
         new_processed = [(row, new) for row, new in added if self.request_rows.processed[row]]
         if new_processed:
-            self._write_processor_rows(new_processed, failed)
-        if self.logits_processors and (added or removed):
-            self._update_processors(added, removed, failed)
+            self.processor_rows.write(new_processed, failed)
+        if self.processor_rows.users and (added or removed):
+            self.processor_rows.update_users(added, removed, failed)
         token_bucket = self._token_bucket(sched.num_scheduled_tokens)
         buffer, views = self._next_host_buffer(token_bucket)
         batching.pack(sched, rows, self.request_rows, views, self.block_size)
         mode = self.request_rows.batch_sample_mode(rows)
-        processed = bool(self.logits_processors) or bool(self.request_rows.processed[rows].any())
+        processed = bool(self.processor_rows.users) or bool(self.request_rows.processed[rows].any())
         most = int(self.request_rows.num_logprobs[rows].max())
         num_logprobs = None if most < 0 else next(k for k in self.logprob_buckets if k >= most)
         prompt_inputs, prompt_segments = self._prompt_logprob_inputs(sched, views, token_bucket)
@@ -244,13 +236,12 @@ class ModelRunner:
         num_reqs = fwd.logits.shape[0]
         if processed:
             bitmask = self._all_allowed_bitmask(num_reqs) if bitmask is None else bitmask
-            user_states = self._user_states(user_rows, num_reqs)
+            state, user_states = self.processor_rows.state, self.processor_rows.user_states(user_rows, num_reqs)
             sampler = self.executables.get(ExecutableKey(SAMPLER, num_reqs, mode, True), lambda: (
-                self.fns.sample_processed.lower(fwd.logits, fwd.words, self._processor_state, bitmask, user_states,
-                                                mode)))
+                self.fns.sample_processed.lower(fwd.logits, fwd.words, state, bitmask, user_states, mode)))
             with TraceAnnotation("dispatch"):
-                self._prev_sampled, self._processor_state = sampler(fwd.logits, fwd.words, self._processor_state,
-                                                                    bitmask, user_states)
+                self._prev_sampled, self.processor_rows.state = sampler(fwd.logits, fwd.words, state, bitmask,
+                                                                        user_states)
         elif mode == SampleMode.GREEDY:
             self._prev_sampled = fwd.greedy
         else:
@@ -281,15 +272,6 @@ class ModelRunner:
         buffer = self._host_buffers[token_bucket][0][0]
         return self.fns.forward.lower(self.weights.params, self.kv_cache.caches, self._prev_sampled, buffer,
                                       token_bucket)
-
-    def _user_states(self, rows: np.ndarray | None, num_reqs: int) -> tuple:
-        """The users' processors' states for the step: rows [n] int32, padded with -1 to num_reqs."""
-        if not self.logits_processors:
-            return ()
-        padded = np.full(num_reqs, -1, np.int32)
-        if rows is not None:
-            padded[:len(rows)] = rows
-        return tuple(p.state(padded) for p in self.logits_processors)
 
     def _all_allowed_bitmask(self, num_reqs: int) -> jax.Array:
         if num_reqs not in self._all_allowed:
@@ -323,51 +305,6 @@ class ModelRunner:
             inputs.append((pair[0], pair[1]))
         return inputs, segments
 
-    # ---- per-request state on the device ----
-    def _write_processor_rows(self, new_rows: list[tuple[int, NewRequestData]], failed: dict[str, str]) -> None:
-        """Write the ProcessorState rows of requests that took a row this step, WRITE_ROWS at a
-        time (with none, one call that writes nothing: warm_up's). A request whose rows cannot be
-        made goes into `failed`, its row left as it was."""
-        vocab = self.config.model.arch.vocab_size
-        for start in range(0, max(len(new_rows), 1), processors.WRITE_ROWS):
-            chunk = new_rows[start:start + processors.WRITE_ROWS]
-            rows = np.full(processors.WRITE_ROWS, self.request_rows.num_rows, np.int32)  # out of range: skipped
-            values = [np.zeros((processors.WRITE_ROWS, vocab), dtype)
-                      for dtype in (np.int32, bool, np.float32, bool)]
-            for i, (row, new) in enumerate(chunk):
-                params = new.sampling_params
-                try:
-                    state_rows = processors.request_state_rows(
-                        new.prompt_token_ids, new.output_token_ids, params.logit_bias, params.allowed_token_ids,
-                        new.banned_token_ids, new.stop_token_ids, vocab)
-                except Exception as e:
-                    logger.exception("request %s: its logits processors' rows failed", new.req_id)
-                    failed[new.req_id] = f"logits processors: {type(e).__name__}: {e}"
-                    continue
-                rows[i] = row
-                for array, value in zip(values, state_rows):
-                    array[i] = value
-            if self._write_rows_fn is None:
-                self._write_rows_fn = self.fns.write_rows.lower(self._processor_state, rows, *values).compile()
-            self._processor_state = self._write_rows_fn(self._processor_state, rows, *values)
-
-    def _update_processors(self, added: list[tuple[int, NewRequestData]], removed: list[int], failed: dict) -> None:
-        """Tell the users' processors who left and who joined, one joining request at a time: a
-        processor that fails on one request's arguments fails that request alone."""
-        if removed:
-            for processor in self.logits_processors:
-                processor.update_state(BatchUpdate([], removed))
-        for row, new in added:
-            update = BatchUpdate([AddedRequest(row, new.sampling_params, new.prompt_token_ids,
-                                               list(new.output_token_ids))], [])
-            for processor in self.logits_processors:
-                try:
-                    processor.update_state(update)
-                except Exception as e:
-                    logger.exception("request %s: logits processor %s failed", new.req_id, type(processor).__name__)
-                    failed[new.req_id] = f"logits processor {type(processor).__name__}: {type(e).__name__}: {e}"
-                    break
-
     # ---- compilation ----
     def warm_up(self, show_progress: bool = True) -> None:
         """Compile every executable now, so serving never compiles (executables.py), then run
@@ -377,7 +314,7 @@ class ModelRunner:
         split = self.executables.build(self._warm_up_keys(), self._lower, show_progress)
         compiled_s = time.perf_counter() - start
         distributed.barrier("jaxllm-compiled")  # other hosts may compile for longer
-        self._write_processor_rows([], {})
+        self.processor_rows.write([], {})
         request_buckets = set()
         for token_bucket in self.token_buckets:
             buffer, views = self._next_host_buffer(token_bucket)
@@ -426,14 +363,14 @@ class ModelRunner:
             return self.fns.logprobs.lower(logits, sampled, key.num_logprobs)
         if not key.processed:
             return self.fns.sample.lower(logits, words, key.mode)
-        return self.fns.sample_processed.lower(logits, words, self._processor_state,
+        return self.fns.sample_processed.lower(logits, words, self.processor_rows.state,
                                                self._all_allowed_bitmask(key.bucket),
-                                               self._user_states(None, key.bucket), key.mode)
+                                               self.processor_rows.user_states(None, key.bucket), key.mode)
 
     def _executable_store(self) -> compilation.ExecutableStore | None:
         """The store of this runner's executables, keyed by everything they are built from; none
         with users' logits processors (their code is not in the key) or over several hosts."""
-        if self.logits_processors or self.config.parallel.num_hosts > 1:
+        if self.processor_rows.users or self.config.parallel.num_hosts > 1:
             return None
         params = [(p.shape, p.dtype, p.sharding) for p in self.weights.params]
         caches = [(k.shape, k.dtype, k.sharding) for k, _ in self.kv_cache.caches]

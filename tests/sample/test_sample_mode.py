@@ -76,8 +76,8 @@ def test_the_step_holds_no_conditional():
                                                            buffer, token_bucket)
     texts += [runner.fns.sample.lower(logits, words, mode).as_text() for mode in list(SampleMode)[1:]]
     bitmask = runner._all_allowed_bitmask(logits.shape[0])
-    texts += [runner.fns.sample_processed.lower(logits, words, runner._processor_state, bitmask,
-                                                runner._user_states(None, logits.shape[0]), mode).as_text()
+    texts += [runner.fns.sample_processed.lower(logits, words, runner.processor_rows.state, bitmask,
+                                                runner.processor_rows.user_states(None, logits.shape[0]), mode).as_text()
               for mode in SampleMode]
     for text in texts:
         assert "stablehlo.if" not in text and "stablehlo.case" not in text

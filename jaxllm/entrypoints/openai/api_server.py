@@ -107,6 +107,7 @@ def build_app(engine, model_names: list[str], api_key: str | None = None, chat_t
               max_log_len: int | None = None, max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
               max_seqs_per_request: int = MAX_SEQS_PER_REQUEST) -> FastAPI:
     metrics = ServerMetrics(model_names[0], engine.config.model.max_model_len)
+    engine.stats_listeners.append(metrics.record_scheduler_stats)
     serving = OpenAIServing(engine, model_names, metrics, chat_template, max_log_len, max_seqs_per_request)
     limits = RequestLimits(max_request_body_bytes, max_seqs_per_request, engine.config.model.max_model_len)
 
@@ -201,9 +202,6 @@ def build_app(engine, model_names: list[str], api_key: str | None = None, chat_t
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        if not engine.errored:
-            with contextlib.suppress(EngineDeadError):
-                metrics.update_from_stats(await engine.get_stats())
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
