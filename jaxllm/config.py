@@ -64,6 +64,7 @@ class ParallelConfig:
     num_hosts: int = 1               # processes joined by jax.distributed into one mesh (executor/multihost.py)
     host_rank: int = 0
     coordinator_address: str | None = None
+    device_ids: tuple[int, ...] | None = None  # the devices of a caller's mesh (LLM(mesh=...)); None: the first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +76,7 @@ class Config:
     attention_backend: str
     seed: int
     logits_processors: tuple = ()  # LogitsProcessor subclasses (jaxllm/sample/logits_processor.py)
+    batch_invariant: bool = False  # a request's numbers do not depend on its batch (kernels/batch_invariant.py)
 
 
 @dataclasses.dataclass
@@ -120,6 +122,9 @@ class EngineArgs:
     logits_processors: list[type | str] | None = None
     # The engine core in its own process (EngineCoreProc); None reads $JAXLLM_ENABLE_MULTIPROCESSING (on unless "0").
     enable_multiprocessing: bool | None = None
+    # A request's tokens and logprobs bitwise the same whatever else is in its batch: every matmul,
+    # norm and attention reduction in one order for every batch (kernels/batch_invariant.py). Slower.
+    batch_invariant: bool = False
 
     def create_config(self, devices: DeviceFacts | None = None) -> Config:
         """The validated Config, for the devices `devices` describes (default: those a fresh process
@@ -143,6 +148,10 @@ class EngineArgs:
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
                f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         _check(self.load_format in ("auto", "dummy"), f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        _check(not self.batch_invariant or (self.tensor_parallel_size == 1 and self.quantization is None),
+               "batch_invariant runs with tensor_parallel_size=1 and no quantization (its kernels are not "
+               f"sharded, and FP8 GEMMs have their own), got tensor_parallel_size={self.tensor_parallel_size}, "
+               f"quantization={self.quantization!r}")
         _check(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         _check(self.data_parallel_size >= 1, f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         _check(self.pipeline_parallel_size == 1, "pipeline_parallel_size must be 1 (pipeline parallelism is "
@@ -203,6 +212,7 @@ class EngineArgs:
             attention_backend=self.attention_backend or devices.attention_backend,
             seed=self.seed,
             logits_processors=logits_processors,
+            batch_invariant=self.batch_invariant,
         )
 
 

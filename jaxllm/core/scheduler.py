@@ -42,6 +42,7 @@ class Scheduler:
         self._totals_at_last_stats = (0, 0)  # SchedulerStats carry the increments since
         self._finished_req_ids: list[str] = []
         self._preempted_req_ids: list[str] = []
+        self.paused = False  # admit no waiting request (EngineCore.pause, sleep): the running ones go on
         self._num_steps = 0
         # Per step not yet applied (SchedulerOutput.step_id), its requests: an id may name another
         # request by the time the step lands (the old one aborted, a new one given its id).
@@ -54,7 +55,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.running or (self.waiting and not self.paused))
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -83,7 +84,8 @@ class Scheduler:
                 i += 1
 
         # Admit waiting requests only in a step that preempted nothing: blocks are short.
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and not preempted and not self.paused
+               and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             num_new = min(self._num_pending_tokens(request) - num_cached, budget)
@@ -145,6 +147,13 @@ class Scheduler:
         n = request.num_output_placeholders
         out_of_tokens = request.max_tokens is not None and len(request.output_token_ids) + n >= request.max_tokens
         return out_of_tokens or request.num_tokens + n >= self.config.max_model_len
+
+    def preempt_all(self) -> None:
+        """Send every running request back to waiting, its KV freed and its tokens kept (it
+        recomputes them when admitted again). No step may be in flight."""
+        while self.running:
+            self._preempt(self.running.pop())
+            self.num_preemptions += 1
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

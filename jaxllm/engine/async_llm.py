@@ -160,6 +160,38 @@ class AsyncLLM(FrontEnd):
             raise self._dead
         return await self.engine_core.call_utility_async("reset_prefix_cache")
 
+    # ---- inside a training loop (docs/jax.md); the core is in a process of its own ----
+    async def pause_generation(self, mode: str = "wait") -> None:
+        """Admit no request until resume_generation (new ones wait): "wait" returns once the
+        running requests have finished, "abort" ends every unfinished one (finish_reason
+        "abort"), "keep" sends the running ones back to waiting, to go on after resume."""
+        await self.engine_core.call_utility_async("pause", mode)
+        while mode == "wait" and (await self.get_stats())["num_running"]:
+            await asyncio.sleep(0.01)
+
+    async def resume_generation(self) -> None:
+        await self.engine_core.call_utility_async("resume")
+
+    async def update_weights(self, path: str) -> None:
+        """New weights from a checkpoint's path (an HF folder or a .gguf file: device arrays do not
+        cross to the core's process), without a restart; see LLMEngine.update_weights."""
+        if not isinstance(path, str):
+            raise TypeError("AsyncLLM.update_weights takes a checkpoint's path: its engine core runs in a "
+                            "process of its own; for params in memory use LLM(params=..., mesh=...)")
+        await self.engine_core.call_utility_async("update_weights", path)
+
+    async def sleep(self, level: int = 1) -> None:
+        await self.engine_core.call_utility_async("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.engine_core.call_utility_async("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        return await self.engine_core.call_utility_async("is_sleeping")
+
+    async def collective_rpc(self, method: str, args: tuple = ()):
+        return await self.engine_core.call_utility_async("collective_rpc", method, list(args))
+
     async def start_profile(self, log_dir: str | None = None) -> None:
         """As LLMEngine.start_profile."""
         await self.engine_core.call_utility_async("start_profile", self._profile_dir(log_dir))

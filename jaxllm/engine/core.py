@@ -44,10 +44,14 @@ logger = logging.getLogger(__name__)
 
 
 
+PAUSE_MODES = ("wait", "abort", "keep")
+
+
 class EngineCore:
-    def __init__(self, config: Config, show_progress: bool = True):
+    def __init__(self, config: Config, show_progress: bool = True, params=None):
+        """params: the model's params in memory (an engine in the caller's process), else its checkpoint's."""
         self.config = config
-        self.executor = make_executor(config, show_progress)
+        self.executor = make_executor(config, show_progress, params)
         logger.info(self.executor.describe())
         kv = KVCacheManager(self.executor.num_blocks, config.cache.block_size, self.executor.kv_layout,
                             config.cache.enable_prefix_caching)
@@ -57,6 +61,8 @@ class EngineCore:
         self._grammar_compiler = None  # made for the first request with structured outputs
         # Outputs made outside a step (a request rejected on arrival, a failed token mask), for the next step's.
         self._pending: list[EngineCoreOutput] = []
+        self._paused = False  # pause_generation: no request is admitted until resume
+        self._sleep_level = 0
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; one the core cannot take ends at once with an error, alone."""
@@ -171,6 +177,75 @@ class EngineCore:
         message = f"{type(error).__name__}: {error}"
         return EngineCoreOutputs([EngineCoreOutput(i, [], "error", error=message) for i in ids],
                                  time.monotonic(), self.scheduler.make_stats())
+
+    # ---- generation paused, weights updated, memory freed (an engine inside a training loop) ----
+    def pause(self, mode: str = "wait") -> None:
+        """Admit no request until resume. "wait": the running ones go on to their end (the front end
+        waits for them); "abort": every unfinished request ends with finish_reason "abort";
+        "keep": the running ones go back to waiting, their KV freed and their tokens kept, to go on
+        (recomputing their KV, under new weights if there are) after resume."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self._pending += self._apply_all()
+        self._paused = True
+        self.scheduler.paused = True
+        if mode == "abort":
+            ids = list(self.scheduler.requests)
+            self.abort_requests(ids)
+            self._pending += [EngineCoreOutput(i, [], "abort") for i in ids]
+        elif mode == "keep":
+            self.scheduler.preempt_all()
+
+    def resume(self) -> None:
+        self._paused = False
+        self.scheduler.paused = self._sleep_level > 0
+
+    def _check_quiet(self, what: str) -> None:
+        """Only with no request running, and none waiting unless paused: their KV (and the prefix
+        cache's) came from the weights being replaced or freed."""
+        self._pending += self._apply_all()
+        if self.scheduler.running or (self.scheduler.waiting and not self._paused):
+            raise ValueError(f"{what} while requests run: pause_generation() first (mode 'wait', 'abort' or "
+                             "'keep'), or let them finish")
+
+    def update_weights(self, source) -> None:
+        """New weights (params in memory, or a checkpoint's path; see ModelRunner.update_weights);
+        the prefix cache forgets the old weights' KV."""
+        self._check_quiet("update_weights")
+        self.executor.collective_rpc("update_weights", source)
+        self.scheduler.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache and the prefix cache (level 1), and the weights too (level 2)."""
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        self._check_quiet("sleep")
+        self.scheduler.reset_prefix_cache()
+        self.executor.collective_rpc("sleep", level)
+        self._sleep_level = max(self._sleep_level, level)
+        self.scheduler.paused = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Make again what sleep freed ("weights", "kv_cache"; default both)."""
+        tags = list(tags or ("weights", "kv_cache"))
+        if bad := [t for t in tags if t not in ("weights", "kv_cache")]:
+            raise ValueError(f"tags must be 'weights' and/or 'kv_cache', got {bad}")
+        self.executor.collective_rpc("wake_up", tags)
+        if "kv_cache" in tags:
+            self._sleep_level = 0
+            self.scheduler.paused = self._paused
+
+    def is_sleeping(self) -> bool:
+        return self._sleep_level > 0
+
+    def get_params(self) -> dict:
+        return self.executor.collective_rpc("get_params")
+
+    def collective_rpc(self, method: str, args: list | tuple = ()):
+        """Call a method of every model runner (vLLM's collective_rpc); this host's result."""
+        if method.startswith("_"):
+            raise AttributeError(f"{method} is not a runner method")
+        return self.executor.collective_rpc(method, *args)
 
     # ---- utility calls (the clients' call_utility) ----
     def get_stats(self) -> dict:

@@ -41,9 +41,9 @@ logger = logging.getLogger(__name__)
 
 
 class InprocClient:
-    def __init__(self, config: Config, show_progress: bool = True):
+    def __init__(self, config: Config, show_progress: bool = True, params=None):
         from jaxllm.engine.core import EngineCore  # the model and kernels: only where they run
-        self.core = EngineCore(config, show_progress)
+        self.core = EngineCore(config, show_progress, params)
         self.config = config
         self.description = self.core.describe()
         self._finalizer = weakref.finalize(self, self.core.shutdown)
@@ -212,8 +212,11 @@ def _route(message: bytes, decoder: MsgpackDecoder, put_output, futures: dict, p
     if future is not None and not future.done():
         if result.failure is None:
             future.set_result(result.result)
-        else:
-            future.set_exception(RuntimeError(f"engine core utility call failed: {result.failure}"))
+        else:  # the caller's mistake stays its kind (a ValueError naming the field); anything else is the core's
+            kind, _, message = result.failure.partition(": ")
+            error = {"ValueError": ValueError, "TypeError": TypeError}.get(kind)
+            future.set_exception(error(message) if error else
+                                 RuntimeError(f"engine core utility call failed: {result.failure}"))
     return True
 
 

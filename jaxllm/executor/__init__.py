@@ -10,10 +10,13 @@ as local processes or, across a Ray cluster, as Ray actors (jaxllm/engine/ray_dp
 from jaxllm.config import Config
 
 
-def make_executor(config: Config, show_progress: bool = True):
-    """The executor `config.parallel` asks for, its runners built and warmed up."""
+def make_executor(config: Config, show_progress: bool = True, params=None):
+    """The executor `config.parallel` asks for, its runners built and warmed up (on `params` in
+    memory if given: one process only)."""
     if config.parallel.num_hosts > 1:
+        if params is not None:
+            raise ValueError("params in memory need one process: num_hosts must be 1")
         from jaxllm.executor.multihost import MultiHostExecutor
         return MultiHostExecutor(config, show_progress)
     from jaxllm.executor.uniproc import UniprocExecutor
-    return UniprocExecutor(config, show_progress)
+    return UniprocExecutor(config, show_progress, params)

@@ -9,8 +9,8 @@ from jaxllm.worker.step_output import StepOutput
 class UniprocExecutor:
     needs_heartbeat = False  # no other process waits on this one
 
-    def __init__(self, config: Config, show_progress: bool = True):
-        self.runner = ModelRunner(config, show_progress)
+    def __init__(self, config: Config, show_progress: bool = True, params=None):
+        self.runner = ModelRunner(config, show_progress, params)
         self.runner.warm_up(show_progress)
 
     @property

@@ -29,6 +29,10 @@ class KVCache:
                 f"({config.model.max_model_len}) tokens takes ({self.blocks_per_request()}): raise "
                 "gpu_memory_utilization or num_gpu_blocks_override, or lower max_model_len")
         self.caches: list[tuple[jax.Array, jax.Array]] | None = None
+        shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        # Compiled once and kept: a cache made again (after a failed step, a wake-up) compiles nothing.
+        self._zeros = jax.jit(lambda: jnp.zeros(shape, config.cache.cache_dtype),
+                              out_shardings=kv_cache_sharding(mesh)).lower().compile()
 
     @property
     def bytes_per_block(self) -> int:
@@ -82,10 +86,7 @@ class KVCache:
     def allocate(self) -> None:
         """Zeroed caches on the mesh (a block's old contents never matter: a step writes a
         slot before any step reads it)."""
-        shape = (self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
-        zeros = jax.jit(lambda: jnp.zeros(shape, self.config.cache.cache_dtype),
-                        out_shardings=kv_cache_sharding(self.mesh))
-        self.caches = jax.block_until_ready([(zeros(), zeros()) for _ in range(self.layout.num_tensors)])
+        self.caches = jax.block_until_ready([(self._zeros(), self._zeros()) for _ in range(self.layout.num_tensors)])
 
     def delete(self) -> None:
         """Free the caches' memory now (those a failed step consumed are gone already)."""

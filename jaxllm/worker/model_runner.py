@@ -35,7 +35,7 @@ from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.sample.sampler import SampleMode
 from jaxllm.sharding import make_mesh, replicated
 from jaxllm.utils import cdiv
-from jaxllm.worker import input_batch as batching, kv_heads
+from jaxllm.worker import input_batch as batching, kv_heads, model_loader
 from jaxllm.worker.executables import FORWARD, LOGPROBS, PROMPT_LOGPROBS, SAMPLER, ExecutableKey, Executables
 from jaxllm.worker.kv_cache import KVCache
 from jaxllm.worker.model_loader import load_weights
@@ -72,19 +72,21 @@ class _Step(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, config: Config, show_progress: bool = False):
+    def __init__(self, config: Config, show_progress: bool = False, params=None):
+        """params: the model's params in memory (models/params.py's layouts), instead of its checkpoint."""
         self.config = config
         mc, sc = config.model, config.scheduler
         self.block_size = config.cache.block_size
         self.max_blocks_per_seq = cdiv(mc.max_model_len, self.block_size)
-        self.mesh = make_mesh(config.parallel.tensor_parallel_size)
+        self.mesh = make_mesh(config.parallel.tensor_parallel_size, device_ids=config.parallel.device_ids)
         compilation.install_compile_counter()
         compilation.enable_persistent_cache()
 
         start = time.perf_counter()
-        repeat = kv_heads.kv_head_repeat(mc.arch, config.parallel.tensor_parallel_size)
-        self.arch = kv_heads.replicated_arch(mc.arch, repeat)  # what runs: KV heads repeated to one per device
-        self.weights = load_weights(config, self.arch, self.mesh, repeat, show_progress)
+        self._repeat = kv_heads.kv_head_repeat(mc.arch, config.parallel.tensor_parallel_size)
+        self.arch = kv_heads.replicated_arch(mc.arch, self._repeat)  # what runs: KV heads repeated to one per device
+        self.weights = load_weights(config, self.arch, self.mesh, self._repeat, show_progress, params)
+        self._from_memory = params is not None  # no checkpoint to wake sleeping weights from
         self.startup_s = {"weights": time.perf_counter() - start}  # then "kv_cache", "compile" (warm_up)
         self.compile_split = ""  # what the compile phase spent its time on (warm_up)
         self.kv_layout = model_kv_layout(self.arch)  # the KV cache groups: one block table each
@@ -116,8 +118,8 @@ class ModelRunner:
         # costs a fifth of one of 20 at [256, 128k] on an H200 (above 16, XLA sorts the rows).
         self.logprob_buckets = sorted({0, min(8, self.num_logprobs), self.num_logprobs})
         self.fns = StepFunctions(self.weights.graphdef, self.weights.treedef, get_attention_fn(
-            config.attention_backend, self.mesh), layouts, sc.max_num_seqs, self.mesh, self.kv_layout.num_tensors,
-            user_processors, self.num_logprobs)
+            config.attention_backend, self.mesh, config.batch_invariant), layouts, sc.max_num_seqs, self.mesh,
+            self.kv_layout.num_tensors, user_processors, self.num_logprobs, config.batch_invariant)
         self.processor_rows = ProcessorRows(config, user_processors, self.fns.write_rows,
                                             self.fns.processor_state_sharding)
         self._prev_sampled = self._zero_sampled()
@@ -148,6 +150,50 @@ class ModelRunner:
         self._waiting = None
         self._prev_sampled = self._zero_sampled()
         self.processor_rows.reset()
+
+    # ---- weights and memory (an engine inside a JAX program) ----
+    def get_params(self) -> dict:
+        """The params as a nested dict (the engine's layout): the engine's own arrays."""
+        return self.weights.as_dict()
+
+    def update_weights(self, source) -> None:
+        """New weights in place of the old, in the same shardings (the executables stay valid):
+        `source` is params in memory (either layout of models/params.py) or a checkpoint's path;
+        checked whole before any param changes. FP8 weights are quantized again on the device."""
+        model_loader.update(self.weights, model_loader.new_params(self.config, self.arch, self.mesh, self._repeat,
+                                                                  source))
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache and the per-request state (level 1), and the weights too (level 2)."""
+        self.kv_cache.delete()
+        self.processor_rows.delete()
+        self._prev_sampled.delete()
+        for array in self._all_allowed.values():
+            array.delete()
+        self._all_allowed.clear()
+        self.request_rows.clear()
+        self._waiting = None
+        if level == 2:
+            self.weights.delete()
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Make again what sleep freed: "weights" (from the checkpoint; an engine given its params
+        in memory takes new ones through update_weights instead) and "kv_cache" (and the
+        per-request state). Same shapes and shardings: nothing compiles."""
+        if "weights" in tags and self.weights.deleted:
+            if self._from_memory:
+                raise ValueError("this engine's weights came from memory and slept at level 2: pass them "
+                                 "to update_weights, which wakes them")
+            self.weights = load_weights(self.config, self.arch, self.mesh, self._repeat)
+        if "kv_cache" in tags and self.kv_cache.caches is None:
+            self.kv_cache.allocate()
+            self.processor_rows.reset()
+            self._prev_sampled = self._zero_sampled()
+
+    def logprobs_fn(self):
+        """The model's plain full-sequence logprobs, a pure function of params (sequence_logprobs.py)."""
+        from jaxllm.worker.sequence_logprobs import make_logprobs_fn
+        return make_logprobs_fn(self)
 
     def shutdown(self) -> None:
         """Free the device memory now (weights and KV cache), not when a collector finds it."""

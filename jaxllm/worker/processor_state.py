@@ -23,12 +23,12 @@ class ProcessorRows:
         the processed sampler); write_rows: the jitted processors.write_rows; sharding: the state's."""
         self.num_rows, self.vocab_size = config.scheduler.max_num_seqs, config.model.arch.vocab_size
         self.users = users
-        self._write_rows, self._sharding = write_rows, sharding
+        self._write_rows = write_rows
         self._write_rows_fn: jax.stages.Compiled | None = None
+        num_rows, vocab_size = self.num_rows, self.vocab_size
+        self._zeros = jax.jit(lambda: processors.zero_state(num_rows, vocab_size),  # compiled once: reset compiles nothing
+                              out_shardings=sharding).lower().compile()
         self.state = self._zeros()
-
-    def _zeros(self) -> ProcessorState:
-        return jax.jit(lambda: processors.zero_state(self.num_rows, self.vocab_size), out_shardings=self._sharding)()
 
     def reset(self) -> None:
         self.state = self._zeros()
