@@ -40,9 +40,8 @@ def get_attention_fn(name: str, mesh=None, batch_invariant: bool = False):
     the reference in fixed blocks of tokens, or a GPU backend without split-K."""
     fn = _backend(name)
     if batch_invariant:
-        from jaxllm.kernels import batch_invariant as invariant, pallas_attention
-        fn = invariant.reference_attention if name == "reference" else functools.partial(
-            pallas_attention.paged_attention, num_splits=1, interpret=jax.default_backend() != "gpu")
+        from jaxllm.kernels import batch_invariant as invariant
+        fn = invariant.reference_attention if name == "reference" else invariant.pallas_attention
     if mesh is None or mesh.shape["model"] == 1:
         return fn
     return _per_device_heads(fn, mesh)

@@ -12,7 +12,8 @@ for every batch, and each output element is reduced in one fixed order:
   float32 accumulator; BN and BK depend only on the weight's shape, BM on the platform.
 - rms_normalize(x, eps): a Pallas kernel over [BR, D] row blocks.
 - log_softmax(x): in blocks of BR rows.
-- attention: the reference in blocks of BR tokens (CPU), or Pallas with no split-K (GPU).
+- attention: the reference in blocks of BR tokens (CPU), or the Pallas kernel in one launch shape
+  for every bucket, with no split-K (GPU).
 
 Both kernels have a custom VJP through plain jnp, so the forward a trainer differentiates can
 use them. The model's Linear and RMSNorm take these forms while `enabled()` (the runner traces
@@ -55,7 +56,9 @@ def _block_m() -> int:
     return 16 if _interpret() else 64
 
 
-def _divisor(n: int, choices=(128, 64, 32, 16, 8)) -> int:
+def _divisor(n: int, choices=(64, 32, 16, 8)) -> int:
+    """The largest of `choices` that divides n. BN of 64: at decode's few rows the grid is
+    N / BN programs, and fewer than the SMs leave bandwidth unused."""
     return next((c for c in choices if n % c == 0), 1)
 
 
@@ -158,6 +161,21 @@ def log_softmax(x):
 
 
 # ---- attention ----
+
+def pallas_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs, *, scale,
+                     sliding_window=None, soft_cap=None):
+    """The Pallas kernel in one launch shape for every bucket and every token, prefill or decode
+    (its plan would pick the shape, and split-K, from the bucket): 16-row q blocks, 16 KiB K/V
+    tiles, no split."""
+    from jaxllm.kernels import pallas_attention as kernel
+    head_dim, group = q.shape[-1], q.shape[1] // k_cache.shape[2]
+    tile = max(16, min(64, 16384 // (head_dim * k_cache.dtype.itemsize)))
+    return kernel.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs,
+                                  scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                                  block_m=max(16, 1 << max(0, (group - 1).bit_length())), tile=tile, num_splits=1,
+                                  num_warps=4, num_stages=3, head_major=True, prefetch=True,
+                                  interpret=_interpret())
+
 
 def reference_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs, *, scale,
                         sliding_window=None, soft_cap=None, every_block=False):

@@ -25,6 +25,9 @@ class ModelWeights:
     params: list[jax.Array]
     paths: list[ParamPath]  # params[i]'s path in the model, e.g. ("layers", 0, "mlp", "down_proj", "kernel")
 
+    def __post_init__(self):
+        self.index = {path: i for i, path in enumerate(self.paths)}
+
     @classmethod
     def of(cls, model) -> "ModelWeights":
         graphdef, state = nnx.split(model)
@@ -43,14 +46,10 @@ class ModelWeights:
     def set(self, path: ParamPath, value: jax.Array) -> None:
         """Put `value` (in the old param's shape, dtype and sharding) in place of the param at
         `path`, and free the old one now."""
-        i = self._index[path]
+        i = self.index[path]
         old, self.params[i] = self.params[i], value
         if not old.is_deleted():
             old.delete()
-
-    @property
-    def _index(self) -> dict[ParamPath, int]:
-        return {path: i for i, path in enumerate(self.paths)}
 
     @property
     def deleted(self) -> bool:
@@ -91,14 +90,26 @@ def load_weights(config: Config, arch: ModelArchConfig, mesh: jax.sharding.Mesh,
     return ModelWeights.of(model)
 
 
-def new_params(config: Config, arch: ModelArchConfig, mesh: jax.sharding.Mesh, repeat: int,
+@dataclasses.dataclass(frozen=True)
+class ParamSpecs:
+    """What new params must be: the unquantized model's abstract params and their shardings
+    (made once: tracing the model's shapes takes a good part of a second)."""
+    abstract: dict
+    shardings: dict
+
+    @classmethod
+    def of(cls, arch: ModelArchConfig, dtype, mesh: jax.sharding.Mesh) -> "ParamSpecs":
+        _, abstract = abstract_params(arch, dtype)
+        return cls(abstract, param_shardings(abstract, mesh))
+
+
+def new_params(config: Config, arch: ModelArchConfig, mesh: jax.sharding.Mesh, repeat: int, specs: ParamSpecs,
                source: Mapping | str) -> Iterator[tuple[ParamPath, jax.Array]]:
     """(path, array) of the model's unquantized params from `source`: params in memory (either
     layout), or a checkpoint's path (an HF folder or a .gguf file). The whole source is checked
     first: a bad one raises ValueError before any param comes."""
     mc = config.model
-    _, abstract = abstract_params(arch, mc.dtype)
-    shardings = param_shardings(abstract, mesh)
+    abstract, shardings = specs.abstract, specs.shardings
     if isinstance(source, str):
         fmt = "gguf" if source.endswith(".gguf") else "hf"
         weights = kv_heads.replicate_kv_weights(iter_weights(source, fmt), mc.arch.head_dim, repeat)
@@ -115,7 +126,7 @@ def update(weights: ModelWeights, values: Iterator[tuple[ParamPath, jax.Array]])
     """Put each new unquantized param in place of the old, quantizing it first where the weights
     hold an FP8 Linear (its kernel and scale, in their shardings): at most one param's new and
     old copies are alive together."""
-    index = weights._index
+    index = weights.index
     for path, value in values:
         scale_path = (*path[:-1], "scale")
         if path[-1] == "kernel" and scale_path in index:

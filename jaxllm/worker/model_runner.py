@@ -87,6 +87,7 @@ class ModelRunner:
         self.arch = kv_heads.replicated_arch(mc.arch, self._repeat)  # what runs: KV heads repeated to one per device
         self.weights = load_weights(config, self.arch, self.mesh, self._repeat, show_progress, params)
         self._from_memory = params is not None  # no checkpoint to wake sleeping weights from
+        self._param_specs: model_loader.ParamSpecs | None = None  # what update_weights takes: made at the first
         self.startup_s = {"weights": time.perf_counter() - start}  # then "kv_cache", "compile" (warm_up)
         self.compile_split = ""  # what the compile phase spent its time on (warm_up)
         self.kv_layout = model_kv_layout(self.arch)  # the KV cache groups: one block table each
@@ -160,8 +161,10 @@ class ModelRunner:
         """New weights in place of the old, in the same shardings (the executables stay valid):
         `source` is params in memory (either layout of models/params.py) or a checkpoint's path;
         checked whole before any param changes. FP8 weights are quantized again on the device."""
+        if self._param_specs is None:
+            self._param_specs = model_loader.ParamSpecs.of(self.arch, self.config.model.dtype, self.mesh)
         model_loader.update(self.weights, model_loader.new_params(self.config, self.arch, self.mesh, self._repeat,
-                                                                  source))
+                                                                  self._param_specs, source))
 
     def sleep(self, level: int) -> None:
         """Free the KV cache and the per-request state (level 1), and the weights too (level 2)."""
