@@ -1,4 +1,4 @@
-"""The logits processors end to end (issue 10, tests 1, 5): each penalty, logit bias,
+"""The logits processors end to end: each penalty, logit bias,
 allowed tokens and bad words on the tiny Llama in fp32 against a greedy loop over the
 model's own logits with the numpy reference of tests/sample/test_processors.py; min_tokens
 and bad words hold; requests with processors survive preemption; a batch mixing them

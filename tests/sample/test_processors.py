@@ -1,6 +1,6 @@
 """The logits processors (jaxllm/sample/processors.py) against a plain numpy
 reference on random logits: each penalty, the logit bias, allowed tokens, one-token bad
-words, min_tokens and the host's bitmask, alone and mixed in one batch (issue 10, test 1)."""
+words, min_tokens and the host's bitmask, alone and mixed in one batch."""
 import jax
 import jax.numpy as jnp
 import numpy as np
