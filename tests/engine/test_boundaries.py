@@ -187,6 +187,7 @@ ENGINE_INVALID = {
                                    st.lists(st.sampled_from([int, dict]), min_size=1), not_of(list, type(None))),
     "enable_multiprocessing": not_of(bool, type(None)),
     "enable_prefix_caching": NOT_BOOL,
+    "batch_invariant": NOT_BOOL,
     "data_parallel_size": st.one_of(st.integers(max_value=0), not_of(int)),
     "pipeline_parallel_size": st.one_of(st.integers().filter(lambda n: n != 1), not_of(int)),
     "revision": not_of(str, type(None)),
