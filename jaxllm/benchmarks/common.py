@@ -21,6 +21,22 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def positive_ints(text: str) -> list[int]:
+    """A comma-separated list of positive ints, e.g. "1,64,256"."""
+    return [positive_int(item) for item in text.split(",")]
+
+
+def names_from(choices):
+    """An argparse type: a comma-separated list of names, each one of `choices`."""
+    def parse(text: str) -> list[str]:
+        names = text.split(",")
+        for name in names:
+            if name not in choices:
+                raise argparse.ArgumentTypeError(f"{name!r} is not one of {', '.join(choices)}")
+        return names
+    return parse
+
+
 def range_ratio(text: str) -> float:
     value = float(text)
     if not 0.0 <= value < 1.0:
