@@ -2,7 +2,8 @@
 [256, 128256], the 8B's vocabulary at batch 256), each jitted alone on random float32 logits,
 with the argmax (greedy) as the baseline: the random draw, the top-k / top-p / min-p filters
 (and the top-p filter's search at other bits a pass), a sort and lax.top_k alone, the logprobs,
-the logits processors (penalties, bad words, the token mask) and counting the sampled ids.
+the logits processors (the token mask, logit bias, min_tokens and the penalties) and counting
+the sampled ids.
 
 Timing: the host's clock around each call and its block_until_ready, the median of --iters
 calls after one warm-up (device_timing.median_s); each figure includes the call's dispatch
