@@ -211,7 +211,7 @@ def main(argv=None) -> int:
             from jaxllm.executor.multihost import run_worker
             with user_errors():
                 return run_worker(engine_args_from(ns))
-        with user_errors():  # the engine's start, and its checks of the bench's requests
+        with user_errors():  # the engine's start and its checks of a bench's requests; a bench's checks of its flags
             if ns.bench in ENGINE_BENCHES:
                 return ENGINE_BENCHES[ns.bench].main(ns, engine_args_from(ns))
             return OTHER_BENCHES[ns.bench].main(ns)

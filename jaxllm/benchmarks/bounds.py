@@ -25,7 +25,7 @@ table (a step gathers B of its rows). c is input_len + output_len / 2, the mean 
 import json
 import os
 
-from jaxllm.benchmarks.common import positive_int, positive_ints
+from jaxllm.benchmarks.common import cell, positive_int, positive_ints, read_json, write_json
 from jaxllm.benchmarks.device_timing import median_s, torch_median_s
 
 HELP = "the device's copy and matmul ceilings, and a decode step's bounds beside jaxllm's and HF's steps"
@@ -57,16 +57,19 @@ def jax_ceilings(copy_bytes: int, matmul_n: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    x = jax.random.normal(jax.random.key(0), (copy_bytes // 2,), jnp.bfloat16)
-    add_one = jax.jit(lambda a: a + 1)  # not a bare copy, which XLA may elide
-    copy_s = median_s(lambda: add_one(x).block_until_ready())
-    del x
-    a = jax.random.normal(jax.random.key(1), (matmul_n, matmul_n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(2), (matmul_n, matmul_n), jnp.bfloat16)
-    dot = jax.jit(jnp.dot)
-    matmul_s = median_s(lambda: dot(a, b).block_until_ready())
-    return {"device": jax.devices()[0].device_kind, "copy_Bps": 2 * copy_bytes / copy_s,
-            "matmul_flops": 2 * matmul_n ** 3 / matmul_s}
+    def copy_s() -> float:
+        x = jax.random.normal(jax.random.key(0), (copy_bytes // 2,), jnp.bfloat16)
+        add_one = jax.jit(lambda a: a + 1)  # not a bare copy, which XLA may elide
+        return median_s(lambda: add_one(x).block_until_ready())
+
+    def matmul_s() -> float:
+        a = jax.random.normal(jax.random.key(1), (matmul_n, matmul_n), jnp.bfloat16)
+        b = jax.random.normal(jax.random.key(2), (matmul_n, matmul_n), jnp.bfloat16)
+        dot = jax.jit(jnp.dot)
+        return median_s(lambda: dot(a, b).block_until_ready())
+
+    return {"device": jax.devices()[0].device_kind, "copy_Bps": 2 * copy_bytes / copy_s(),
+            "matmul_flops": 2 * matmul_n ** 3 / matmul_s()}
 
 
 def torch_ceilings(copy_bytes: int, matmul_n: int) -> dict | None:
@@ -77,15 +80,19 @@ def torch_ceilings(copy_bytes: int, matmul_n: int) -> dict | None:
         return None
     if not torch.cuda.is_available():
         return None
-    x = torch.randn(copy_bytes // 2, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
-    copy_s = torch_median_s(lambda: y.copy_(x), warmup=3, iters=20)
-    del x, y
-    a = torch.randn(matmul_n, matmul_n, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(matmul_n, matmul_n, dtype=torch.bfloat16, device="cuda")
-    matmul_s = torch_median_s(lambda: torch.mm(a, b), warmup=3, iters=20)
-    return {"device": torch.cuda.get_device_name(), "copy_Bps": 2 * copy_bytes / copy_s,
-            "matmul_flops": 2 * matmul_n ** 3 / matmul_s}
+
+    def copy_s() -> float:
+        x = torch.randn(copy_bytes // 2, dtype=torch.bfloat16, device="cuda")
+        y = torch.empty_like(x)
+        return torch_median_s(lambda: y.copy_(x), warmup=3, iters=20)
+
+    def matmul_s() -> float:
+        a = torch.randn(matmul_n, matmul_n, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(matmul_n, matmul_n, dtype=torch.bfloat16, device="cuda")
+        return torch_median_s(lambda: torch.mm(a, b), warmup=3, iters=20)
+
+    return {"device": torch.cuda.get_device_name(), "copy_Bps": 2 * copy_bytes / copy_s(),
+            "matmul_flops": 2 * matmul_n ** 3 / matmul_s()}
 
 
 def ceilings(ns) -> int:
@@ -99,8 +106,7 @@ def ceilings(ns) -> int:
     result.update(framework=ns.framework, copy_bytes=ns.copy_bytes, matmul_n=ns.matmul_n)
     print(f"{ns.framework}: copy {result['copy_Bps'] / 1e12:.3g} TB/s, bf16 matmul "
           f"{result['matmul_flops'] / 1e12:.3g} TFLOP/s ({result['device']})")
-    with open(ns.output_json, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(ns.output_json, result)
     return 0
 
 
@@ -131,28 +137,16 @@ def bounds(sizes: dict, ceil: dict, batch: int, context: int) -> dict:
             "bound_tok_s": batch / max(memory_s, compute_s)}
 
 
-def _load(path: str):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _fmt(value, spec: str = ",.0f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def table(ns) -> int:
-    measured = {name: _load(os.path.join(ns.dir, f"ceilings_{name}.json")) for name in ("jax", "torch")}
+    measured = {name: read_json(os.path.join(ns.dir, f"ceilings_{name}.json")) for name in ("jax", "torch")}
     measured = {name: r for name, r in measured.items() if r}
     # The device's ceilings: the faster framework's figure of each.
     ceil = measured and {"copy_Bps": max(r["copy_Bps"] for r in measured.values()),
                          "matmul_flops": max(r["matmul_flops"] for r in measured.values()),
                          "device": next(iter(measured.values()))["device"], **measured}
-    step = _load(os.path.join(ns.dir, "step.json"))
-    hf = _load(os.path.join(ns.dir, "hf.json"))
-    throughput = _load(os.path.join(ns.dir, "throughput.json"))
+    step = read_json(os.path.join(ns.dir, "step.json"))
+    hf = read_json(os.path.join(ns.dir, "hf.json"))
+    throughput = read_json(os.path.join(ns.dir, "throughput.json"))
     sizes = model_sizes(ns.config, ns.dtype_bytes)
     context = ns.input_len + ns.output_len // 2
     jax_rows = {r["batch"]: r for r in (step or {}).get("rows", [])}
@@ -194,10 +188,10 @@ def table(ns) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         speedup = r["jaxllm_tok_s"] / r["hf_tok_s"] if r["jaxllm_tok_s"] and r["hf_tok_s"] else None
-        print(f"| {r['batch']} | {_fmt(r['jaxllm_step_ms'], '.2f')} | {_fmt(r['jaxllm_device_ms'], '.2f')} "
-              f"| {_fmt(r['jaxllm_tok_s'])} | {_fmt(r['hf_step_ms'], '.2f')} | {_fmt(r['hf_tok_s'])} "
-              f"| {_fmt(r.get('memory_bound_tok_s'))} | {_fmt(r.get('compute_bound_tok_s'))} "
-              f"| {_fmt(r.get('jaxllm_pct_of_bound'), '.0f')} | {_fmt(speedup, '.2f')} |")
+        print(f"| {r['batch']} | {cell(r['jaxllm_step_ms'], '.2f')} | {cell(r['jaxllm_device_ms'], '.2f')} "
+              f"| {cell(r['jaxllm_tok_s'])} | {cell(r['hf_step_ms'], '.2f')} | {cell(r['hf_tok_s'])} "
+              f"| {cell(r.get('memory_bound_tok_s'))} | {cell(r.get('compute_bound_tok_s'))} "
+              f"| {cell(r.get('jaxllm_pct_of_bound'), '.0f')} | {cell(speedup, '.2f')} |")
     if throughput:
         t = throughput
         print(f"\njaxllm bench throughput: {t['num_requests']} prompts, {t['input_len']} in / {t['output_len']} out: "
@@ -214,8 +208,7 @@ def table(ns) -> int:
                "context": context, "model_sizes": sizes, "ceilings": ceil, "rows": rows,
                "throughput": throughput and {k: v for k, v in throughput.items()
                                              if k not in ("prompt_lens", "output_lens")}}
-    with open(os.path.join(ns.dir, "bench.json") if ns.summary is None else ns.summary, "w") as f:
-        json.dump(summary, f, indent=2)
+    write_json(os.path.join(ns.dir, "bench.json") if ns.summary is None else ns.summary, summary)
     if ns.png:
         try:
             plot(rows, ns.png, title, hf_label)
@@ -265,7 +258,7 @@ def main(ns) -> int:
         return ceilings(ns)
     if ns.bounds_command == "table":
         return table(ns)
-    summary = _load(ns.summary)
+    summary = read_json(ns.summary)
     if summary is None:
         raise ValueError(f"cannot read {ns.summary}")
     plot(summary["rows"], ns.png, summary["title"], summary["hf_label"])

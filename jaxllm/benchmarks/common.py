@@ -106,6 +106,20 @@ def write_json(path: str | None, result: dict) -> None:
             json.dump(result, f, indent=1)
 
 
+def read_json(path: str) -> dict | None:
+    """A result a bench wrote, or None where the run wrote none (or was cut short mid-file)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def cell(value, spec: str = ",.0f") -> str:
+    """A table's cell: the value formatted, or "-" where nothing was measured."""
+    return "-" if value is None else format(value, spec)
+
+
 def report_failures(failed: list[str]) -> int:
     """Print each failure; the bench's exit status."""
     for failure in failed:

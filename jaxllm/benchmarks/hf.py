@@ -16,12 +16,11 @@ Each generate is checked to return every request's full length.
 A batch whose estimated time would pass --budget-s is skipped; the JSON (--output-json)
 is rewritten after each batch, so a run cut short keeps what it measured.
 """
-import json
 import os
 import statistics
 import time
 
-from jaxllm.benchmarks.common import positive_int, positive_ints
+from jaxllm.benchmarks.common import positive_int, positive_ints, write_json
 
 HELP = "HF transformers' decode step (static cache, torch.compile) on random weights: the baseline"
 
@@ -139,11 +138,7 @@ def main(ns) -> int:
     print(f"HF {transformers.__version__} / torch {torch.__version__}: {num_params / 1e9:.2f}B parameters "
           f"({ns.dtype}) on {result['device_name']} in {result['build_s']} s", flush=True)
 
-    def write():
-        with open(ns.output_json, "w") as f:
-            json.dump(result, f, indent=2)
-
-    write()
+    write_json(ns.output_json, result)
     last = None  # the last batch's row
     for batch in ns.batch_sizes:
         left = ns.budget_s - (time.perf_counter() - start)
@@ -162,8 +157,8 @@ def main(ns) -> int:
         row["batch_s"] = round(time.perf_counter() - t0, 1)
         last = row
         result["rows"].append(row)
-        write()
+        write_json(ns.output_json, result)
         print(f"HF batch {batch}: {row['decode_step_ms']} ms per step, {row['decode_tok_s']} tok/s "
               f"(first generate {row['first_generate_s']} s, batch done in {row['batch_s']} s)", flush=True)
-    write()
+    write_json(ns.output_json, result)
     return 0 if result["rows"] else 1

@@ -15,7 +15,7 @@ from the JSON its benches wrote into DIR (a result that is missing shows as "-" 
 import json
 import os
 
-from jaxllm.benchmarks.common import positive_ints
+from jaxllm.benchmarks.common import cell, positive_ints, read_json
 
 HELP = "the table of a scripts/gpu_run.sh part, from the JSON results in a folder"
 # bench serve's per-request lists: 1000 x 1000 ITLs would pass what a device call brings back.
@@ -31,17 +31,9 @@ def add_cli_args(parser) -> None:
     parser.add_argument("--configs", nargs="+", default=[], help="multi: the configurations run, NAME[:MODES]")
 
 
-def load(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
 def prefix_table(out: str) -> None:
     results = {name: r for mode, name in (("no-enable-prefix-caching", "off"), ("enable-prefix-caching", "on"))
-               if (r := load(os.path.join(out, f"prefix_{mode}.json"))) is not None}
+               if (r := read_json(os.path.join(out, f"prefix_{mode}.json"))) is not None}
     print("\n| prefix caching | requests/s | total tok/s | output tok/s | elapsed (s) | hit rate | start-up (s) "
           "| compiles |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -67,14 +59,10 @@ def prefix_table(out: str) -> None:
               f"{w['output_len']} out; lengths ok: off {results['off']['all_lengths_ok']}, on {w['all_lengths_ok']}")
 
 
-def _num(value, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
-
-
 def serve_table(out: str, raw: str, concurrencies: list[int]) -> None:
     served = {}
     for c in sorted(concurrencies):
-        r = load(os.path.join(raw, f"serve_c{c}.json"))
+        r = read_json(os.path.join(raw, f"serve_c{c}.json"))
         if r is None:
             continue
         r["distinct_errors"] = sorted({e for e in r.pop("errors", []) if e})[:5]
@@ -83,7 +71,7 @@ def serve_table(out: str, raw: str, concurrencies: list[int]) -> None:
         with open(os.path.join(out, f"serve_c{c}.json"), "w") as f:
             json.dump(r, f, indent=1)
         served[c] = r
-    offline, latency = load(os.path.join(out, "offline.json")), load(os.path.join(out, "latency.json"))
+    offline, latency = read_json(os.path.join(out, "offline.json")), read_json(os.path.join(out, "latency.json"))
     print("\n| run | prompts | output tok/s | TTFT mean (ms) | TTFT p99 (ms) | TPOT mean (ms) | TPOT p99 (ms) "
           "| failed |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -91,8 +79,8 @@ def serve_table(out: str, raw: str, concurrencies: list[int]) -> None:
         print(f"| offline bench throughput | {offline['num_requests']} | {offline['output_tokens_per_second']:,.0f} "
               f"| - | - | - | - | {'0' if offline['all_lengths_ok'] else 'wrong lengths'} |")
     if latency:
-        print(f"| offline batch 1 (bench latency) | 1 | {_num(latency['decode_tok_s'], ',.0f')} | - | - "
-              f"| {_num(latency['decode_step_ms'], '.2f')} (step) | - | - |")
+        print(f"| offline batch 1 (bench latency) | 1 | {cell(latency['decode_tok_s'], ',.0f')} | - | - "
+              f"| {cell(latency['decode_step_ms'], '.2f')} (step) | - | - |")
     for c in sorted(concurrencies):
         r = served.get(c)
         if r is None:
@@ -132,8 +120,8 @@ def multi_table(out: str, configs: list[str]) -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     long_tput = {}
     for name in names:
-        step, share = step_cells(load(os.path.join(out, f"{name}-step.json")))
-        long, short = (load(os.path.join(out, f"{name}-{mode}.json")) for mode in ("long", "short"))
+        step, share = step_cells(read_json(os.path.join(out, f"{name}-step.json")))
+        long, short = (read_json(os.path.join(out, f"{name}-{mode}.json")) for mode in ("long", "short"))
         startup = next((r["startup_s"] for r in (long, short) if r is not None and "startup_s" in r), "-")
         if long is not None:
             long_tput[name] = long["output_tokens_per_second"]
