@@ -111,7 +111,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         engine = AsyncLLM.from_engine_args(engine_args_from(ns))
     print(f"engine ready in {time.perf_counter() - start:.1f} s: {engine.engine_core.description}", flush=True)
     run_server(engine, served_model_names(ns, engine.config.model.path), ns.host, ns.port, ns.api_key,
-               chat_template, ns.max_log_len, ns.uvicorn_log_level)
+               chat_template, ns.max_log_len, ns.uvicorn_log_level, ns.max_request_body_bytes,
+               ns.max_seqs_per_request, ns.shutdown_timeout)
     return 0
 
 

@@ -12,12 +12,12 @@ compilation in the process (the step function and any stray eager op), and the
 tests assert it stays flat after warm-up.
 """
 import hashlib
+import importlib.util
 import logging
 import os
 import pickle
 import shutil
 import threading
-from collections.abc import Iterable
 
 import jax
 from jax.experimental import serialize_executable
@@ -74,15 +74,16 @@ def enable_persistent_cache() -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def source_digest(packages: Iterable) -> str:
-    """SHA-256 over the .py files of these packages (modules): a code change is a new key."""
+def source_digest() -> str:
+    """SHA-256 over the .py files of jaxllm's three parts (jaxllm/, kernels/ and models/ in the
+    repository), wherever they are installed: a code change is a new key."""
     digest = hashlib.sha256()
-    for package in packages:
-        root = os.path.dirname(package.__file__)
+    for name in ("jaxllm", "jaxllm.kernels", "jaxllm.models"):
+        root = os.path.dirname(importlib.util.find_spec(name).origin)
         for folder, dirs, files in sorted(os.walk(root)):
             dirs.sort()
-            for name in sorted(f for f in files if f.endswith(".py")):
-                path = os.path.join(folder, name)
+            for file in sorted(f for f in files if f.endswith(".py")):
+                path = os.path.join(folder, file)
                 digest.update(os.path.relpath(path, root).encode())
                 with open(path, "rb") as f:
                     digest.update(f.read())

@@ -7,8 +7,8 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jaxllm.models.config import ModelArchConfig
-from jaxllm.models.fp8 import QUANTIZATIONS
+from jaxllm.device_facts import DeviceFacts, device_facts
+from jaxllm.models.config import QUANTIZATIONS, ModelArchConfig
 from jaxllm.typecheck import check_field_types
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -64,6 +64,7 @@ class ParallelConfig:
     num_hosts: int = 1               # processes joined by jax.distributed into one mesh (executor/multihost.py)
     host_rank: int = 0
     coordinator_address: str | None = None
+    device_ids: tuple[int, ...] | None = None  # the devices of a caller's mesh (LLM(mesh=...)); None: the first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +76,7 @@ class Config:
     attention_backend: str
     seed: int
     logits_processors: tuple = ()  # LogitsProcessor subclasses (jaxllm/sample/logits_processor.py)
+    batch_invariant: bool = False  # a request's numbers do not depend on its batch (kernels/batch_invariant.py)
 
 
 @dataclasses.dataclass
@@ -99,7 +101,7 @@ class EngineArgs:
     # "uni": this process drives its local devices through one mesh; "multihost": num_hosts processes,
     # one per host, joined by jax.distributed at coordinator_address ("host:port"), one mesh over all
     # their devices; host_rank 0 serves, the others run `jaxllm worker` (executor/multihost.py);
-    # "ray": each data-parallel replica in a Ray actor, anywhere in the cluster (executor/ray_dp.py).
+    # "ray": each data-parallel replica in a Ray actor, anywhere in the cluster (engine/ray_dp.py).
     distributed_executor_backend: str = "uni"
     num_hosts: int = 1
     host_rank: int = 0
@@ -120,8 +122,14 @@ class EngineArgs:
     logits_processors: list[type | str] | None = None
     # The engine core in its own process (EngineCoreProc); None reads $JAXLLM_ENABLE_MULTIPROCESSING (on unless "0").
     enable_multiprocessing: bool | None = None
+    # A request's tokens and logprobs bitwise the same whatever else is in its batch: every matmul,
+    # norm and attention reduction in one order for every batch (kernels/batch_invariant.py). Slower.
+    batch_invariant: bool = False
 
-    def create_config(self) -> Config:
+    def create_config(self, devices: DeviceFacts | None = None) -> Config:
+        """The validated Config, for the devices `devices` describes (default: those a fresh process
+        of this environment sees, found without starting a JAX backend here: jaxllm/device_facts.py).
+        A hub id is downloaded here."""
         check_field_types(self)
         _check(self.max_model_len is None or self.max_model_len >= 1,
                f"max_model_len must be >= 1, got {self.max_model_len}")
@@ -140,6 +148,10 @@ class EngineArgs:
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
                f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         _check(self.load_format in ("auto", "dummy"), f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        _check(not self.batch_invariant or (self.tensor_parallel_size == 1 and self.quantization is None),
+               "batch_invariant runs with tensor_parallel_size=1 and no quantization (its kernels are not "
+               f"sharded, and FP8 GEMMs have their own), got tensor_parallel_size={self.tensor_parallel_size}, "
+               f"quantization={self.quantization!r}")
         _check(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         _check(self.data_parallel_size >= 1, f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         _check(self.pipeline_parallel_size == 1, "pipeline_parallel_size must be 1 (pipeline parallelism is "
@@ -157,9 +169,11 @@ class EngineArgs:
                f"coordinator_address must be 'host:port' with num_hosts > 1, got {self.coordinator_address!r}")
         _check(self.num_hosts == 1 or self.data_parallel_size == 1,
                "data_parallel_size > 1 over several hosts is not built: use num_hosts with tensor parallelism")
-        _check(self.tensor_parallel_size <= jax.device_count(),
-               f"tensor_parallel_size={self.tensor_parallel_size} exceeds the {jax.device_count()} visible device(s)")
-        from jaxllm.kernels.attention import BACKENDS, default_backend
+        devices = devices or device_facts()
+        num_devices = devices.local_device_count * self.num_hosts
+        _check(self.tensor_parallel_size <= num_devices,
+               f"tensor_parallel_size={self.tensor_parallel_size} exceeds the {num_devices} visible device(s)")
+        from jaxllm.kernels.attention import BACKENDS
         _check(self.attention_backend in (None, *BACKENDS),
                f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
 
@@ -179,8 +193,8 @@ class EngineArgs:
         _check(max_len <= arch.max_position_embeddings,
                f"max_model_len must be in [1, {arch.max_position_embeddings}] (the model's "
                f"max_position_embeddings), got {max_len}")
-        dtype = resolve_dtype(self.dtype, hf_config)
-        on_gpu = jax.default_backend() == "gpu"
+        dtype = resolve_dtype(self.dtype, hf_config, platform=devices.platform)
+        on_gpu = devices.platform == "gpu"
         max_num_seqs = self.max_num_seqs or (256 if on_gpu else 64)
         batched = self.max_num_batched_tokens or (8192 if on_gpu else min(2048, max(max_len, max_num_seqs)))
         _check(batched >= max_num_seqs,
@@ -195,9 +209,10 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs, batched, max_len, self.async_scheduling),
             parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.pipeline_parallel_size,
                                     self.num_hosts, self.host_rank, self.coordinator_address),
-            attention_backend=self.attention_backend or default_backend(),
+            attention_backend=self.attention_backend or devices.attention_backend,
             seed=self.seed,
             logits_processors=logits_processors,
+            batch_invariant=self.batch_invariant,
         )
 
 

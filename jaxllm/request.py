@@ -1,11 +1,11 @@
 """The engine core's view of one request: tokens, progress, and KV blocks."""
 import enum
+import logging
 
-import numpy as np
-
-from jaxllm.engine import EngineCoreRequest
-from jaxllm.sample.sampler import COLUMN, FLOAT_COLUMNS, NUM_REQUEST_WORDS, needs_processors
+from jaxllm.contracts.engine_core import EngineCoreRequest
 from jaxllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.IntEnum):
@@ -50,9 +50,6 @@ class Request:
         # only after their first tokens, which the host checks each step.
         self.banned_token_ids = sorted({w[0] for w in bad_words_token_ids if len(w) == 1})
         self.bad_word_sequences = [list(w) for w in bad_words_token_ids if len(w) > 1]
-        # Whether the sampler runs the logits processors for it (jaxllm/sample/processors.py).
-        self.needs_processors = needs_processors(sampling_params) or bool(bad_words_token_ids)
-        self.sampling_row = _sampling_row(sampling_params, seed, self.num_prompt_tokens, self.needs_processors)
         self.grammar = None  # a structured_output.GrammarMatcher (EngineCore.add_request)
         # Prompt logprobs: the next prompt position whose logprobs are still to send (the first has none).
         self.next_prompt_logprob = 1
@@ -100,6 +97,18 @@ class Request:
         self.output_token_ids.append(token_id)
         self.num_tokens += 1
 
+    def advance_grammar(self) -> None:
+        """Feed the grammar the output tokens it has not seen."""
+        grammar = self.grammar
+        if grammar.is_error():
+            return
+        for token_id in self.output_token_ids[grammar.num_accepted:]:
+            if not grammar.accept_token(token_id):
+                # The mask forbade it, so only a bug gets here; the grammar then allows only EOS.
+                logger.error("request %s: the grammar rejected token %d (%s); only EOS is allowed now",
+                             self.request_id, token_id, grammar.error())
+                return
+
     def check_stop(self, max_model_len: int) -> bool:
         """Set a finished status if the last token ends the request (EOS, a stop
         token id, max_tokens, or the model length). Stop strings are checked by
@@ -132,20 +141,3 @@ def check_token_ids(request: EngineCoreRequest, vocab_size: int) -> None:
         if ids and (min(ids) < 0 or max(ids) >= vocab_size):  # builtins: a 100k-token prompt in about 1 ms
             outside = [t for t in ids if not 0 <= t < vocab_size]
             raise ValueError(f"{name} holds token ids outside the vocabulary [0, {vocab_size}): {outside[:5]}")
-
-
-def _sampling_row(params: SamplingParams, seed: int, num_prompt_tokens: int, processed: bool) -> np.ndarray:
-    """The request's words of the sampler's inputs [NUM_REQUEST_WORDS] int32, in the order of
-    sampler.SAMPLING_COLUMNS (floats as their bits). Made once per request."""
-    row = np.zeros(NUM_REQUEST_WORDS, np.int32)
-    floats = [params.temperature, params.top_p, params.min_p, params.presence_penalty,
-              params.frequency_penalty, params.repetition_penalty]
-    row[FLOAT_COLUMNS] = np.array(floats, np.float32).view(np.int32)
-    int32_max = np.iinfo(np.int32).max
-    row[COLUMN["top_k"]] = min(params.top_k, int32_max)
-    seed_words = np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32).view(np.int32)
-    row[COLUMN["seed_high"]], row[COLUMN["seed_low"]] = seed_words
-    row[COLUMN["min_tokens"]] = min(params.min_tokens, int32_max)
-    row[COLUMN["num_prompt_tokens"]] = num_prompt_tokens
-    row[COLUMN["processed"]] = processed
-    return row

@@ -1,10 +1,11 @@
 """SamplingParams: how one request is sampled and when it stops (vLLM's fields)."""
 import dataclasses
 import enum
-import sys
 from typing import Any
 
 from jaxllm.typecheck import check_field_types
+
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 class RequestOutputKind(enum.Enum):
@@ -99,8 +100,9 @@ class SamplingParams:
                                                           "frequency_penalty", "repetition_penalty")}
         numbers.update((f"logit_bias[{t}]", bias) for t, bias in (self.logit_bias or {}).items())
         for name, value in numbers.items():
-            if not -sys.float_info.max <= value <= sys.float_info.max:  # nan, inf, an int too large for a float
-                raise ValueError(f"{name} must be a finite number, got "
+            # The sampler reads them as float32: nan, inf, and what float32 cannot hold are out.
+            if not -_FLOAT32_MAX <= value <= _FLOAT32_MAX:
+                raise ValueError(f"{name} must be a finite number within float32's range (±3.4e38), got "
                                  f"{_short_repr(value) if isinstance(value, int) else value}")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")

@@ -26,11 +26,16 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
 _RULES = dict(LOGICAL_AXIS_RULES)
 
 
-def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1) -> Mesh:
-    """A [data, model] mesh over the first dp * tp local devices. Axes are Auto, so
-    XLA propagates shardings through the model from the weights' placements."""
+def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, device_ids: tuple[int, ...] | None = None
+              ) -> Mesh:
+    """A [data, model] mesh over the first dp * tp devices (of `device_ids`, in their order, if
+    given: a caller's mesh). Axes are Auto, so XLA propagates shardings through the model from
+    the weights' placements."""
     n = tensor_parallel_size * data_parallel_size
     devices = jax.devices()
+    if device_ids is not None:
+        by_id = {d.id: d for d in devices}
+        devices = [by_id[i] for i in device_ids]
     if n < 1 or n > len(devices):
         raise ValueError(f"tensor_parallel_size * data_parallel_size = {n} must be in "
                          f"[1, {len(devices)}] (the number of {jax.default_backend()} devices)")

@@ -32,11 +32,16 @@ class AttentionMetadata:
 BACKENDS = ("reference", "pallas", "triton", "mosaic")
 
 
-def get_attention_fn(name: str, mesh=None):
+def get_attention_fn(name: str, mesh=None, batch_invariant: bool = False):
     """The ragged paged attention function of backend `name`. With a mesh whose
     "model" axis spans several devices, each device runs it on its own q and KV heads
-    (a kernel is one custom call: left to XLA, it would gather every head first)."""
+    (a kernel is one custom call: left to XLA, it would gather every head first).
+    batch_invariant: a token's result does not depend on the others' (kernels/batch_invariant.py):
+    the reference in fixed blocks of tokens, or a GPU backend without split-K."""
     fn = _backend(name)
+    if batch_invariant:
+        from jaxllm.kernels import batch_invariant as invariant
+        fn = invariant.reference_attention if name == "reference" else invariant.pallas_attention
     if mesh is None or mesh.shape["model"] == 1:
         return fn
     return _per_device_heads(fn, mesh)

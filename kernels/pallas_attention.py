@@ -38,9 +38,17 @@ from jax.experimental.pallas import triton as plgpu
 
 _MASKED = -1e30
 _LOG2E = math.log2(math.e)
-# Programs wanted in flight to fill an H200 (132 SMs) when choosing split-K.
-_TARGET_PROGRAMS = 4 * 132
+_PROGRAMS_PER_SM = 4  # programs wanted in flight per SM when choosing split-K
+_CPU_SMS = 132  # in the interpreter (CPU tests), as an H200: the same launches as on the GPU
 _MAX_SPLITS = 64
+
+
+@functools.lru_cache(maxsize=1)
+def _target_programs() -> int:
+    """Programs in flight that fill the device: a few per SM (an H200 has 132), read from it."""
+    device = jax.devices()[0]
+    sms = getattr(device, "core_count", None) if device.platform == "gpu" else None
+    return _PROGRAMS_PER_SM * (sms or _CPU_SMS)
 
 
 def _cdiv(a, b):
@@ -121,7 +129,7 @@ def plan(num_tokens, max_num_reqs, num_q_heads, num_kv_heads, head_dim, itemsize
     # K/V tiles of 16 KiB and q tiles of 32 KiB keep 3 pipeline stages in shared memory.
     tile = max(16, min(64, 16384 // (head_dim * itemsize)))
     prefill_m = max(group_pad, min(128, 32768 // (head_dim * itemsize)))
-    num_splits = min(_MAX_SPLITS, max(1, _TARGET_PROGRAMS // (max_num_reqs * num_kv_heads)))
+    num_splits = min(_MAX_SPLITS, max(1, _target_programs() // (max_num_reqs * num_kv_heads)))
     num_splits = 1 << (num_splits.bit_length() - 1)  # a power of two, rounded down
     decode = Launch(None, max(16, group_pad), tile, num_splits, 4, 3, head_major=True, prefetch=True)
     if cache_itemsize == 1:

@@ -43,11 +43,21 @@ def ragged_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
 
     Returns [num_tokens, num_q_heads, head_dim] in q's dtype.
     """
+    req, pos, valid = token_positions(query_start_loc, seq_lens, num_seqs, q.shape[0])
+    return attend(q, k_cache, v_cache, block_tables[req], pos, valid, scale=scale, sliding_window=sliding_window,
+                  soft_cap=soft_cap)
+
+
+def attend(q, k_cache, v_cache, tables, pos, valid, *, scale, sliding_window=None, soft_cap=None,
+           every_block=False):
+    """Attention of tokens q [num_tokens, num_q_heads, head_dim], each over its request's blocks
+    tables [num_tokens, max_blocks_per_seq] up to its position pos [num_tokens] (valid: a real
+    token). Blocks past a token's own are masked to exact zeros, so its result does not depend
+    on the other tokens'. every_block: walk all max_blocks_per_seq blocks, a loop of static
+    length that reverse-mode differentiation can go through (the same numbers, more work)."""
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    req, pos, valid = token_positions(query_start_loc, seq_lens, num_seqs, num_tokens)
-    tables = block_tables[req]  # [num_tokens, max_blocks_per_seq]
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * scale
     num_blocks = jnp.max(jnp.where(valid, pos // block_size + 1, 0))
     if sliding_window is not None:
@@ -80,6 +90,8 @@ def ragged_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
     init = (jnp.full((num_tokens, num_kv_heads, group), _MASKED, jnp.float32),
             jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
             jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32))
+    if every_block:
+        first_block, num_blocks = 0, tables.shape[1]
     _, l, acc = jax.lax.fori_loop(first_block, num_blocks, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
-QUANTIZATIONS = ("fp8",)
 
 
 def quantize_kernel(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:

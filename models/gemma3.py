@@ -24,7 +24,7 @@ from flax import nnx
 from jaxllm.kernels.attention import AttentionMetadata
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.kv_layout import model_kv_layout
-from jaxllm.models.llama import MLP, Attention, LlamaForCausalLM, _param, rope_inv_freq
+from jaxllm.models.llama import MLP, Attention, LlamaForCausalLM, _param, rms_normalize, rope_inv_freq
 
 
 class GemmaRMSNorm(nnx.Module):
@@ -36,8 +36,7 @@ class GemmaRMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        x32 = rms_normalize(x.astype(jnp.float32), self.eps)
         return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
 
 

@@ -19,11 +19,28 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxllm.kernels import batch_invariant
 from jaxllm.kernels.attention import AttentionMetadata, write_kv
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.kv_layout import model_kv_layout
 
 INIT_STD = 0.02  # HF's initializer_range; keeps random-weight activations sane
+
+
+def dot(x, kernel, out_dtype=None):
+    """x [..., in] @ kernel [in, *out] -> [..., *out], batch-invariant when the runner asks
+    (kernels/batch_invariant.py)."""
+    if not batch_invariant.enabled():
+        return jnp.tensordot(x, kernel, axes=1, preferred_element_type=out_dtype)
+    y = batch_invariant.matmul(x.reshape(-1, x.shape[-1]), kernel.reshape(kernel.shape[0], -1), out_dtype)
+    return y.reshape(*x.shape[:-1], *kernel.shape[1:])
+
+
+def rms_normalize(x32, eps: float):
+    """x32 / rms(x32) over the last axis (float32)."""
+    if batch_invariant.enabled():
+        return batch_invariant.rms_normalize(x32, eps)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
 def _param(rngs: nnx.Rngs, shape, axes, dtype, *, ones=False) -> nnx.Param:
@@ -44,7 +61,7 @@ class Linear(nnx.Module):
         self.bias = _param(rngs, out_shape, axes[1:], dtype) if bias else None
 
     def __call__(self, x):
-        y = jnp.tensordot(x, self.kernel[...], axes=1)
+        y = dot(x, self.kernel[...])
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -57,9 +74,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * x32.astype(x.dtype)
+        return self.weight[...] * rms_normalize(x.astype(jnp.float32), self.eps).astype(x.dtype)
 
 
 def rope_inv_freq(config: ModelArchConfig) -> np.ndarray:
@@ -200,4 +215,4 @@ class LlamaForCausalLM(nnx.Module):
             w = self.embed_tokens.embedding[...].T
         else:
             w = self.lm_head.kernel[...]
-        return jnp.dot(hidden, w, preferred_element_type=jnp.float32)
+        return dot(hidden, w, jnp.float32)

@@ -44,26 +44,36 @@ class TensorSource(Protocol):
     def __getitem__(self, index: Index) -> np.ndarray: ...
 
 
-def create_model(config: ModelArchConfig, *, dtype, mesh: jax.sharding.Mesh,
-                 weights: Iterable[tuple[str, TensorSource]] | None, seed: int = 0,
-                 show_progress: bool = False) -> LlamaForCausalLM | Gemma3ForCausalLM:
-    """The model with params placed on `mesh` by the logical-axis rules.
-
-    weights: (HF name, tensor source) pairs in HF layout (Linear weights [out, in]),
-    streamed, a fused param's parts in any order; None gives random weights made on
-    device (load_format="dummy").
-    show_progress: a bar over the params loaded, with the rate in GB/s.
-    """
+def abstract_params(config: ModelArchConfig, dtype) -> tuple[nnx.GraphDef, dict[ParamPath, nnx.Variable]]:
+    """The model's graphdef and its params without arrays: path -> Variable (shape, dtype, and
+    the logical axes as `out_sharding` metadata)."""
     dtype = jnp.dtype(dtype)
     model_class = Gemma3ForCausalLM if config.architecture in GEMMA_ARCHITECTURES else LlamaForCausalLM
     abstract = nnx.eval_shape(lambda: model_class(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    params = dict(nnx.to_flat_state(state))
-    shardings = {path: named_sharding(mesh, var.get_metadata()["out_sharding"]) for path, var in params.items()}
-    if weights is None:
+    return graphdef, dict(nnx.to_flat_state(state))
+
+
+def param_shardings(params: dict[ParamPath, nnx.Variable], mesh: jax.sharding.Mesh) -> dict:
+    return {path: named_sharding(mesh, var.get_metadata()["out_sharding"]) for path, var in params.items()}
+
+
+def create_model(config: ModelArchConfig, *, dtype, mesh: jax.sharding.Mesh,
+                 weights: Iterable[tuple[str, TensorSource]] | None, seed: int = 0,
+                 show_progress: bool = False, values: dict | None = None) -> LlamaForCausalLM | Gemma3ForCausalLM:
+    """The model with params placed on `mesh` by the logical-axis rules.
+
+    weights: (HF name, tensor source) pairs in HF layout (Linear weights [out, in]),
+    streamed, a fused param's parts in any order; None gives random weights made on
+    device (load_format="dummy"), unless `values` (path -> array, placed) gives them.
+    show_progress: a bar over the params loaded, with the rate in GB/s.
+    """
+    graphdef, params = abstract_params(config, dtype)
+    shardings = param_shardings(params, mesh)
+    if values is None and weights is None:
         values = _dummy_params(params, shardings, seed)
-    else:
-        values = _load_params(config, params, shardings, weights, show_progress)
+    elif values is None:
+        values = dict(load_params(config, params, shardings, weights, show_progress))
     state = nnx.from_flat_state([(path, var.replace(values[path])) for path, var in params.items()])
     return nnx.merge(graphdef, state)
 
@@ -83,13 +93,13 @@ def quantize_model(model: LlamaForCausalLM | Gemma3ForCausalLM, quantization: st
         linear = getattr(parent, path[-1])  # a Linear is always a named attribute
         axes = linear.kernel.get_metadata()["out_sharding"]
         fp8_axes = (*axes[1:], axes[0])  # [*out, in]
-        kernel, scale = _quantize_fn(named_sharding(mesh, fp8_axes), named_sharding(mesh, axes[1:]))(linear.kernel[...])
+        kernel, scale = quantize_fn(named_sharding(mesh, fp8_axes), named_sharding(mesh, axes[1:]))(linear.kernel[...])
         setattr(parent, path[-1], Fp8Linear(kernel, scale, fp8_axes, linear.bias))
         del linear  # its bf16 kernel goes with it
 
 
 @functools.lru_cache(maxsize=None)
-def _quantize_fn(kernel_sharding, scale_sharding):
+def quantize_fn(kernel_sharding, scale_sharding):
     return jax.jit(quantize_kernel, out_shardings=(kernel_sharding, scale_sharding))
 
 
@@ -112,13 +122,29 @@ def _random_fn(shape, dtype, sharding, ones):
     return jax.jit(make, out_shardings=sharding)
 
 
-def _load_params(config: ModelArchConfig, params: dict, shardings: dict,
-                 weights: Iterable[tuple[str, TensorSource]], show_progress: bool) -> dict:
-    tensors = hf_tensors(config, params)
-    arrived = {}  # param path -> {HF name: source}, until all the param's tensors have come
-    values = {}
+def load_params(config: ModelArchConfig, params: dict, shardings: dict, weights: Iterable[tuple[str, TensorSource]],
+                show_progress: bool = False) -> Iterator[tuple[ParamPath, jax.Array]]:
+    """(path, the param placed in its sharding), each as soon as its tensors have come (see
+    checkpoint_params for the checks)."""
     loaded_bytes, start = 0, time.perf_counter()
     bar = tqdm(total=len(params), desc="Loading weights", unit="tensor", disable=not show_progress)
+    for path, source in checkpoint_params(config, params, weights):
+        var = params[path]
+        yield path, place_source(source, var.shape, var.dtype, shardings[path], transpose=path[-1] == "kernel")
+        loaded_bytes += var.size * var.dtype.itemsize
+        bar.set_postfix_str(f"{loaded_bytes / 1e9 / (time.perf_counter() - start):.2f} GB/s", refresh=False)
+        bar.update()
+    bar.close()
+
+
+def checkpoint_params(config: ModelArchConfig, params: dict, weights: Iterable[tuple[str, TensorSource]]
+                      ) -> Iterator[tuple[ParamPath, TensorSource]]:
+    """(path, the param's source in HF layout), each as soon as its tensors have come, reading
+    nothing; raises ValueError for a tensor the model has not, of another shape, twice, or
+    missing (at the end: list() it to check a checkpoint whole before using any of it)."""
+    tensors = hf_tensors(config, params)
+    arrived = {}  # param path -> {HF name: source}, until all the param's tensors have come
+    done = set()
     for name, source in weights:
         name = _text_model_name(name)
         if (name is None or name.endswith("rotary_emb.inv_freq")
@@ -130,7 +156,7 @@ def _load_params(config: ModelArchConfig, params: dict, shardings: dict,
                              f"model has no param {'.'.join(map(str, hf_name_to_path(name)))}")
         path, expected = tensors[name]
         parts = arrived.setdefault(path, {})
-        if name in parts or path in values:
+        if name in parts or path in done:
             raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
         if tuple(source.shape) != expected:
             raise ValueError(f"tensor {name!r} has shape {tuple(source.shape)}, expected {expected}")
@@ -139,22 +165,16 @@ def _load_params(config: ModelArchConfig, params: dict, shardings: dict,
         if len(parts) < len(names):
             continue  # a fused param waits for its other parts
         del arrived[path]
-        var = params[path]
-        source = _packed(config, path, [parts[n] for n in names])
-        values[path] = _place(source, var.shape, var.dtype, shardings[path], transpose=path[-1] == "kernel")
-        loaded_bytes += var.size * var.dtype.itemsize
-        bar.set_postfix_str(f"{loaded_bytes / 1e9 / (time.perf_counter() - start):.2f} GB/s", refresh=False)
-        bar.update()
-    bar.close()
-    missing = [name for path in params if path not in values for name in path_to_hf_names(path)
+        done.add(path)
+        yield path, _packed(config, path, [parts[n] for n in names])
+    missing = [name for path in params if path not in done for name in path_to_hf_names(path)
                if name not in arrived.get(path, {})]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:8])}"
                          + (", ..." if len(missing) > 8 else ""))
-    return values
 
 
-def _place(source: TensorSource, shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding,
+def place_source(source: TensorSource, shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding,
            transpose: bool) -> jax.Array:
     """The param [shape] in `sharding`, each addressable device's shard read from its slice
     of `source` (HF layout: `shape` reversed when `transpose`)."""

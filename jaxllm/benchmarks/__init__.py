@@ -7,8 +7,9 @@ own flags and main(ns): a running server's client, the kernels and the device on
 the HF transformers baseline and the tables of a GPU run (scripts/gpu_run.sh).
 """
 from jaxllm.benchmarks import (attention, bounds, fp8, hf, kv_dtype, latency, report, sampler, serve, startup,
-                               step, throughput)
+                               step, throughput, weights)
 
-ENGINE_BENCHES = {"throughput": throughput, "latency": latency, "step": step, "startup": startup}
+ENGINE_BENCHES = {"throughput": throughput, "latency": latency, "step": step, "startup": startup,
+                  "weights": weights}
 OTHER_BENCHES = {"serve": serve, "attention": attention, "kv-dtype": kv_dtype, "fp8": fp8, "sampler": sampler,
                  "bounds": bounds, "hf": hf, "report": report}

@@ -86,6 +86,7 @@ def run_step_bench(engine_args, batch_sizes: list[int], input_len: int, output_l
         if trace_dir:
             window = range(window.start, window.start + profile_steps)
         profiling = False
+        engine.engine_core.call_utility("record_widest_step")
         start = time.perf_counter()
         while engine.has_unfinished_requests():
             outs = engine.step()

@@ -13,10 +13,6 @@ import hashlib
 BlockHash = bytes  # a 32-byte SHA-256 digest
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def hash_block(parent: BlockHash | None, token_ids, extra_keys: tuple = ()) -> BlockHash:
     h = hashlib.sha256(parent or b"")
     h.update(array.array("i", token_ids).tobytes())

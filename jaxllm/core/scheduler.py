@@ -18,42 +18,16 @@ scheduled again, so the only waste is one step of a request that an EOS, a stop
 token or a stop string ends.
 """
 import collections
-import dataclasses
 import logging
 import time
 
 from jaxllm.config import SchedulerConfig
+from jaxllm.contracts.engine_core import EngineCoreOutput, LogprobsArrays, SchedulerStats
+from jaxllm.contracts.step import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from jaxllm.core.kv_cache_manager import KVCacheManager
-from jaxllm.engine import EngineCoreOutput, LogprobsArrays, SchedulerStats
 from jaxllm.request import FINISH_REASONS, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_computed_tokens: int  # before this step
-    num_new_tokens: int
-    # Per KV cache group, the block ids added to the request's table this step (0: a position the
-    # group holds no block for); all of them when the request is admitted (its table starts empty).
-    new_block_ids: list[list[int]]
-    samples: bool  # the step reaches the request's last token, so it samples the next one
-    # SamplingParams.prompt_logprobs: the prompt positions [start, end) whose logprobs this step computes
-    prompt_logprobs: tuple[int, int] | None = None
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    requests: list[ScheduledRequest]
-    num_scheduled_tokens: int
-    num_preempted: int
-    finished_req_ids: list[str]  # ended since the last step: the runner drops their state
-    preempted_req_ids: list[str] = dataclasses.field(default_factory=list)  # ... and of these too, until they resume
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.requests
 
 
 class Scheduler:
@@ -68,6 +42,11 @@ class Scheduler:
         self._totals_at_last_stats = (0, 0)  # SchedulerStats carry the increments since
         self._finished_req_ids: list[str] = []
         self._preempted_req_ids: list[str] = []
+        self.paused = False  # admit no waiting request (EngineCore.pause, sleep): the running ones go on
+        self._num_steps = 0
+        # Per step not yet applied (SchedulerOutput.step_id), its requests: an id may name another
+        # request by the time the step lands (the old one aborted, a new one given its id).
+        self._in_flight: dict[int, list[Request]] = {}
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -76,11 +55,13 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.running or (self.waiting and not self.paused))
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         out: list[ScheduledRequest] = []
+        requests: list[Request] = []  # of `out`
+        new_requests: list[NewRequestData] = []
         preempted = 0
 
         i = 0
@@ -98,11 +79,13 @@ class Scheduler:
                     break
             else:
                 out.append(self._schedule(request, num_new, new_blocks))
+                requests.append(request)
                 budget -= num_new
                 i += 1
 
         # Admit waiting requests only in a step that preempted nothing: blocks are short.
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and not preempted and not self.paused
+               and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             num_new = min(self._num_pending_tokens(request) - num_cached, budget)
@@ -118,21 +101,30 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            new_requests.append(NewRequestData(
+                request.request_id, request.prompt_token_ids, request.sampling_params, request.seed,
+                request.stop_token_ids, list(request.output_token_ids), request.banned_token_ids,
+                request.needs_host_mask))
             out.append(self._schedule(request, num_new, new_blocks))
+            requests.append(request)
             budget -= num_new
 
         self.num_preemptions += preempted
-        finished, preempted_ids = [], []
-        if out:  # an empty output never reaches the runner: keep the ids for the next one
-            finished, self._finished_req_ids = self._finished_req_ids, []
-            preempted_ids, self._preempted_req_ids = self._preempted_req_ids, []
-        return SchedulerOutput(out, self.config.max_num_batched_tokens - budget, preempted, finished, preempted_ids)
+        if not out:  # an empty output never reaches the runner: the ids wait for the next one
+            return SchedulerOutput([], 0, num_preempted=preempted)
+        self._num_steps += 1
+        self._in_flight[self._num_steps] = requests
+        finished, self._finished_req_ids = self._finished_req_ids, []
+        preempted_ids, self._preempted_req_ids = self._preempted_req_ids, []
+        return SchedulerOutput(out, self.config.max_num_batched_tokens - budget, new_requests, finished,
+                               preempted_ids, preempted, self._num_steps)
 
     @staticmethod
-    def _schedule(request: Request, num_new: int, new_blocks: list[int]) -> ScheduledRequest:
+    def _schedule(request: Request, num_new: int, new_blocks: list[list[int]]) -> ScheduledRequest:
         start = request.num_computed_tokens
         samples = num_new == request.num_tokens + request.num_output_placeholders - start
-        scheduled = ScheduledRequest(request, start, num_new, new_blocks, samples)
+        known = request.token_ids(start, min(start + num_new, request.num_tokens)) if start < request.num_tokens else []
+        scheduled = ScheduledRequest(request.request_id, start, num_new, known, new_blocks, samples)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
         if request.sampling_params.prompt_logprobs is not None:
@@ -156,6 +148,13 @@ class Scheduler:
         out_of_tokens = request.max_tokens is not None and len(request.output_token_ids) + n >= request.max_tokens
         return out_of_tokens or request.num_tokens + n >= self.config.max_model_len
 
+    def preempt_all(self) -> None:
+        """Send every running request back to waiting, its KV freed and its tokens kept (it
+        recomputes them when admitted again). No step may be in flight."""
+        while self.running:
+            self._preempt(self.running.pop())
+            self.num_preemptions += 1
+
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -163,26 +162,26 @@ class Scheduler:
         self.waiting.appendleft(request)
         self._preempted_req_ids.append(request.request_id)
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: list[int],
-                           logprobs: LogprobsArrays | None = None,
-                           prompt_logprobs: list[LogprobsArrays | None] | None = None,
-                           failed: dict[str, str] | None = None) -> list[EngineCoreOutput]:
-        """Append the token each sampling request drew and finish the ones that stop.
-        Requests that ended while the step ran (abort, stop, error) drop theirs.
-        `logprobs`: the step's, row i for scheduled request i; `prompt_logprobs`: for
-        scheduled request i, its prompt positions' (or None). A request gets them cut
-        to its own number of top logprobs. `failed`: {request id: error} of the requests
-        whose host work failed in the step; they end with the error, as does one whose
-        update here raises, and the others go on."""
-        outputs, failed = [], failed or {}
-        for i, (sched, token_id) in enumerate(zip(scheduler_output.requests, sampled_token_ids)):
-            request = sched.request
+    def scheduled_requests(self, scheduler_output: SchedulerOutput) -> list[Request]:
+        """The requests of a step not yet applied, in its order."""
+        return self._in_flight[scheduler_output.step_id]
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append the token each sampling request drew (its grammar accepts it) and finish the
+        ones that stop. Requests that ended while the step ran (abort, stop, error) drop theirs.
+        A request gets the logprobs cut to its own number of top logprobs. A request whose host
+        work failed in the runner (runner_output.failed), or whose update here raises, ends with
+        the error; the others go on."""
+        outputs, failed = [], runner_output.failed
+        requests = self._in_flight.pop(scheduler_output.step_id, [])
+        for i, (sched, request) in enumerate(zip(scheduler_output.scheduled, requests)):
             if sched.samples:
                 request.num_output_placeholders -= 1
             error = failed.get(request.request_id)
             if error is None:
                 try:
-                    output = self._update_request(sched, i, token_id, logprobs, prompt_logprobs)
+                    output = self._update_request(sched, request, i, runner_output)
                     if output is not None:
                         outputs.append(output)
                     continue
@@ -195,11 +194,11 @@ class Scheduler:
                 outputs.append(EngineCoreOutput(request.request_id, [], "error", error=error))
         return outputs
 
-    def _update_request(self, sched: ScheduledRequest, i: int, token_id: int, logprobs: LogprobsArrays | None,
-                        prompt_logprobs: list[LogprobsArrays | None] | None) -> EngineCoreOutput | None:
+    def _update_request(self, sched: ScheduledRequest, request: Request, i: int,
+                        runner_output: ModelRunnerOutput) -> EngineCoreOutput | None:
         """Scheduled request i's news from the step (None: nothing to tell)."""
-        request = sched.request
         new_prompt_logprobs = None
+        prompt_logprobs = runner_output.prompt_logprobs
         if prompt_logprobs is not None and prompt_logprobs[i] is not None and not request.is_finished:
             new_prompt_logprobs = _columns(prompt_logprobs[i], request.sampling_params.prompt_logprobs)
         if not sched.samples:  # a prefill chunk short of the prompt's end
@@ -208,18 +207,31 @@ class Scheduler:
             return None
         if request.is_finished:
             return None
+        token_id = runner_output.sampled_token_ids[i]
         request.append_token(token_id)
+        if request.grammar is not None:
+            request.advance_grammar()
         output = EngineCoreOutput(request.request_id, [token_id], new_prompt_logprobs=new_prompt_logprobs)
         if request.num_output_tokens == 1:
             output.first_scheduled_time = request.first_scheduled_time
             output.num_cached_tokens = request.num_cached_tokens
         num_logprobs = request.sampling_params.logprobs
-        if num_logprobs is not None and logprobs is not None:
-            output.new_logprobs = _columns(logprobs, num_logprobs, row=i)
+        if num_logprobs is not None and runner_output.logprobs is not None:
+            output.new_logprobs = _columns(runner_output.logprobs, num_logprobs, row=i)
         if request.check_stop(self.config.max_model_len):
             self._free(request)
             output.finish_reason, output.stop_reason = FINISH_REASONS[request.status], request.stop_reason
         return output
+
+    def in_flight_requests(self) -> list[Request]:
+        """Every request of a step not yet applied."""
+        return [r for requests in self._in_flight.values() for r in requests]
+
+    def drop_in_flight(self) -> None:
+        """Forget the steps not yet applied (they failed): their placeholders will never land."""
+        for request in self.in_flight_requests():
+            request.num_output_placeholders = 0
+        self._in_flight.clear()
 
     def finish_requests(self, request_ids, status: RequestStatus) -> None:
         """End requests from outside the step (abort, stop string, error): free their blocks."""

@@ -6,7 +6,8 @@ out of the window, or that a prefix hit did not need. The runner's block table
 writes 0 there, which no token reads unmasked and none writes.
 """
 from jaxllm.core.block_pool import BlockPool, KVCacheBlock
-from jaxllm.core.kv_cache_utils import BlockHash, cdiv
+from jaxllm.core.kv_cache_utils import BlockHash
+from jaxllm.utils import cdiv
 
 Blocks = list[KVCacheBlock | None]
 

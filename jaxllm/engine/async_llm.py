@@ -58,12 +58,15 @@ class AsyncLLM(FrontEnd):
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, show_progress: bool = True) -> "AsyncLLM":
-        """Start the engine core process (always a process of its own, whatever
-        enable_multiprocessing says), or one per data-parallel replica; blocks until it has warmed up."""
-        if data_parallel(args):
+        """Resolve `args` into a Config here and start the engine core process (always a process
+        of its own, whatever enable_multiprocessing says), or one per data-parallel replica;
+        blocks until it has warmed up."""
+        replicas = data_parallel(args)
+        config = args.create_config()
+        if replicas:
             from jaxllm.engine.dp_client import DPAsyncClient
-            return cls(DPAsyncClient(args, show_progress))
-        return cls(AsyncMPClient(args, show_progress))
+            return cls(DPAsyncClient(config, args.distributed_executor_backend == "ray", show_progress))
+        return cls(AsyncMPClient(config, show_progress))
 
     @property
     def errored(self) -> bool:
@@ -127,16 +130,12 @@ class AsyncLLM(FrontEnd):
         try:
             while True:
                 core_outputs = await self.engine_core.get_output_async()
-                outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs,
-                                                                         core_outputs.timestamp)
-                for out in outputs:
+                for out in self._process(core_outputs):
                     collector = self._collectors.get(out.request_id)
                     if collector is not None:
                         collector.put(out)
                     if out.finished:
                         self._collectors.pop(out.request_id, None)
-                if stopped:
-                    self.engine_core.abort_requests(stopped)
                 # A core that runs ahead leaves many steps queued, and a get from a non-empty
                 # queue never yields: without this, the consumers (a server's streams, its
                 # disconnect checks) would wait until the whole backlog was processed.
@@ -160,6 +159,38 @@ class AsyncLLM(FrontEnd):
         if self._dead is not None:
             raise self._dead
         return await self.engine_core.call_utility_async("reset_prefix_cache")
+
+    # ---- inside a training loop (docs/jax.md); the core is in a process of its own ----
+    async def pause_generation(self, mode: str = "wait") -> None:
+        """Admit no request until resume_generation (new ones wait): "wait" returns once the
+        running requests have finished, "abort" ends every unfinished one (finish_reason
+        "abort"), "keep" sends the running ones back to waiting, to go on after resume."""
+        await self.engine_core.call_utility_async("pause", mode)
+        while mode == "wait" and (await self.get_stats())["num_running"]:
+            await asyncio.sleep(0.01)
+
+    async def resume_generation(self) -> None:
+        await self.engine_core.call_utility_async("resume")
+
+    async def update_weights(self, path: str) -> None:
+        """New weights from a checkpoint's path (an HF folder or a .gguf file: device arrays do not
+        cross to the core's process), without a restart; see LLMEngine.update_weights."""
+        if not isinstance(path, str):
+            raise TypeError("AsyncLLM.update_weights takes a checkpoint's path: its engine core runs in a "
+                            "process of its own; for params in memory use LLM(params=..., mesh=...)")
+        await self.engine_core.call_utility_async("update_weights", path)
+
+    async def sleep(self, level: int = 1) -> None:
+        await self.engine_core.call_utility_async("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.engine_core.call_utility_async("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        return await self.engine_core.call_utility_async("is_sleeping")
+
+    async def collective_rpc(self, method: str, args: tuple = ()):
+        return await self.engine_core.call_utility_async("collective_rpc", method, list(args))
 
     async def start_profile(self, log_dir: str | None = None) -> None:
         """As LLMEngine.start_profile."""

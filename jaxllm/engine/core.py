@@ -3,7 +3,10 @@ EngineCoreProc, the same core in a process of its own behind ZMQ sockets.
 
 With asynchronous scheduling the core keeps two steps in flight: it schedules and
 dispatches step N+1, then waits for step N's sampled ids and applies them, so the
-host's work for one step overlaps the device's work for the other.
+host's work for one step overlaps the device's work for the other. A step with
+requests under token masks (structured outputs, multi-token bad words) dispatches its
+forward pass, applies the steps before it (their tokens advance the grammars), makes
+the masks, and then dispatches its sampling: the masks are made while the forward runs.
 """
 import collections
 import gc
@@ -18,44 +21,48 @@ import threading
 import time
 import traceback
 
-import cloudpickle
 import jax
 import zmq
 from jax.profiler import TraceAnnotation
 
 from jaxllm import compilation
 from jaxllm.config import Config
+from jaxllm.contracts.engine_core import (DP_RANK_ENV, ENGINE_CORE_DEAD, READY, STARTUP_FAILED, EngineCoreOutput,
+                                          EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, UtilityOutput)
+from jaxllm.contracts.serial import MsgpackDecoder, MsgpackEncoder
+from jaxllm.contracts.step import SchedulerOutput
 from jaxllm.core.kv_cache_manager import KVCacheManager
-from jaxllm.core.scheduler import Scheduler, SchedulerOutput
-from jaxllm.engine import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType,
-                           UtilityOutput)
-from jaxllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
-from jaxllm.executor.multihost import IterationPublisher, init_distributed
+from jaxllm.core.scheduler import Scheduler
+from jaxllm.core.token_masks import make_token_masks
+from jaxllm.distributed import init_distributed
+from jaxllm.executor import make_executor
+from jaxllm.executor.multihost import HEARTBEAT_S
 from jaxllm.request import Request, RequestStatus, check_token_ids
-from jaxllm.worker.model_runner import ModelRunner
 from jaxllm.worker.step_output import StepOutput
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_S = 1.0  # multi-host: the longest host 0 is silent to the other hosts
-DP_RANK_ENV = "JAXLLM_DATA_PARALLEL_RANK"  # a data-parallel replica's index, set by dp_client.py
-# Messages of the process protocol that are not msgpack structs.
-READY, STARTUP_FAILED, ENGINE_CORE_DEAD = b"READY", b"STARTUP_FAILED", b"ENGINE_CORE_DEAD"
+
+
+PAUSE_MODES = ("wait", "abort", "keep")
 
 
 class EngineCore:
-    def __init__(self, config: Config, show_progress: bool = True):
+    def __init__(self, config: Config, show_progress: bool = True, params=None):
+        """params: the model's params in memory (an engine in the caller's process), else its checkpoint's."""
         self.config = config
-        self.runner = ModelRunner(config, show_progress)
-        self.runner.warm_up(show_progress)
-        logger.info(self.runner.describe())
-        kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, self.runner.kv_layout,
+        self.executor = make_executor(config, show_progress, params)
+        logger.info(self.executor.describe())
+        kv = KVCacheManager(self.executor.num_blocks, config.cache.block_size, self.executor.kv_layout,
                             config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, kv)
         self.batch_queue_size = 2 if config.scheduler.async_scheduling else 1
         self.batch_queue: collections.deque[tuple[SchedulerOutput, StepOutput]] = collections.deque()
         self._grammar_compiler = None  # made for the first request with structured outputs
-        self._rejected: list[EngineCoreOutput] = []  # requests that failed on arrival, for the next step's outputs
+        # Outputs made outside a step (a request rejected on arrival, a failed token mask), for the next step's.
+        self._pending: list[EngineCoreOutput] = []
+        self._paused = False  # pause_generation: no request is admitted until resume
+        self._sleep_level = 0
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; one the core cannot take ends at once with an error, alone."""
@@ -67,7 +74,7 @@ class EngineCore:
             core_request = Request.from_engine_core_request(request)
         except Exception as e:
             logger.exception("request %s: rejected", request.request_id)
-            self._rejected.append(EngineCoreOutput(request.request_id, [], "error", error=f"{type(e).__name__}: {e}"))
+            self._pending.append(EngineCoreOutput(request.request_id, [], "error", error=f"{type(e).__name__}: {e}"))
             return
         structured = request.sampling_params.structured_outputs
         if structured is not None:
@@ -75,8 +82,8 @@ class EngineCore:
                 core_request.grammar = self._grammar_matcher(structured)
             except Exception as e:
                 logger.exception("request %s: its grammar failed to compile", request.request_id)
-                self._rejected.append(EngineCoreOutput(request.request_id, [], "error",
-                                                       error=f"structured_outputs: {type(e).__name__}: {e}"))
+                self._pending.append(EngineCoreOutput(request.request_id, [], "error",
+                                                      error=f"structured_outputs: {type(e).__name__}: {e}"))
                 return
         self.scheduler.add_request(core_request)
 
@@ -93,14 +100,14 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue) or bool(self._rejected)
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue) or bool(self._pending)
 
     def step(self) -> EngineCoreOutputs:
         """Dispatch the next step if there is room for it; then, once the queue is full
         (or nothing new could be scheduled), wait for the oldest step and apply it."""
-        if self._rejected:
-            rejected, self._rejected = self._rejected, []
-            return EngineCoreOutputs(rejected, time.monotonic(), self.scheduler.make_stats())
+        outputs, self._pending = self._pending, []
+        if outputs:
+            return EngineCoreOutputs(outputs, time.monotonic(), self.scheduler.make_stats())
         scheduled = False
         if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
             with TraceAnnotation("schedule"):
@@ -108,42 +115,137 @@ class EngineCore:
             if not sched.is_empty:
                 try:
                     with TraceAnnotation("execute_model"):
-                        self.batch_queue.append((sched, self.runner.execute_model(sched)))
+                        step = self.executor.execute_model(sched)
+                        if step is None:  # its sampling waits for the token masks
+                            outputs = self._apply_all()
+                            step = self._sample_under_masks(sched)
+                        self.batch_queue.append((sched, step))
                 except Exception as e:
-                    return self._fail_steps(e, sched)
+                    return self._fail_steps(e)
                 scheduled = True
+        if outputs:
+            return EngineCoreOutputs(outputs, time.monotonic(), self.scheduler.make_stats())
         if not self.batch_queue or (scheduled and len(self.batch_queue) < self.batch_queue_size):
             return EngineCoreOutputs()
-        sched, step = self.batch_queue.popleft()
         try:
-            with TraceAnnotation("wait"):
-                token_ids, logprobs, prompt_logprobs = step.token_ids(), step.host_logprobs(), step.host_prompt_logprobs()
+            outputs = self._apply_oldest()
         except Exception as e:
-            return self._fail_steps(e, sched)
-        with TraceAnnotation("update"):
-            outputs = self.scheduler.update_from_output(sched, token_ids, logprobs, prompt_logprobs, step.failed)
-            return EngineCoreOutputs(outputs, time.monotonic(), self.scheduler.make_stats())
+            return self._fail_steps(e)
+        return EngineCoreOutputs(outputs, time.monotonic(), self.scheduler.make_stats())
 
-    def _fail_steps(self, error: Exception, sched: SchedulerOutput) -> EngineCoreOutputs:
+    def _apply_oldest(self) -> list[EngineCoreOutput]:
+        """Wait for the oldest step in flight and apply its output."""
+        sched, step = self.batch_queue[0]
+        with TraceAnnotation("wait"):
+            output = step.get_output()
+        self.batch_queue.popleft()
+        with TraceAnnotation("update"):
+            return self.scheduler.update_from_output(sched, output)
+
+    def _apply_all(self) -> list[EngineCoreOutput]:
+        outputs = []
+        while self.batch_queue:
+            outputs += self._apply_oldest()
+        return outputs
+
+    def _sample_under_masks(self, sched: SchedulerOutput) -> StepOutput:
+        """Make the token masks of the step's host-masked requests that sample (their grammars hold
+        every token before), and dispatch the step's sampling under them. A request whose mask
+        fails ends alone, with the error, at the next step's outputs."""
+        requests = [r for s, r in zip(sched.scheduled, self.scheduler.scheduled_requests(sched))
+                    if s.samples and r.needs_host_mask and not r.is_finished]
+        masks, failed = make_token_masks(requests, self.config.model.arch.vocab_size)
+        if failed:
+            self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+            self._pending += [EngineCoreOutput(i, [], "error", error=e) for i, e in failed.items()]
+        return self.executor.sample_tokens(masks)
+
+    def _fail_steps(self, error: Exception) -> EngineCoreOutputs:
         """A failed step may have consumed the donated KV caches: every request it or a
         step still in flight ran loses its KV and ends with the error; fresh caches
         serve the requests still waiting."""
         logger.exception("model step failed")
-        requests = {s.request.request_id: s.request for s in sched.requests}
+        requests = {r.request_id: r for r in self.scheduler.in_flight_requests()}
         requests.update((r.request_id, r) for r in self.scheduler.running)
-        for queued, _ in self.batch_queue:
-            requests.update((s.request.request_id, s.request) for s in queued.requests)
         self.batch_queue.clear()
+        self.scheduler.drop_in_flight()
         ids = [i for i, r in requests.items() if not r.is_finished]
-        for r in requests.values():
-            r.num_output_placeholders = 0
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
-        self.runner.reset_kv_caches()
+        self.executor.collective_rpc("reset_kv_caches")
         if not self.scheduler.reset_prefix_cache():  # the cached blocks' KV is gone with the caches
             logger.error("the prefix cache could not be reset after a failed step: a request still holds blocks")
         message = f"{type(error).__name__}: {error}"
         return EngineCoreOutputs([EngineCoreOutput(i, [], "error", error=message) for i in ids],
                                  time.monotonic(), self.scheduler.make_stats())
+
+    # ---- generation paused, weights updated, memory freed (an engine inside a training loop) ----
+    def pause(self, mode: str = "wait") -> None:
+        """Admit no request until resume. "wait": the running ones go on to their end (the front end
+        waits for them); "abort": every unfinished request ends with finish_reason "abort";
+        "keep": the running ones go back to waiting, their KV freed and their tokens kept, to go on
+        (recomputing their KV, under new weights if there are) after resume."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self._pending += self._apply_all()
+        self._paused = True
+        self.scheduler.paused = True
+        if mode == "abort":
+            ids = list(self.scheduler.requests)
+            self.abort_requests(ids)
+            self._pending += [EngineCoreOutput(i, [], "abort") for i in ids]
+        elif mode == "keep":
+            self.scheduler.preempt_all()
+
+    def resume(self) -> None:
+        self._paused = False
+        self.scheduler.paused = self._sleep_level > 0
+
+    def _check_quiet(self, what: str) -> None:
+        """Only with no request running, and none waiting unless paused: their KV (and the prefix
+        cache's) came from the weights being replaced or freed."""
+        self._pending += self._apply_all()
+        if self.scheduler.running or (self.scheduler.waiting and not self._paused):
+            raise ValueError(f"{what} while requests run: pause_generation() first (mode 'wait', 'abort' or "
+                             "'keep'), or let them finish")
+
+    def update_weights(self, source) -> None:
+        """New weights (params in memory, or a checkpoint's path; see ModelRunner.update_weights);
+        the prefix cache forgets the old weights' KV."""
+        self._check_quiet("update_weights")
+        self.executor.collective_rpc("update_weights", source)
+        self.scheduler.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache and the prefix cache (level 1), and the weights too (level 2)."""
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        self._check_quiet("sleep")
+        self.scheduler.reset_prefix_cache()
+        self.executor.collective_rpc("sleep", level)
+        self._sleep_level = max(self._sleep_level, level)
+        self.scheduler.paused = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Make again what sleep freed ("weights", "kv_cache"; default both)."""
+        tags = list(tags or ("weights", "kv_cache"))
+        if bad := [t for t in tags if t not in ("weights", "kv_cache")]:
+            raise ValueError(f"tags must be 'weights' and/or 'kv_cache', got {bad}")
+        self.executor.collective_rpc("wake_up", tags)
+        if "kv_cache" in tags:
+            self._sleep_level = 0
+            self.scheduler.paused = self._paused
+
+    def is_sleeping(self) -> bool:
+        return self._sleep_level > 0
+
+    def get_params(self) -> dict:
+        return self.executor.collective_rpc("get_params")
+
+    def collective_rpc(self, method: str, args: list | tuple = ()):
+        """Call a method of every model runner (vLLM's collective_rpc); this host's result."""
+        if method.startswith("_"):
+            raise AttributeError(f"{method} is not a runner method")
+        return self.executor.collective_rpc(method, *args)
 
     # ---- utility calls (the clients' call_utility) ----
     def get_stats(self) -> dict:
@@ -156,17 +258,20 @@ class EngineCore:
                 "prefix_cache_hits": self.scheduler.prefix_cache_totals[1]}
 
     def describe(self) -> str:
-        return self.runner.describe()
+        return self.executor.describe()
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
+    def record_widest_step(self) -> None:
+        """For `jaxllm bench step`: keep the widest step's inputs from now on (time_widest_step)."""
+        self.executor.collective_rpc("record_widest_step")
+
     def time_widest_step(self, num_iters: int = 20) -> float:
         if self.scheduler.has_unfinished_requests():
             raise RuntimeError("time_widest_step needs an idle engine")
-        while self.batch_queue:  # a step of requests that ended meanwhile
-            self.step()
-        return self.runner.time_widest_step(num_iters)
+        self._apply_all()  # a step of requests that ended meanwhile
+        return self.executor.collective_rpc("time_widest_step", num_iters)
 
     def start_profile(self, log_dir: str, python_tracer: bool = False) -> None:
         """Record a jax.profiler trace of this process into `log_dir` (see jaxllm.profiling).
@@ -180,7 +285,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.batch_queue.clear()
-        self.runner.shutdown()
+        self.executor.shutdown()
 
 
 class EngineCoreProc:
@@ -190,10 +295,9 @@ class EngineCoreProc:
     input queue."""
 
     def __init__(self, core: EngineCore, input_address: str, output_address: str, ctx: zmq.Context,
-                 engine_index: int = 0, publisher=None):
+                 engine_index: int = 0):
         self.core = core
         self.engine_index = engine_index  # its data-parallel replica
-        self.publisher = publisher  # multi-host: sends each iteration's messages to the other hosts
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
         self._threads = [
@@ -211,48 +315,42 @@ class EngineCoreProc:
                 break
             if self.core.has_work():
                 outputs = self.core.step()
-                if outputs.outputs:
+                if outputs.outputs or outputs.scheduler_stats is not None:  # stats: the metrics count each
                     outputs.engine_index = self.engine_index
                     self.output_queue.put(outputs)
 
     def _process_input_queue(self) -> bool:
-        """Handle every message waiting (block for one when idle); False on shutdown.
-        With other hosts, they get this iteration's messages before it steps."""
+        """Handle every message waiting (block for one when idle); False on shutdown."""
         block = not self.core.has_work()
-        # Idle with other hosts: an empty iteration each HEARTBEAT_S tells them host 0 lives.
-        timeout = HEARTBEAT_S if block and self.publisher is not None else None
-        frames, shutdown = [], False
-        while not shutdown:
+        # Idle with other hosts: a heartbeat each HEARTBEAT_S tells them host 0 lives.
+        timeout = HEARTBEAT_S if block and self.core.executor.needs_heartbeat else None
+        while True:
             try:
-                kind, message, raw = self.input_queue.get(block=block, timeout=timeout)
+                kind, message = self.input_queue.get(block=block, timeout=timeout)
             except queue.Empty:
-                break
+                if block:
+                    self.core.executor.heartbeat()
+                return True
             block = False
-            frames += [kind.value, raw]
-            shutdown = kind == EngineCoreRequestType.SHUTDOWN
-            result = None if shutdown else apply_message(self.core, kind, message)
+            if kind == EngineCoreRequestType.SHUTDOWN:
+                return False
+            result = apply_message(self.core, kind, message)
             if result is not None:
                 self.output_queue.put(EngineCoreOutputs(utility_output=result))
-        if self.publisher is not None:
-            self.publisher.publish(frames)
-        return not shutdown
+            elif kind == EngineCoreRequestType.ABORT and not self.core.has_work():
+                # No step will follow to carry the stats: the front end's gauges would keep the aborted requests.
+                self.output_queue.put(EngineCoreOutputs([], time.monotonic(), self.core.scheduler.make_stats(),
+                                                        engine_index=self.engine_index))
 
     def shutdown(self) -> None:
         self.output_queue.put(None)  # the output thread sends what is queued, then stops
         self._threads[1].join(timeout=5)
-        if self.publisher is not None:
-            self.publisher.close()
         self.core.shutdown()
 
 
 _DECODERS = {EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
              EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
              EngineCoreRequestType.UTILITY: MsgpackDecoder(tuple[int, str, list])}
-
-
-def decode_message(kind: EngineCoreRequestType, payload: bytes):
-    decoder = _DECODERS.get(kind)
-    return None if decoder is None else decoder.decode(payload)
 
 
 def apply_message(core: EngineCore, kind: EngineCoreRequestType, message) -> UtilityOutput | None:
@@ -273,13 +371,14 @@ def apply_message(core: EngineCore, kind: EngineCoreRequestType, message) -> Uti
 
 
 def _read_requests(ctx: zmq.Context, address: str, requests: queue.Queue) -> None:
-    """Decode the front end's messages as they come: (kind, message, the raw payload)."""
+    """Decode the front end's messages as they come: (kind, message)."""
     socket = ctx.socket(zmq.PULL)
     socket.connect(address)
     while True:
         kind, payload = socket.recv_multipart()
         kind = EngineCoreRequestType(kind)
-        requests.put((kind, decode_message(kind, payload), payload))
+        decoder = _DECODERS.get(kind)
+        requests.put((kind, None if decoder is None else decoder.decode(payload)))
         if kind == EngineCoreRequestType.SHUTDOWN:
             return
 
@@ -301,21 +400,21 @@ def _exit_when_parent_dies() -> None:
 
 
 def run_engine_core(input_address: str, output_address: str) -> int:
-    """The engine core process's main: (EngineArgs, show_progress) come on stdin as a
-    length-prefixed pickle; READY (with the resolved Config) or STARTUP_FAILED (with
+    """The engine core process's main: (Config, show_progress) come on stdin as a
+    length-prefixed pickle; READY (with the core's description) or STARTUP_FAILED (with
     the exception) goes out first on the output socket, then the busy loop serves
     until SHUTDOWN."""
     # Ctrl-C in a terminal reaches the whole process group: it is the user's program's to handle
     # (LLM.generate aborts its requests and the engine serves on), and the front end ends this process.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     (size,) = struct.unpack("<Q", sys.stdin.buffer.read(8))
-    engine_args, show_progress = pickle.loads(sys.stdin.buffer.read(size))
+    config, show_progress = pickle.loads(sys.stdin.buffer.read(size))
     threading.Thread(target=_exit_when_parent_dies, daemon=True).start()
-    return serve_engine_core(engine_args, show_progress, input_address, output_address,
+    return serve_engine_core(config, show_progress, input_address, output_address,
                              int(os.environ.get(DP_RANK_ENV, "0")))
 
 
-def serve_engine_core(engine_args, show_progress: bool, input_address: str, output_address: str,
+def serve_engine_core(config: Config, show_progress: bool, input_address: str, output_address: str,
                       engine_index: int = 0) -> int:
     """Build the engine core, say READY (or STARTUP_FAILED) on the output socket, and serve
     until SHUTDOWN: the core process's life, wherever it runs (its own process, a Ray actor)."""
@@ -323,12 +422,9 @@ def serve_engine_core(engine_args, show_progress: bool, input_address: str, outp
     handshake = ctx.socket(zmq.PUSH)
     handshake.connect(output_address)
     try:
-        init_distributed(engine_args.num_hosts, engine_args.host_rank, engine_args.coordinator_address)
-        config = engine_args.create_config()
-        core = EngineCore(config, show_progress)
-        publisher = None
-        if engine_args.num_hosts > 1:  # ready once every host is
-            publisher = IterationPublisher(ctx, engine_args.coordinator_address, engine_args.num_hosts - 1)
+        parallel = config.parallel
+        init_distributed(parallel.num_hosts, parallel.host_rank, parallel.coordinator_address)
+        core = EngineCore(config, show_progress)  # with other hosts: ready once every host is
     except BaseException as e:
         e.add_note(f"in the engine core process:\n{traceback.format_exc()}")
         try:
@@ -341,11 +437,10 @@ def serve_engine_core(engine_args, show_progress: bool, input_address: str, outp
     # What start-up made lives as long as the process: keep the collector from walking it every few steps.
     gc.collect()
     gc.freeze()
-    # By value: the config holds the user's logits processor classes, which may live in a script's __main__.
-    handshake.send_multipart([READY, cloudpickle.dumps((config, core.describe()))])
+    handshake.send_multipart([READY, core.describe().encode()])
     handshake.close(linger=5000)
 
-    proc = EngineCoreProc(core, input_address, output_address, ctx, engine_index, publisher)
+    proc = EngineCoreProc(core, input_address, output_address, ctx, engine_index)
     try:
         proc.run_busy_loop()
     except BaseException:

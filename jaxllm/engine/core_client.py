@@ -29,11 +29,11 @@ import cloudpickle
 import zmq
 import zmq.asyncio
 
-from jaxllm.config import Config, EngineArgs
-from jaxllm.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
-from jaxllm.engine.core import ENGINE_CORE_DEAD, READY, EngineCore
+from jaxllm.config import Config
+from jaxllm.contracts.engine_core import (ENGINE_CORE_DEAD, READY, EngineCoreOutputs, EngineCoreRequest,
+                                          EngineCoreRequestType)
 from jaxllm.engine.exceptions import EngineDeadError
-from jaxllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
+from jaxllm.contracts.serial import MsgpackDecoder, MsgpackEncoder
 
 _SHUTDOWN_TIMEOUT_S = 5.0
 _CORE_MAIN = "import sys; from jaxllm.engine.core import run_engine_core; sys.exit(run_engine_core(*sys.argv[1:]))"
@@ -41,8 +41,9 @@ logger = logging.getLogger(__name__)
 
 
 class InprocClient:
-    def __init__(self, config: Config, show_progress: bool = True):
-        self.core = EngineCore(config, show_progress)
+    def __init__(self, config: Config, show_progress: bool = True, params=None):
+        from jaxllm.engine.core import EngineCore  # the model and kernels: only where they run
+        self.core = EngineCore(config, show_progress, params)
         self.config = config
         self.description = self.core.describe()
         self._finalizer = weakref.finalize(self, self.core.shutdown)
@@ -66,12 +67,12 @@ class InprocClient:
 class _LocalCore:
     """The engine core in a fresh interpreter on this machine (JAX is not fork-safe)."""
 
-    def __init__(self, engine_args: EngineArgs, show_progress: bool, input_address: str, output_address: str,
+    def __init__(self, config: Config, show_progress: bool, input_address: str, output_address: str,
                  env: dict[str, str] | None):
         self.proc = subprocess.Popen([sys.executable, "-c", _CORE_MAIN, input_address, output_address],
                                      stdin=subprocess.PIPE, env=env)
         # cloudpickle: a logits processor class defined in the user's script (__main__) travels by value.
-        payload = cloudpickle.dumps((engine_args, show_progress))
+        payload = cloudpickle.dumps((config, show_progress))
         try:
             self.proc.stdin.write(struct.pack("<Q", len(payload)) + payload)
             self.proc.stdin.flush()
@@ -98,10 +99,10 @@ class _LocalCore:
 class _CoreProcess:
     """The core process, the sockets to it, and the thread that watches it. `close`
     needs nothing of the client, so it can be the client's finalizer. `launch(input_address,
-    output_address)` starts the core (a _LocalCore, or executor/ray_dp.py's actor); the
+    output_address)` starts the core (a _LocalCore, or engine/ray_dp.py's actor); the
     sockets are ipc ones on this machine, TCP ones on `tcp_host` for a core elsewhere."""
 
-    def __init__(self, engine_args: EngineArgs, show_progress: bool, env: dict[str, str] | None = None,
+    def __init__(self, config: Config, show_progress: bool, env: dict[str, str] | None = None,
                  launch=None, tcp_host: str | None = None):
         self.ctx = zmq.Context()
         self.dir = tempfile.mkdtemp(prefix="jaxllm-")
@@ -121,7 +122,7 @@ class _CoreProcess:
         self._send_lock = threading.Lock()
         self._closed = False
         if launch is None:
-            self.core = _LocalCore(engine_args, show_progress, self.input_address, self.output_address, env)
+            self.core = _LocalCore(config, show_progress, self.input_address, self.output_address, env)
         else:
             self.core = launch(self.input_address, self.output_address)
         self.monitor = threading.Thread(target=_watch_process, args=(self.core, self.ctx, self.output_address),
@@ -135,9 +136,9 @@ class _CoreProcess:
     def exited(self) -> bool:
         return self.core.exit_code() is not None
 
-    def wait_ready(self) -> tuple[Config, str]:
-        """The core's resolved Config and description, once it has warmed up; a start-up
-        failure in the core is raised here as the exception it was there."""
+    def wait_ready(self) -> str:
+        """The core's description, once it has warmed up; a start-up failure in the core is
+        raised here as the exception it was there."""
         try:
             while not self.output.poll(100):
                 if self.exited():
@@ -150,7 +151,7 @@ class _CoreProcess:
             self.close()
             raise
         self.monitor.start()
-        return pickle.loads(payload)
+        return payload.decode()
 
     def send(self, kind: EngineCoreRequestType, payload: bytes) -> None:
         with self._send_lock:
@@ -211,17 +212,21 @@ def _route(message: bytes, decoder: MsgpackDecoder, put_output, futures: dict, p
     if future is not None and not future.done():
         if result.failure is None:
             future.set_result(result.result)
-        else:
-            future.set_exception(RuntimeError(f"engine core utility call failed: {result.failure}"))
+        else:  # the caller's mistake stays its kind (a ValueError naming the field); anything else is the core's
+            kind, _, message = result.failure.partition(": ")
+            error = {"ValueError": ValueError, "TypeError": TypeError}.get(kind)
+            future.set_exception(error(message) if error else
+                                 RuntimeError(f"engine core utility call failed: {result.failure}"))
     return True
 
 
 class _MPClient:
-    def __init__(self, engine_args: EngineArgs, show_progress: bool = True, process: _CoreProcess | None = None):
+    def __init__(self, config: Config, show_progress: bool = True, process: _CoreProcess | None = None):
         """`process`: a core process already started (data parallelism starts them all, then waits)."""
-        self._process = process or _CoreProcess(engine_args, show_progress)
+        self._process = process or _CoreProcess(config, show_progress)
         self._finalizer = weakref.finalize(self, self._process.close)
-        self.config, self.description = self._process.wait_ready()
+        self.config = config
+        self.description = self._process.wait_ready()
         self._encoder = MsgpackEncoder()
         self._futures: dict[int, object] = {}
         self._call_ids = itertools.count()
@@ -253,10 +258,10 @@ class _MPClient:
 
 
 class SyncMPClient(_MPClient):
-    def __init__(self, engine_args: EngineArgs, show_progress: bool = True, process: _CoreProcess | None = None,
+    def __init__(self, config: Config, show_progress: bool = True, process: _CoreProcess | None = None,
                  outputs: queue.Queue | None = None):
         """`outputs`: a queue that the reader fills (data parallelism gives every replica's reader one)."""
-        super().__init__(engine_args, show_progress, process)
+        super().__init__(config, show_progress, process)
         self._outputs: queue.Queue = queue.Queue() if outputs is None else outputs
         reader = threading.Thread(target=_read_outputs, name="core-output-reader", daemon=True,
                                   args=(self._process, self._outputs.put, self._futures))
@@ -290,8 +295,8 @@ def _read_outputs(process: _CoreProcess, put_output, futures: dict) -> None:
 class AsyncMPClient(_MPClient):
     """Reads the core's outputs in an asyncio task, started in the running loop at first use."""
 
-    def __init__(self, engine_args: EngineArgs, show_progress: bool = True, process: _CoreProcess | None = None):
-        super().__init__(engine_args, show_progress, process)
+    def __init__(self, config: Config, show_progress: bool = True, process: _CoreProcess | None = None):
+        super().__init__(config, show_progress, process)
         self._outputs: asyncio.Queue | None = None
         self._reader: asyncio.Task | None = None
 

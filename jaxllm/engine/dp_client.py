@@ -16,9 +16,8 @@ import dataclasses
 import os
 import queue
 
-from jaxllm.config import EngineArgs
-from jaxllm.engine import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from jaxllm.engine.core import DP_RANK_ENV
+from jaxllm.config import Config
+from jaxllm.contracts.engine_core import DP_RANK_ENV, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from jaxllm.engine.core_client import AsyncMPClient, SyncMPClient, _CoreProcess
 
 
@@ -36,35 +35,33 @@ def replica_env(rank: int, tensor_parallel_size: int) -> dict[str, str]:
     return env
 
 
-def _ray_core_process(replica_args: EngineArgs, show_progress: bool, rank: int) -> _CoreProcess:
-    """Replica `rank`'s core in a Ray actor, wherever Ray places it (executor/ray_dp.py)."""
-    from jaxllm.executor.ray_dp import RayCore, front_end_address, init_ray
+def _ray_core_process(replica: Config, show_progress: bool, rank: int) -> _CoreProcess:
+    """Replica `rank`'s core in a Ray actor, wherever Ray places it (engine/ray_dp.py)."""
+    from jaxllm.engine.ray_dp import RayCore, front_end_address, init_ray
     init_ray()
-    return _CoreProcess(replica_args, show_progress, tcp_host=front_end_address(), launch=lambda i, o: RayCore(
-        replica_args, show_progress, i, o, rank))
+    return _CoreProcess(replica, show_progress, tcp_host=front_end_address(), launch=lambda i, o: RayCore(
+        replica, show_progress, i, o, rank))
 
 
 class _DPClient:
-    def __init__(self, engine_args: EngineArgs, show_progress: bool, make_client):
-        n, tp = engine_args.data_parallel_size, engine_args.tensor_parallel_size
-        replica_args = dataclasses.replace(engine_args, data_parallel_size=1)
+    def __init__(self, config: Config, ray: bool, show_progress: bool, make_client):
+        n, tp = config.parallel.data_parallel_size, config.parallel.tensor_parallel_size
+        replica = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, data_parallel_size=1))
         # Start every replica, then wait for each: they warm up side by side.
         processes = []
         try:
             for rank in range(n):
                 show = show_progress and rank == 0
-                if engine_args.distributed_executor_backend == "ray":
-                    processes.append(_ray_core_process(replica_args, show, rank))
+                if ray:
+                    processes.append(_ray_core_process(replica, show, rank))
                 else:
-                    processes.append(_CoreProcess(replica_args, show, replica_env(rank, tp)))
-            self.clients = [make_client(replica_args, process) for process in processes]
+                    processes.append(_CoreProcess(replica, show, replica_env(rank, tp)))
+            self.clients = [make_client(replica, process) for process in processes]
         except BaseException:
             for process in processes:
                 process.close()
             raise
-        self.config = dataclasses.replace(
-            self.clients[0].config, parallel=dataclasses.replace(self.clients[0].config.parallel,
-                                                                 data_parallel_size=n))
+        self.config = config
         self.description = f"{n} data-parallel replicas; each: {self.clients[0].description}"
         self._load = [0] * n  # unfinished requests per replica
         self._replica_of: dict[str, int] = {}
@@ -129,10 +126,10 @@ _ALL_REPLICAS = ("get_stats", "reset_prefix_cache")
 
 
 class DPSyncClient(_DPClient):
-    def __init__(self, engine_args: EngineArgs, show_progress: bool = True):
+    def __init__(self, config: Config, ray: bool, show_progress: bool = True):
         self._outputs: queue.Queue = queue.Queue()
-        super().__init__(engine_args, show_progress,
-                         lambda args, process: SyncMPClient(args, show_progress, process, self._outputs))
+        super().__init__(config, ray, show_progress,
+                         lambda replica, process: SyncMPClient(replica, show_progress, process, self._outputs))
 
     def get_output(self) -> EngineCoreOutputs:
         item = self._outputs.get()
@@ -152,8 +149,9 @@ class DPSyncClient(_DPClient):
 
 
 class DPAsyncClient(_DPClient):
-    def __init__(self, engine_args: EngineArgs, show_progress: bool = True):
-        super().__init__(engine_args, show_progress, lambda args, process: AsyncMPClient(args, show_progress, process))
+    def __init__(self, config: Config, ray: bool, show_progress: bool = True):
+        super().__init__(config, ray, show_progress,
+                         lambda replica, process: AsyncMPClient(replica, show_progress, process))
         self._outputs: asyncio.Queue | None = None
 
     def _ensure_readers(self) -> None:

@@ -6,10 +6,13 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-from jaxllm.config import EngineArgs
-from jaxllm.engine import EngineCoreRequest
+import jax
+
+from jaxllm.config import Config, EngineArgs
+from jaxllm.contracts.engine_core import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from jaxllm.device_facts import live_device_facts
 from jaxllm.engine.core_client import InprocClient, SyncMPClient
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.parallel_sampling import ParentRequest
@@ -29,14 +32,27 @@ def multiprocessing_enabled(args: EngineArgs) -> bool:
 
 
 def data_parallel(args: EngineArgs) -> bool:
-    """Whether `args` asks for replicas (several engine cores, or Ray's). Checked here, in the front end, which
-    never builds the Config (that would take the GPUs the replicas need)."""
+    """Whether `args` asks for replicas (several engine cores, or Ray's)."""
     check_field_types(args)
     replicas = args.data_parallel_size > 1 or args.distributed_executor_backend == "ray"
     if replicas and args.enable_multiprocessing is False:
         raise ValueError("data_parallel_size > 1 (or the ray backend) runs each replica's engine core in a "
                          "process of its own: enable_multiprocessing must not be False")
     return replicas
+
+
+def in_process_config(args: EngineArgs, mesh: jax.sharding.Mesh | None) -> Config:
+    """The Config of an engine core in this process, tensor-parallel over `mesh`'s devices if given."""
+    if args.enable_multiprocessing or data_parallel(args) or args.num_hosts > 1:
+        raise ValueError("params= and mesh= run the engine core in this process, on this process's devices: "
+                         "enable_multiprocessing, data_parallel_size > 1 and num_hosts > 1 do not apply")
+    if mesh is None:
+        return args.create_config(live_device_facts())
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    config = dataclasses.replace(args, tensor_parallel_size=mesh.devices.size).create_config(live_device_facts())
+    ids = tuple(d.id for d in mesh.devices.flat)
+    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, device_ids=ids))
 
 
 class FrontEnd:
@@ -58,6 +74,19 @@ class FrontEnd:
         self.processor = Processor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._arrivals = itertools.count()
+        # Called with the SchedulerStats that come with the core's outputs (the server's metrics).
+        self.stats_listeners: list[Callable[[SchedulerStats], None]] = []
+
+    def _process(self, core_outputs: EngineCoreOutputs) -> list[RequestOutput]:
+        """The RequestOutputs of one message of the core's; the requests a stop string ended are
+        aborted in the core, and the stats go to the listeners."""
+        outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs, core_outputs.timestamp)
+        if stopped:
+            self.engine_core.abort_requests(stopped)
+        if core_outputs.scheduler_stats is not None:
+            for listener in self.stats_listeners:
+                listener(core_outputs.scheduler_stats)
+        return outputs
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -123,16 +152,24 @@ class FrontEnd:
 
 class LLMEngine(FrontEnd):
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, show_progress: bool = True) -> "LLMEngine":
-        if data_parallel(args):
-            from jaxllm.engine.dp_client import DPSyncClient
-            return cls(DPSyncClient(args, show_progress))
-        if multiprocessing_enabled(args):
-            return cls(SyncMPClient(args, show_progress))
-        if args.num_hosts > 1:
+    def from_engine_args(cls, args: EngineArgs, show_progress: bool = True, params=None,
+                         mesh: jax.sharding.Mesh | None = None) -> "LLMEngine":
+        """The engine of `args`, resolved here into a Config, which is all the engine core gets.
+        With `params` (the model's, in memory) or `mesh` (the devices to run on), the core runs in
+        this process, on the mesh's devices: device arrays do not cross processes."""
+        if params is not None or mesh is not None:
+            return cls(InprocClient(in_process_config(args, mesh), show_progress, params))
+        replicas = data_parallel(args)
+        if not replicas and not multiprocessing_enabled(args) and args.num_hosts > 1:
             raise ValueError("num_hosts > 1 needs the engine core in a process of its own: "
                              "enable_multiprocessing must not be False")
-        return cls(InprocClient(args.create_config(), show_progress))
+        if replicas or multiprocessing_enabled(args):
+            config = args.create_config()  # for a fresh process of this environment: its devices
+            if replicas:
+                from jaxllm.engine.dp_client import DPSyncClient
+                return cls(DPSyncClient(config, args.distributed_executor_backend == "ray", show_progress))
+            return cls(SyncMPClient(config, show_progress))
+        return cls(InprocClient(args.create_config(live_device_facts()), show_progress))
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
         """Validate and queue one request (with n > 1, its n children); a bad one raises
@@ -149,11 +186,7 @@ class LLMEngine(FrontEnd):
         """The outputs of the next engine step (it blocks while the core computes)."""
         if not self.has_unfinished_requests():
             return []
-        core_outputs = self.engine_core.get_output()
-        outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs, core_outputs.timestamp)
-        if stopped:
-            self.engine_core.abort_requests(stopped)
-        return outputs
+        return self._process(self.engine_core.get_output())
 
     def get_stats(self) -> dict:
         """The core's counters: KV blocks (total, free, cached), requests, preemptions, compilations,
@@ -176,3 +209,54 @@ class LLMEngine(FrontEnd):
 
     def stop_profile(self) -> None:
         self.engine_core.call_utility("stop_profile")
+
+    # ---- inside a JAX program (docs/jax.md) ----
+    def _in_process_core(self, what: str):
+        core = getattr(self.engine_core, "core", None)
+        if core is None:
+            raise ValueError(f"{what} needs the engine core in this process (LLM(params=..., mesh=...) or "
+                             "enable_multiprocessing=False): device arrays do not cross processes")
+        return core
+
+    def get_params(self) -> dict:
+        """The model's params in the engine's layout (a nested dict of the engine's own arrays:
+        read them, do not donate or delete them)."""
+        return self._in_process_core("get_params").get_params()
+
+    def get_logprobs_fn(self):
+        """fn(params, token_ids [S]) -> [S - 1] float32: the model's plain full-sequence logprobs
+        of each next token (worker/sequence_logprobs.py), a pure function of params."""
+        return self._in_process_core("get_logprobs_fn").executor.runner.logprobs_fn()
+
+    def update_weights(self, source) -> None:
+        """New weights without a restart (same executables): params in memory, in the engine's
+        layout or HF names (an engine core in this process), or a checkpoint's path (an HF folder
+        or a .gguf file). Checked whole first; the prefix cache is forgotten. Raises ValueError
+        while requests run unless generation is paused."""
+        if not isinstance(source, str):
+            self._in_process_core("update_weights with params in memory")
+        self.engine_core.call_utility("update_weights", source)
+
+    def pause_generation(self, mode: str = "wait") -> None:
+        """Admit no request until resume_generation: "wait" lets the running ones finish (step()
+        goes on giving their outputs), "abort" ends every unfinished request, "keep" sends the
+        running ones back to waiting, to go on under the new weights after resume."""
+        self.engine_core.call_utility("pause", mode)
+
+    def resume_generation(self) -> None:
+        self.engine_core.call_utility("resume")
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache and the prefix cache (level 1), and the weights too (level 2)."""
+        self.engine_core.call_utility("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Make again what sleep freed: tags "weights", "kv_cache" (default both)."""
+        self.engine_core.call_utility("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.call_utility("is_sleeping")
+
+    def collective_rpc(self, method: str, args: tuple = ()):
+        """Call a method of the model runner(s) (vLLM's collective_rpc); the result of this host's."""
+        return self.engine_core.call_utility("collective_rpc", method, list(args))

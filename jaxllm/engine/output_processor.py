@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from tokenizers.decoders import DecodeStream
 
-from jaxllm.engine import EngineCoreOutput, LogprobsArrays
+from jaxllm.contracts.engine_core import EngineCoreOutput, LogprobsArrays
 from jaxllm.engine.parallel_sampling import ParentRequest
 from jaxllm.outputs import (CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput,
                             SampleLogprobs)

@@ -36,14 +36,19 @@ class LLM:
     engine's batches, and each call returns its own outputs.
     """
 
-    def __init__(self, model: str | None = None, **kwargs):
+    def __init__(self, model: str | None = None, params=None, mesh=None, **kwargs):
+        """params: the model's params in memory (the engine's layout, or HF names to arrays:
+        docs/jax.md), instead of reading `model`'s weights; `model` still names the architecture
+        and the tokenizer. mesh: a jax.sharding.Mesh whose devices the engine runs on,
+        tensor-parallel over all of them. Either runs the engine core in this process."""
         show_progress = kwargs.pop("show_progress", True)
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs), show_progress)
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs), show_progress, params, mesh)
         self._counter = 0
         # One caller at a time adds requests or runs a step. Whichever caller runs the step,
         # each finished output goes to the inbox of the call that owns the request.
         self._lock = threading.Lock()
         self._inboxes: dict[str, queue.SimpleQueue] = {}
+        self._paused = self._asleep = False
 
     def __enter__(self) -> "LLM":
         return self
@@ -75,6 +80,68 @@ class LLM:
 
     def stop_profile(self) -> None:
         self.llm_engine.stop_profile()
+
+    # ---- inside a JAX program (docs/jax.md) ----
+    def get_params(self) -> dict:
+        """The model's params in the engine's layout: a nested dict of the engine's own arrays
+        (read them; do not donate or delete them)."""
+        return self.llm_engine.get_params()
+
+    def get_logprobs_fn(self):
+        """fn(params, token_ids [S] int32) -> [S - 1] float32: log p(token_ids[i + 1] | token_ids[:i + 1])
+        from one plain forward of the whole sequence, a pure function of params (jax.grad it); with
+        batch_invariant=True bitwise the logprobs the engine gives the same tokens."""
+        return self.llm_engine.get_logprobs_fn()
+
+    def update_weights(self, source) -> None:
+        """New weights without a restart or a recompilation: params in memory (either layout of
+        get_params / HF names; placed device to device, the old ones freed as the new come) or a
+        checkpoint's path. The prefix cache is forgotten. Raises ValueError while a generate call
+        runs, unless generation is paused."""
+        with self._lock:
+            self.llm_engine.update_weights(source)
+
+    def pause_generation(self, mode: str = "wait") -> None:
+        """Stop generating until resume_generation. "wait": requests already in the engine run to
+        their end first (this call drives them); "abort": they end now with finish_reason "abort";
+        "keep": they stay, their KV freed, and go on after resume (under new weights, if any).
+        generate raises while paused."""
+        with self._lock:
+            self.llm_engine.pause_generation(mode)
+            self._paused = True
+        # Drive the engine until the pause has done its work: the aborted requests' last outputs
+        # handed to their callers, or the running requests finished.
+        while (self.llm_engine.has_unfinished_requests() if mode == "abort" else
+               mode == "wait" and self.llm_engine.get_stats()["num_running"]):
+            with self._lock:
+                self._step()
+
+    def resume_generation(self) -> None:
+        with self._lock:
+            self.llm_engine.resume_generation()
+            self._paused = False
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache and the prefix cache (level 1), and the weights too (level 2), between
+        rollouts; wake_up makes them again. The compiled steps stay: nothing compiles on waking."""
+        with self._lock:
+            self.llm_engine.sleep(level)
+            self._asleep = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Make again what sleep freed: "weights" (from the checkpoint; weights given in memory come
+        back through update_weights) and "kv_cache"; default both."""
+        with self._lock:
+            self.llm_engine.wake_up(tags)
+            self._asleep = self.llm_engine.is_sleeping()
+
+    def is_sleeping(self) -> bool:
+        return self._asleep
+
+    def collective_rpc(self, method: str, args: tuple = ()):
+        """Call a method of the model runner (vLLM's collective_rpc); its result."""
+        with self._lock:
+            return self.llm_engine.collective_rpc(method, args)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -140,6 +207,10 @@ class LLM:
         return [final[id(p)] for p in sampling_params]
 
     def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        if self._paused:
+            raise ValueError("generation is paused: resume_generation() first")
+        if self._asleep:
+            raise ValueError("the engine is asleep: wake_up() first")
         inbox = queue.SimpleQueue()  # this call's finished outputs, from whichever caller ran the step
         with self._lock:
             ids = []

@@ -10,6 +10,8 @@ when a request of the batch asked for logprobs (decided on the host, as SampleMo
 import jax
 import jax.numpy as jnp
 
+from jaxllm.kernels import batch_invariant
+
 
 def compute_logprobs(logits: jax.Array, sampled: jax.Array, num_logprobs: int
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -22,7 +24,7 @@ def compute_logprobs(logits: jax.Array, sampled: jax.Array, num_logprobs: int
     Ties in the top K put the lower token id first (a stable top_k), so the order is deterministic."""
     num_reqs = logits.shape[0]
     sampled = sampled[:num_reqs]
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logprobs = batch_invariant.log_softmax(logits) if batch_invariant.enabled() else jax.nn.log_softmax(logits, -1)
     sampled_logprobs = jnp.take_along_axis(logprobs, sampled[:, None], axis=-1)  # [R, 1]
     ranks = (logprobs >= sampled_logprobs).sum(-1, dtype=jnp.int32)
     if num_logprobs == 0:

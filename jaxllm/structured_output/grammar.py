@@ -29,7 +29,7 @@ def constraint_kind(params: StructuredOutputsParams) -> str:
 
 def check_structured_outputs(params: StructuredOutputsParams) -> None:
     """Raises ValueError("structured_outputs.<kind>: <llguidance's message>") on a bad JSON
-    schema, regex, choice or Lark grammar."""
+    schema, regex, choice or Lark grammar, and on one that no output can match."""
     grammar_text(params)
 
 
@@ -74,7 +74,37 @@ def _grammar(kind: str, source: str, json_options: tuple | None) -> str:
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
         raise ValueError(f"structured_outputs.{kind}: {messages[0].strip()}")
+    if _matches_nothing(grammar):
+        raise ValueError(f"structured_outputs.{kind}: no output can match it (not even an empty one): "
+                         f"{source[:200]!r}")
     return grammar
+
+
+class _ByteVocabulary:
+    """A vocabulary of the 256 bytes and an EOS (id 256): what llguidance needs to run a
+    grammar without the model's tokenizer."""
+    eos_token_id, bos_token_id = 256, None
+    tokens = [bytes([b]) for b in range(256)] + [b""]
+    special_token_ids = [256]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return list(text if isinstance(text, bytes) else text.encode())
+
+
+@lru_cache(maxsize=1)
+def _byte_tokenizer() -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocabulary()))
+
+
+def _matches_nothing(grammar: str) -> bool:
+    r"""Whether no string fits the grammar, as llguidance tells at its first step: over a
+    vocabulary of single bytes, a grammar that neither accepts the empty string nor lets
+    any byte start a match stops with "NoExtension". (validate_grammar does not tell: a
+    regex of an empty class such as [^\s\S] validates, then ends every output at once.) A
+    language that only dies later (Lark's `start: "a" x` with x unproductive) is not seen."""
+    matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+    matcher.compute_bitmask()
+    return matcher.is_error() and matcher.get_error().startswith("NoExtension")
 
 
 def _json_grammar(schema_text: str, disable_any_whitespace: bool, disable_additional_properties: bool,

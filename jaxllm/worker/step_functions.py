@@ -1,16 +1,58 @@
 """The functions ModelRunner jits: the forward pass of one step (to the logits at each
 request's last token and their argmax), the sampler with and without the logits
-processors, and the prompt logprobs. Closures and plain functions, not methods: the
-runner is not kept alive by its executables."""
+processors, the logprobs of the sampled ids and of prompt positions, and the writer of
+the processors' state rows. Closures and plain functions, not methods: the runner is
+not kept alive by its executables."""
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxllm.kernels import batch_invariant
 from jaxllm.sample import processors
 from jaxllm.sample.logprobs import compute_logprobs
 from jaxllm.sample.processors import ProcessorState
 from jaxllm.sample.sampler import ProcessorMetadata, SampleMode, SamplingMetadata, sample
-from jaxllm.worker import batch as batching
+from jaxllm.sharding import kv_cache_sharding, named_sharding, replicated
+from jaxllm.worker import input_batch as batching
+
+
+class StepFunctions:
+    """The jitted functions of one runner, their outputs' shardings pinned so that each step sees
+    the same inputs as the one before (and compiles nothing new)."""
+
+    def __init__(self, graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout],
+                 max_num_seqs: int, mesh, num_kv_tensors: int, user_processors: tuple, num_logprobs: int,
+                 invariant: bool = False):
+        """invariant: the model traces with the batch-invariant ops (kernels/batch_invariant.py)."""
+        kv = kv_cache_sharding(mesh)
+        rep = replicated(mesh)
+        self.processor_state_sharding = ProcessorState(*[named_sharding(mesh, (None, "vocab"))] * 4)
+        model_fn = _traced_invariant if invariant else (lambda fn: fn)
+        forward = model_fn(make_forward_fn(graphdef, params_treedef, attn_fn, layouts, max_num_seqs))
+        self.forward = jax.jit(forward, donate_argnums=(1,), static_argnums=(4,), out_shardings=(
+            rep, named_sharding(mesh, (None, "vocab")), rep, rep, [(kv, kv)] * num_kv_tensors))
+        self.sample = jax.jit(functools.partial(sample_padded, max_num_seqs=max_num_seqs), static_argnums=(2,),
+                              out_shardings=rep)
+        # Users' processors (EngineArgs.logits_processors): every step runs them, in the processed sampler.
+        self.sample_processed = jax.jit(
+            functools.partial(sample_processed, max_num_seqs=max_num_seqs, user_processors=user_processors),
+            donate_argnums=(2,), static_argnums=(5,), out_shardings=(rep, self.processor_state_sharding))
+        self.write_rows = jax.jit(processors.write_rows, donate_argnums=(0,),
+                                  out_shardings=self.processor_state_sharding)
+        self.logprobs = jax.jit(model_fn(compute_logprobs), static_argnums=(2,), out_shardings=rep)
+        self.prompt_logprobs = jax.jit(model_fn(make_prompt_logprobs_fn(graphdef, params_treedef, num_logprobs)),
+                                       out_shardings=rep)
+
+
+def _traced_invariant(fn):
+    """fn, its model traced with the batch-invariant ops."""
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with batch_invariant.tracing():
+            return fn(*args, **kwargs)
+    return traced
 
 
 def make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout], max_num_seqs: int):

@@ -1,11 +1,13 @@
-"""What a dispatched step hands back: its sampled ids and logprobs, on the device until the host asks."""
+"""What a dispatched step hands back: its sampled ids and logprobs, on the device until the
+core asks for them as a ModelRunnerOutput."""
 import dataclasses
 from typing import NamedTuple
 
 import jax
 import numpy as np
 
-from jaxllm.engine import LogprobsArrays
+from jaxllm.contracts.engine_core import LogprobsArrays
+from jaxllm.contracts.step import ModelRunnerOutput
 
 
 class Logprobs(NamedTuple):
@@ -25,18 +27,17 @@ class StepOutput:
     prompt_segments: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (request index, positions)
     failed: dict[str, str] = dataclasses.field(default_factory=dict)  # request id -> why its host work failed
 
-    def token_ids(self) -> list[int]:
-        """Each scheduled request's sampled id; blocks until the step has finished."""
-        return np.asarray(self.sampled)[:self.num_reqs].tolist()
+    def get_output(self) -> ModelRunnerOutput:
+        """The step's results on the host; blocks until the step has finished."""
+        return ModelRunnerOutput(np.asarray(self.sampled)[:self.num_reqs].tolist(), self._host_logprobs(),
+                                 self._host_prompt_logprobs(), self.failed)
 
-    def host_logprobs(self) -> LogprobsArrays | None:
-        """The logprobs on the host, row i for scheduled request i (blocks until the step has
-        finished), or None if no request asked."""
+    def _host_logprobs(self) -> LogprobsArrays | None:
         if self.logprobs is None:
             return None
         return LogprobsArrays(*(np.asarray(a) for a in self.logprobs))
 
-    def host_prompt_logprobs(self) -> list[LogprobsArrays | None] | None:
+    def _host_prompt_logprobs(self) -> list[LogprobsArrays | None] | None:
         """Per scheduled request, the logprobs of its prompt positions this step (or None);
         None if no request asked."""
         if not self.prompt_segments:

@@ -1,7 +1,7 @@
-"""`jaxllm bench throughput` and `jaxllm bench latency` on the tiny Llama: each runs through
-the CLI and writes vLLM's JSON keys, with values that agree; the random dataset's shared
-prefix (--prefix-len) in both throughput benches, and the device's idle share over a
-profiled throughput run (--profile-dir)."""
+"""`jaxllm bench throughput` and `jaxllm bench latency` on the tiny Llama:
+each runs through the CLI and writes vLLM's JSON keys, with values that agree; the
+random dataset's shared prefix (--prefix-len) in both throughput benches, and
+the device's idle share over a profiled throughput run (--profile-dir)."""
 import contextlib
 import io
 import json

@@ -4,6 +4,7 @@ import pytest
 from jaxllm.config import SchedulerConfig
 from jaxllm.core.block_pool import BlockPool
 from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.contracts.step import ModelRunnerOutput
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.request import Request, RequestStatus
 from jaxllm.sampling_params import SamplingParams
@@ -27,13 +28,13 @@ def held_blocks(scheduler) -> dict:
 
 def run_step(scheduler, token=7):
     out = scheduler.schedule()
-    return out, scheduler.update_from_output(out, [token] * len(out.requests))
+    return out, scheduler.update_from_output(out, ModelRunnerOutput([token] * len(out.scheduled)))
 
 
 def test_long_prompt_is_chunked_under_the_token_budget():
     s = make_scheduler(budget=16)
     s.add_request(make_request(0, 40))
-    sizes = [run_step(s)[0].requests[0].num_new_tokens for _ in range(3)]
+    sizes = [run_step(s)[0].scheduled[0].num_new_tokens for _ in range(3)]
     assert sizes == [16, 16, 8]
     assert s.running[0].output_token_ids == [7]  # a token only once the prompt is done
 
@@ -44,7 +45,7 @@ def test_decodes_and_prefill_chunks_share_a_step():
     run_step(s)
     s.add_request(make_request(1, 30))
     out, _ = run_step(s)
-    assert [(r.request.request_id, r.num_new_tokens) for r in out.requests] == [("0", 1), ("1", 15)]
+    assert [(r.req_id, r.num_new_tokens) for r in out.scheduled] == [("0", 1), ("1", 15)]
 
 
 def test_max_num_seqs_caps_running_requests():
@@ -52,7 +53,7 @@ def test_max_num_seqs_caps_running_requests():
     for i in range(4):
         s.add_request(make_request(i, 2))
     out, _ = run_step(s)
-    assert len(out.requests) == 2 and len(s.waiting) == 2
+    assert len(out.scheduled) == 2 and len(s.waiting) == 2
 
 
 def test_newest_running_request_is_preempted_when_blocks_run_out():
@@ -97,7 +98,7 @@ def test_a_step_that_preempts_admits_no_waiting_request():
     run_step(s)
     out, _ = run_step(s)
     assert out.num_preempted == 1
-    assert [r.request.request_id for r in out.requests] == ["0"] and [r.request_id for r in s.waiting] == ["1"]
+    assert [r.req_id for r in out.scheduled] == ["0"] and [r.request_id for r in s.waiting] == ["1"]
 
 
 def test_preempted_request_recomputes_prompt_and_outputs():
@@ -107,11 +108,11 @@ def test_preempted_request_recomputes_prompt_and_outputs():
     recomputed = 0
     while s.has_unfinished_requests():
         out = s.schedule()
-        for r in out.requests:
-            if r.num_computed_tokens == 0 and r.request.num_output_tokens > 0:
-                assert r.num_new_tokens == r.request.num_tokens  # prompt + outputs so far, again
+        for r in out.scheduled:
+            if r.num_computed_tokens == 0 and s.requests[r.req_id].num_output_tokens > 0:
+                assert r.num_new_tokens == s.requests[r.req_id].num_tokens  # prompt + outputs so far, again
                 recomputed += 1
-        s.update_from_output(out, [7] * len(out.requests))
+        s.update_from_output(out, ModelRunnerOutput([7] * len(out.scheduled)))
     assert s.num_preemptions > 0 and recomputed > 0
 
 
@@ -120,14 +121,14 @@ def test_waiting_requests_are_admitted_in_arrival_order():
     for i in range(4):
         s.add_request(make_request(i, 2))
     out, _ = run_step(s)
-    assert [r.request.request_id for r in out.requests] == ["0", "1"]
+    assert [r.req_id for r in out.scheduled] == ["0", "1"]
 
 
 def test_a_decode_is_scheduled_while_the_previous_steps_token_is_in_flight():
     s = make_scheduler()
     s.add_request(make_request(0, 3, max_tokens=8))
     s.schedule()
-    decode = s.schedule().requests[0]  # asynchronous scheduling: the prefill's token is not back yet
+    decode = s.schedule().scheduled[0]  # asynchronous scheduling: the prefill's token is not back yet
     assert (decode.num_computed_tokens, decode.num_new_tokens, decode.samples) == (3, 1, True)
 
 
@@ -137,7 +138,7 @@ def test_a_request_whose_in_flight_tokens_end_it_by_length_is_not_scheduled_agai
     s.add_request(make_request(0, 3, max_tokens=max_tokens))
     in_flight = [s.schedule(), s.schedule()]  # they will sample the 4th and 5th tokens: the last allowed
     assert s.schedule().is_empty
-    results = [s.update_from_output(out, [7]) for out in in_flight]
+    results = [s.update_from_output(out, ModelRunnerOutput([7])) for out in in_flight]
     assert results[-1][0].finish_reason == "length" and s.kv.pool.num_free_blocks == 64
 
 
@@ -182,7 +183,7 @@ def test_block_pool_rejects_double_free():
 def test_scheduler_output_carries_only_new_blocks_and_finished_ids():
     s = make_scheduler(block_size=4, budget=16)
     s.add_request(make_request(0, 6, max_tokens=4))
-    new_blocks = [len(run_step(s)[0].requests[0].new_block_ids[0]) for _ in range(4)]
+    new_blocks = [len(run_step(s)[0].scheduled[0].new_block_ids[0]) for _ in range(4)]
     assert new_blocks == [2, 0, 0, 1]  # tokens 1-6, 7, 8, then 9 opens a third block
     assert not s.has_unfinished_requests()
     s.add_request(make_request(1, 2))

@@ -1,6 +1,6 @@
 """Bad values raise at the boundary where they enter (EngineArgs, SamplingParams, the
 engine's add_request), as a TypeError or ValueError that names the field, and the
-engine serves a valid request afterwards exactly as before (issue 8, items 2-5)."""
+engine serves a valid request afterwards exactly as before."""
 import dataclasses
 import math
 import re

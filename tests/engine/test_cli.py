@@ -1,4 +1,4 @@
-"""The `jaxllm` command (issue 8, item 8): a user's mistake prints one line,
+"""The `jaxllm` command: a user's mistake prints one line,
 `jaxllm: error: ...`, and exits 2; a bad sampling flag fails before the engine is built;
 a crash keeps its traceback."""
 import os

@@ -1,4 +1,4 @@
-"""Default sampling params from the model (issue 10, "defaults from the model"): as vLLM's
+"""Default sampling params from the model: as vLLM's
 get_default_sampling_params, the model's generation_config.json or GGUF metadata sets the
 sampling fields a caller who passes no SamplingParams gets."""
 import json

@@ -144,9 +144,9 @@ def test_output_kinds_add_up_to_the_same_tokens(llm, kind):
 
 
 def test_a_failed_step_ends_running_requests_with_an_error_and_the_engine_serves_on(llm, monkeypatch):
-    engine, runner = llm.llm_engine, llm.llm_engine.engine_core.core.runner
+    engine, runner = llm.llm_engine, llm.llm_engine.engine_core.core.executor.runner
     engine.add_request("doomed", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=5))
-    monkeypatch.setattr(runner, "_dispatch", lambda *args: (_ for _ in ()).throw(RuntimeError("device fell over")))
+    monkeypatch.setattr(runner, "_forward", lambda *args: (_ for _ in ()).throw(RuntimeError("device fell over")))
     outs = engine.step()
     assert [(o.request_id, o.outputs[0].finish_reason) for o in outs] == [("doomed", "error")]
     assert "device fell over" in outs[0].error and not engine.has_unfinished_requests()

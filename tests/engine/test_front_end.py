@@ -1,4 +1,4 @@
-"""LLM.generate and LLM.chat at the user's edge (issue 8, items 1 and 9): several threads
+"""LLM.generate and LLM.chat at the user's edge: several threads
 share one LLM, and a bad prompt, params or chat message raises a ValueError or TypeError
 naming its index, leaves no request in the engine, and the engine serves on as before."""
 import threading
@@ -43,7 +43,7 @@ def assert_serves_as_before(llm, reference_tokens) -> None:
     assert greedy_tokens(llm) == reference_tokens
 
 
-# -- item 1: several threads, one LLM -----------------------------------------
+# -- several threads, one LLM -------------------------------------------------
 
 @pytest.mark.parametrize("multiprocessing", [False, True], ids=["core in process", "core process"])
 def test_concurrent_generate_calls_each_get_their_own_outputs(char_llama, llm, multiprocessing):
@@ -77,7 +77,7 @@ def test_concurrent_generate_calls_each_get_their_own_outputs(char_llama, llm, m
             engine.shutdown()
 
 
-# -- item 9: bad prompts and params --------------------------------------------
+# -- bad prompts and params -----------------------------------------------------
 
 @pytest.mark.parametrize("prompt, error, message", [
     ("\ud800", ValueError, "prompt 1: prompt is not valid text: surrogates not allowed (position 0: '\\ud800')"),
@@ -125,7 +125,7 @@ def test_bad_sampling_params_raise_naming_the_prompt(llm, reference_tokens, samp
     assert_serves_as_before(llm, reference_tokens)
 
 
-# -- item 9: chat messages -----------------------------------------------------
+# -- chat messages --------------------------------------------------------------
 
 def chat_tokens(llm, messages) -> list[list[int]]:
     outputs = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=CHAT_TEMPLATE)

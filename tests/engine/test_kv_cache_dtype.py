@@ -17,7 +17,7 @@ SMALL = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256, sho
 
 
 def runner(llm):
-    return llm.llm_engine.engine_core.core.runner
+    return llm.llm_engine.engine_core.core.executor.runner
 
 
 @pytest.mark.parametrize("name,dtype", [("fp8", jnp.float8_e4m3fn), ("fp8_e4m3", jnp.float8_e4m3fn),
@@ -44,7 +44,7 @@ def test_an_fp8_block_takes_a_quarter_of_a_float32_ones_bytes(caplog):
                 enable_multiprocessing=False)
     with LLM(**args) as llm:
         exact = runner(llm)
-        exact_bytes, exact_blocks = exact._kv_bytes_per_block(), exact.num_blocks
+        exact_bytes, exact_blocks = exact.kv_cache.bytes_per_block, exact.num_blocks
     assert not scale_warnings(caplog)
     with LLM(kv_cache_dtype="fp8", **args) as llm:
         [warning] = scale_warnings(caplog)
@@ -52,7 +52,7 @@ def test_an_fp8_block_takes_a_quarter_of_a_float32_ones_bytes(caplog):
         fp8 = runner(llm)
         assert {c.dtype for pair in fp8.kv_caches for c in pair} == {jnp.dtype(jnp.float8_e4m3fn)}
         assert "float8_e4m3fn" in fp8.describe()
-        assert fp8._kv_bytes_per_block() * 4 == exact_bytes  # float32 on CPU: a quarter
+        assert fp8.kv_cache.bytes_per_block * 4 == exact_bytes  # float32 on CPU: a quarter
         out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=6, ignore_eos=True),
                            use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 6

@@ -62,7 +62,7 @@ def test_a_processor_steers_the_requests_that_ask_and_leaves_the_others(llm):
 
 
 def test_the_processor_hears_of_every_request_that_joins_and_leaves(llm):
-    processor = llm.llm_engine.engine_core.core.runner.logits_processors[0]
+    processor = llm.llm_engine.engine_core.core.executor.runner.processor_rows.users[0]
     processor.updates.clear()
     generate(llm, [[1, 2, 3]] * 5, SamplingParams(max_tokens=3, ignore_eos=True))
     generate(llm, [[4, 5]], SamplingParams(max_tokens=1))  # its step gives back the first five's rows

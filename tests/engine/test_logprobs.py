@@ -1,4 +1,4 @@
-"""Sample logprobs end to end (issue 10, test 2): SamplingParams.logprobs on the tiny
+"""Sample logprobs end to end: SamplingParams.logprobs on the tiny
 Llama in fp32, against HF transformers' logits (golden.npz) and the model's own forward
 (itself checked against HF in tests/models/test_llama.py), through every output kind,
 n > 1 and the process boundary, with no compilation after warm-up."""
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, RequestOutputKind, SamplingParams
-from jaxllm.engine import LogprobsArrays
+from jaxllm.contracts.engine_core import LogprobsArrays
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from tests.conftest import tiny_model
 from tests.engine.test_core_process import engine_args

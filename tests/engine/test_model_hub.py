@@ -1,4 +1,4 @@
-"""Models by Hugging Face hub id (issue 13), from a fake hub cache in a temp folder and
+"""Models by Hugging Face hub id, from a fake hub cache in a temp folder and
 offline: never the network."""
 import os
 import shutil

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from jaxllm import RequestOutputKind, SamplingParams
-from jaxllm.engine import EngineCoreOutput, LogprobsArrays
+from jaxllm.contracts.engine_core import EngineCoreOutput, LogprobsArrays
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.parallel_sampling import ParentRequest
 from jaxllm.outputs import Logprob
@@ -148,10 +148,12 @@ def test_n_samples_final_output_carries_child_0s_prompt_logprobs():
     assert [o.token_ids for o in out.outputs] == [[20, 21], [30]]
 
 
-def test_more_prompt_logprob_rows_than_prompt_positions_is_an_error():
+def test_more_prompt_logprob_rows_than_prompt_positions_ends_the_request_with_an_error():
     processor = one_request(params(), prompt=PROMPT[:3])
-    with pytest.raises(RuntimeError, match="logprobs for 4 prompt positions of a 3-token prompt"):
-        feed(processor, EngineCoreOutput("r", [20], new_prompt_logprobs=ROWS))
+    (out,) = feed(processor, EngineCoreOutput("r", [20], new_prompt_logprobs=ROWS))
+    assert out.finished and out.outputs[0].finish_reason == "error"
+    assert "logprobs for 4 prompt positions of a 3-token prompt" in out.error
+    assert not processor.has_unfinished_requests()
 
 
 # -- detokenize, spaces_between_special_tokens ------------------------------------

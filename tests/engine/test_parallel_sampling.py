@@ -1,4 +1,4 @@
-"""Parallel sampling (issue 10, test 3): a request with n > 1 runs as n child requests that
+"""Parallel sampling: a request with n > 1 runs as n child requests that
 share the prompt, and comes back as one RequestOutput with samples of index 0..n-1."""
 import asyncio
 import time

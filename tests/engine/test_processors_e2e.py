@@ -1,4 +1,4 @@
-"""The logits processors end to end (issue 10, tests 1, 5): each penalty, logit bias,
+"""The logits processors end to end: each penalty, logit bias,
 allowed tokens and bad words on the tiny Llama in fp32 against a greedy loop over the
 model's own logits with the numpy reference of tests/sample/test_processors.py; min_tokens
 and bad words hold; requests with processors survive preemption; a batch mixing them
@@ -106,7 +106,7 @@ def test_bad_words_of_one_and_several_tokens_never_appear(llm):
 
 
 def _requests(llm, prompts, params, bad_words_token_ids):
-    from jaxllm.engine import EngineCoreRequest
+    from jaxllm.contracts.engine_core import EngineCoreRequest
     engine = llm.llm_engine
     requests = []
     for i, prompt in enumerate(prompts):

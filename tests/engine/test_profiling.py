@@ -23,7 +23,7 @@ def test_kernels_are_sorted_into_kinds_by_name():
 
 
 def test_a_profiled_run_reports_every_step_and_host_phase(tmp_path):
-    from jaxllm.engine import EngineCoreRequest
+    from jaxllm.contracts.engine_core import EngineCoreRequest
     config = EngineArgs(model=tiny_model("llama"), skip_tokenizer_init=True, max_model_len=64,
                         max_num_seqs=4).create_config()
     core = EngineCore(config, show_progress=False)

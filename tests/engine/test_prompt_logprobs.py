@@ -1,4 +1,4 @@
-"""Prompt logprobs end to end (issue 10, test 2): SamplingParams.prompt_logprobs on the tiny
+"""Prompt logprobs end to end: SamplingParams.prompt_logprobs on the tiny
 Llama in fp32 against the log_softmax of HF transformers' logits at every prompt position
 (golden.npz), over prompts split into prefill chunks by a busy batch and recomputed after
 preemption, with sample logprobs beside them and no compilation after warm-up."""

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.engine import EngineCoreRequest
+from jaxllm.contracts.engine_core import EngineCoreRequest
 from jaxllm.engine.output_processor import RequestState
 from jaxllm.request import Request
-from jaxllm.sample import host_masks, processors
+from jaxllm.core import token_masks
+from jaxllm.sample import processors
 from jaxllm.sample.logits_processor import LogitsProcessor
 from tests.engine.test_core_process import engine_args
 
@@ -118,10 +119,10 @@ def test_a_request_whose_penalty_rows_fail_ends_alone(llm, alone, monkeypatch):
 
 
 def test_a_request_whose_token_mask_fails_ends_alone(llm, alone, monkeypatch):
-    def fail(request, pending, row):
+    def fail(request, row):
         raise RuntimeError("mask failed")
 
-    monkeypatch.setattr(host_masks, "_mask_bad_words", fail)
+    monkeypatch.setattr(token_masks, "_mask_bad_words", fail)
     outputs, outs = run_together(llm, params(bad_words=["ab cd"]))
     assert_only_the_doomed_failed(llm, alone, outputs, outs, "token mask: RuntimeError: mask failed")
 
@@ -155,3 +156,10 @@ def test_a_request_whose_text_fails_ends_alone_in_the_front_end(llm, alone, monk
     monkeypatch.setattr(RequestState, "append", append)
     outputs, outs = run_together(llm)
     assert_only_the_doomed_failed(llm, alone, outputs, outs, "UnicodeDecodeError")
+
+
+@pytest.mark.parametrize("field, value", [("temperature", 1e39), ("repetition_penalty", 1e300),
+                                          ("logit_bias", {3: -1e39})])
+def test_a_number_float32_cannot_hold_raises_naming_its_field(field, value):
+    with pytest.raises(ValueError, match=rf"{field}.* must be a finite number within float32's range"):
+        SamplingParams(**{field: value})

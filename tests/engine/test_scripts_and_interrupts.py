@@ -16,11 +16,12 @@ from tests.conftest import ROOT, tiny_model
 from tests.engine.test_core_process import engine_args, wait_for_idle_core
 
 pytestmark = pytest.mark.timeout(300)
+MAX_TOKENS = 480  # more than the tiny model makes before the abort
 
 
 def test_aborting_a_request_ends_its_stream_with_finish_reason_abort(char_llama):
     async def consume(llm, request_id, kind, started):
-        params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True, output_kind=kind)
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, output_kind=kind)
         outs = []
         async for out in llm.generate("an endless story", params, request_id):
             outs.append(out)
@@ -28,12 +29,13 @@ def test_aborting_a_request_ends_its_stream_with_finish_reason_abort(char_llama)
         return outs
 
     async def run():
-        with AsyncLLM.from_engine_args(engine_args(char_llama), show_progress=False) as llm:
+        with AsyncLLM.from_engine_args(engine_args(char_llama, max_model_len=512, num_gpu_blocks_override=120),
+                                       show_progress=False) as llm:
             kinds = [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY]
             started = [asyncio.Event() for _ in kinds]
             tasks = [asyncio.create_task(consume(llm, f"r{i}", kind, started[i])) for i, kind in enumerate(kinds)]
             await asyncio.gather(*(e.wait() for e in started[:2]))
-            await asyncio.sleep(0.2)  # FINAL_ONLY's request has run a while too
+            await asyncio.sleep(0.05)  # FINAL_ONLY's request has run a while too
             start = time.monotonic()
             for i in range(len(kinds)):
                 await llm.abort(f"r{i}")
@@ -46,7 +48,7 @@ def test_aborting_a_request_ends_its_stream_with_finish_reason_abort(char_llama)
         assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
     # One greedy prompt: what each stream took is a prefix of the same tokens, cut at the abort.
     streamed, whole = sum((o.outputs[0].token_ids for o in delta), []), cumulative[-1].outputs[0].token_ids
-    assert 0 < len(whole) < 120 and 0 < len(streamed) < 120 and len(final) == 1
+    assert 0 < len(whole) < MAX_TOKENS and 0 < len(streamed) < MAX_TOKENS and len(final) == 1
     shorter = min(len(whole), len(streamed))
     assert streamed[:shorter] == whole[:shorter] == final[0].outputs[0].token_ids[:shorter]
     assert stats["num_requests"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]

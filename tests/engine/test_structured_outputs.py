@@ -1,4 +1,4 @@
-"""Structured outputs end to end on the embedded SmolLM2 (issue 10, tests 4-6): every output
+"""Structured outputs end to end on the embedded SmolLM2: every output
 of a JSON schema, a regex or a choice obeys it; constrained requests change nothing for the
 free ones in their batch; a batch mixing every sampling feature compiles nothing after
 warm-up; and a bad constraint is an error at the boundary while the engine serves on."""

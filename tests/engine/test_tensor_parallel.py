@@ -88,8 +88,8 @@ def test_fp8_under_tensor_parallelism_gives_one_devices_tokens_and_logprobs(eigh
 @needs_8
 def test_every_array_is_placed_by_the_rules_and_no_device_holds_a_sharded_weight_whole(eight_heads):
     with LLM(eight_heads, tensor_parallel_size=8, **ENGINE) as llm:
-        runner = llm.llm_engine.engine_core.core.runner
-        model = nnx.merge(runner._graphdef, jax.tree.unflatten(runner._params_treedef, runner._params))
+        runner = llm.llm_engine.engine_core.core.executor.runner
+        model = runner.weights.model()
         sharded = 0
         for path, var in nnx.to_flat_state(nnx.state(model)):
             value, axes = var.get_value(), var.get_metadata()["out_sharding"]

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -51,10 +52,11 @@ class RemoteServer:
             time.sleep(0.25)
         raise TimeoutError(f"the server did not start in {_START_TIMEOUT_S} s:\n{self.log()}")
 
-    def log(self) -> str:
-        self._log.flush()
+    def log(self, max_chars: int = 5000) -> str:
+        if not self._log.closed:
+            self._log.flush()
         with open(self.log_path, errors="replace") as f:
-            return f.read()[-5000:]
+            return f.read()[-max_chars:]
 
     def engine_core_pid(self) -> int:
         """The engine core: the server's child process (from /proc)."""
@@ -122,6 +124,26 @@ def metric_values(text: str, name: str) -> dict[str, float]:
     return values
 
 
+def scrape(server) -> str:
+    return httpx.get(server.url + "/metrics").text
+
+
+def metric(text: str, name: str, labels: str = f'{{model_name="{MODEL_NAME}"}}') -> float:
+    return metric_values(text, name).get(labels, 0.0)
+
+
+def wait_for_idle_engine(server, timeout_s: float = 20.0) -> str:
+    """/metrics once the engine holds no request (aborts reach the core asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = scrape(server)
+        busy = (metric(text, "jaxllm:num_requests_running") or metric(text, "jaxllm:num_requests_waiting")
+                or metric(text, "jaxllm:kv_cache_usage_perc"))
+        if not busy or time.monotonic() > deadline:
+            return text
+        time.sleep(0.1)
+
+
 def write_byte_tokenizer(folder: str) -> None:
     """A GPT-2-style byte-level tokenizer for the tiny models' 256 ids: 0-2 are <unk>, <s>,
     </s>, every other id one byte (all but 0xF5-0xF7, which UTF-8 never uses). Unlike the
@@ -148,3 +170,51 @@ def write_byte_tokenizer(folder: str) -> None:
 def byte_llama(tmp_path_factory) -> str:
     """The tiny Llama with a byte-level tokenizer."""
     return tiny_llama_with_tokenizer(tmp_path_factory.mktemp("byte_llama"), write_byte_tokenizer)
+
+
+class StreamsInFlight:
+    """Well-formed greedy streams, one after another in a thread, while a test sends other
+    requests: each must end with [DONE] and the text the same request gets alone."""
+
+    def __init__(self, server, headers: dict | None = None, max_tokens: int = 48):
+        self.url, self.headers = server.url + "/v1/completions", headers or {}
+        self.body = {"model": MODEL_NAME, "prompt": "in flight", "max_tokens": max_tokens, "temperature": 0.0,
+                     "ignore_eos": True}
+        r = httpx.post(self.url, json=self.body, headers=self.headers, timeout=60.0)
+        assert r.status_code == 200, r.text
+        self.expected = r.json()["choices"][0]["text"]
+        self.results: list[tuple[str, str | None, bool]] = []  # (text, finish_reason, ended with [DONE])
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "StreamsInFlight":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(120)
+
+    def _run(self) -> None:
+        with httpx.Client(headers=self.headers, timeout=60.0) as client:
+            while not self._stop.is_set():
+                text, finish, done = "", None, False
+                with client.stream("POST", self.url, json={**self.body, "stream": True}) as r:
+                    for line in r.iter_lines():
+                        if line == "data: [DONE]":
+                            done = True
+                        elif line.startswith("data: "):
+                            for choice in json.loads(line[6:]).get("choices", ()):
+                                text += choice["text"]
+                                finish = choice["finish_reason"] or finish
+                self.results.append((text, finish, done))
+
+    def assert_all_normal(self) -> None:
+        """Once the last stream has ended."""
+        self.stop()
+        assert not self._thread.is_alive(), "a stream in flight did not finish"
+        assert self.results, "no stream finished meanwhile"
+        assert self.results == [(self.expected, "length", True)] * len(self.results)

@@ -6,39 +6,17 @@ import json
 import time
 
 import aiohttp
-import httpx
 import pytest
 
-from tests.entrypoints.conftest import API_KEY, MODEL_NAME, metric_values
+from tests.entrypoints.conftest import API_KEY, MODEL_NAME, metric, scrape, wait_for_idle_engine
 
 pytestmark = pytest.mark.timeout(300)
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
-LABEL = f'{{model_name="{MODEL_NAME}"}}'
-
-
-def scrape(server) -> str:
-    return httpx.get(server.url + "/metrics").text
-
-
-def metric(text: str, name: str, labels: str = LABEL) -> float:
-    return metric_values(text, name).get(labels, 0.0)
 
 
 def success(text: str, reason: str) -> float:
     return metric(text, "jaxllm:request_success_total", f'{{finished_reason="{reason}",model_name="{MODEL_NAME}"}}')
-
-
-def wait_for_idle_engine(server, timeout_s: float = 20.0) -> str:
-    """/metrics once the engine holds no request (aborts reach the core asynchronously)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        text = scrape(server)
-        busy = (metric(text, "jaxllm:num_requests_running") or metric(text, "jaxllm:num_requests_waiting")
-                or metric(text, "jaxllm:kv_cache_usage_perc"))
-        if not busy or time.monotonic() > deadline:
-            return text
-        time.sleep(0.1)
 
 
 async def stream_completion(session, url: str, body: dict) -> dict:

@@ -1,13 +1,13 @@
 """The server's prefix-cache metrics: vLLM's prefix_cache_queries and prefix_cache_hits
-counters (prompt tokens) under jaxllm:, fed from the engine core's stats, and the hit rate
-in the periodic stats log."""
+counters (prompt tokens) under jaxllm:, fed by the stats that come with the engine core's
+outputs, and the hit rate in the periodic stats log."""
 import asyncio
 import logging
 
 import httpx
 import pytest
 
-from jaxllm.engine import SchedulerStats
+from jaxllm.contracts.engine_core import SchedulerStats
 from jaxllm.entrypoints.openai.metrics import ServerMetrics, log_stats_periodically
 from tests.entrypoints.conftest import MODEL_NAME, metric_values
 
@@ -16,10 +16,10 @@ LABELS = f'{{model_name="{MODEL_NAME}"}}'
 QUERIES, HITS = "jaxllm:prefix_cache_queries_total", "jaxllm:prefix_cache_hits_total"
 
 
-def core_stats(queries: int, hits: int, running: int = 1) -> dict:
-    """What the core's get_stats() answers, its prefix-cache totals since start-up included."""
-    return {"num_blocks": 10, "num_free_blocks": 5, "num_running": running, "num_waiting": 0,
-            "num_preemptions": 0, "prefix_cache_queries": queries, "prefix_cache_hits": hits}
+def step_stats(queries: int, hits: int, running: int = 1, preemptions: int = 0) -> SchedulerStats:
+    """What one step's outputs carry: its prefix-cache increments, the gauges, the preemptions since start-up."""
+    return SchedulerStats(num_running_reqs=running, kv_cache_usage=0.5, num_preemptions=preemptions,
+                          prefix_cache_queries=queries, prefix_cache_hits=hits)
 
 
 def counted(metrics: ServerMetrics) -> tuple[float, float]:
@@ -27,50 +27,42 @@ def counted(metrics: ServerMetrics) -> tuple[float, float]:
     return metric_values(text, QUERIES)[LABELS], metric_values(text, HITS)[LABELS]
 
 
-def test_the_counters_grow_by_the_cores_totals_since_the_last_stats():
+def test_the_counters_add_up_each_steps_increments():
     metrics = ServerMetrics(MODEL_NAME, 512)
     assert counted(metrics) == (0.0, 0.0)
-    metrics.update_from_stats(core_stats(100, 40))
-    metrics.update_from_stats(core_stats(100, 40))  # a second scrape with nothing new counts nothing
+    metrics.record_scheduler_stats(step_stats(100, 40))
+    metrics.record_scheduler_stats(step_stats(0, 0))  # a step with nothing new counts nothing
     assert counted(metrics) == (100.0, 40.0)
-    metrics.update_from_stats(core_stats(250, 140))
+    metrics.record_scheduler_stats(step_stats(150, 100))
     assert counted(metrics) == (250.0, 140.0)
     assert (metrics.total_queries, metrics.total_hits) == (250, 140)
 
 
-def test_stats_without_prefix_cache_totals_leave_the_counters_at_zero():
+def test_the_gauges_and_the_preemptions_follow_the_newest_stats():
     metrics = ServerMetrics(MODEL_NAME, 512)
-    stats = core_stats(0, 0)
-    del stats["prefix_cache_queries"], stats["prefix_cache_hits"]
-    metrics.update_from_stats(stats)
-    assert counted(metrics) == (0.0, 0.0)
-
-
-def test_scheduler_stats_feed_their_increments_and_then_the_core_totals_count_no_more():
-    metrics = ServerMetrics(MODEL_NAME, 512)
-    metrics.record_scheduler_stats(SchedulerStats(prefix_cache_queries=64, prefix_cache_hits=48))
-    metrics.record_scheduler_stats(SchedulerStats(prefix_cache_queries=16, prefix_cache_hits=0))
-    metrics.update_from_stats(core_stats(80, 48))  # the same tokens, summed in the core: not again
-    assert counted(metrics) == (80.0, 48.0)
+    metrics.record_scheduler_stats(step_stats(0, 0, running=3, preemptions=2))
+    metrics.record_scheduler_stats(step_stats(0, 0, running=1, preemptions=5))
+    text = metrics.render().decode()
+    assert metric_values(text, "jaxllm:num_requests_running")[LABELS] == 1.0
+    assert metric_values(text, "jaxllm:kv_cache_usage_perc")[LABELS] == 0.5
+    assert metric_values(text, "jaxllm:num_preemptions_total")[LABELS] == 5.0
 
 
 def test_the_stats_log_prints_the_hit_rate_of_the_recent_lookups(caplog):
-    class Engine:
-        errored = False  # the log task's loop checks it first
-
-        def __init__(self, stats):
-            self._stats = iter(stats)
-
-        async def get_stats(self):
-            stats = next(self._stats, None)
-            if stats is None:
-                raise RuntimeError("the engine died")  # ends the log task
-            return stats
-
+    metrics = ServerMetrics(MODEL_NAME, 512)
     # 100 looked up, 40 found; then an interval of decode alone; then 100 more, all found.
-    engine = Engine([core_stats(100, 40), core_stats(100, 40), core_stats(200, 140)])
+    intervals = iter([step_stats(100, 40), step_stats(0, 0), step_stats(100, 100)])
+
+    class Engine:
+        @property
+        def errored(self):  # the log task checks it each interval: feed the next stats, or end it
+            stats = next(intervals, None)
+            if stats is not None:
+                metrics.record_scheduler_stats(stats)
+            return stats is None
+
     with caplog.at_level(logging.INFO, logger="jaxllm.entrypoints.openai.metrics"):
-        asyncio.run(asyncio.wait_for(log_stats_periodically(engine, ServerMetrics(MODEL_NAME, 512), 0.01), 10))
+        asyncio.run(asyncio.wait_for(log_stats_periodically(Engine(), metrics, 0.01), 10))
     rates = [r.getMessage().rsplit("Prefix cache hit rate: ", 1)[1] for r in caplog.records
              if "Prefix cache hit rate" in r.getMessage()]
     assert rates == ["40.0%", "40.0%", "70.0%"]

@@ -1,6 +1,7 @@
 """response_format and vLLM's structured_outputs through the server, on the tiny Llama with
 a byte-level tokenizer (llguidance reads it): a random model's output still fits the
 constraint."""
+import concurrent.futures
 import json
 
 import jsonschema
@@ -67,3 +68,21 @@ def test_a_bad_constraint_is_a_400_naming_it(api):
     with pytest.raises(openai.BadRequestError, match="response_format"):
         api.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_tokens=4,
                                     response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+
+
+@pytest.mark.parametrize("regex", [r"[^\s\S]", r"x[^\s\S]"])
+def test_a_regex_no_output_can_match_is_a_400_and_a_request_in_flight_finishes(api, regex):
+    # It was an empty completion with finish_reason "stop".
+    def in_flight():
+        return api.completions.create(model=MODEL_NAME, prompt="digits", max_tokens=40, temperature=0.0,
+                                      extra_body={"ignore_eos": True})
+    expected = in_flight().choices[0].text
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        meanwhile = pool.submit(in_flight)
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.completions.create(model=MODEL_NAME, prompt="x", max_tokens=4,
+                                   extra_body={"structured_outputs": {"regex": regex}})
+        out = meanwhile.result(60)
+    error = refused.value.body
+    assert error["param"] == "structured_outputs" and "no output can match it" in error["message"]
+    assert out.choices[0].text == expected and out.choices[0].finish_reason == "length"

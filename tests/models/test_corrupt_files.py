@@ -1,5 +1,5 @@
 """A corrupt model file raises a ValueError that names the file (and the key, for a
-config.json), instead of the reader's raw error (issue 8, item 6)."""
+config.json), instead of the reader's raw error."""
 import json
 import os
 import re

@@ -1,4 +1,4 @@
-"""orbax checkpoints (issue 13): `jaxllm convert` writes one, restore_model reads it back
+"""orbax checkpoints: `jaxllm convert` writes one, restore_model reads it back
 straight into the mesh's shardings, and a mismatched or corrupt one is a clear error."""
 import json
 import os

@@ -1,4 +1,4 @@
-"""Sharded weight loading (issue 13): each device's shard is read from its own slice of
+"""Sharded weight loading: each device's shard is read from its own slice of
 the safetensors file, K/V heads repeated for TP > KV heads are read from the original
 head's rows, a fused qkv / gate_up shard packs just the device's own heads and rows of
 each part, and host memory while loading stays near one param, not the model.

@@ -83,7 +83,7 @@ def test_the_runners_logprobs_executable_holds_no_conditional():
     runner = ModelRunner(config)
     sampled, logits, _, _, _ = runner._lower_forward(runner.token_buckets[0]).out_info
     for k in runner.logprob_buckets:
-        text = runner._logprobs.lower(logits, sampled, k).as_text()
+        text = runner.fns.logprobs.lower(logits, sampled, k).as_text()
         assert "stablehlo.if" not in text and "stablehlo.case" not in text
     assert runner.num_logprobs == 20  # max_logprobs, vLLM's default
     assert runner.logprob_buckets == [0, 8, 20]

@@ -1,12 +1,13 @@
 """The logits processors (jaxllm/sample/processors.py) against a plain numpy
 reference on random logits: each penalty, the logit bias, allowed tokens, one-token bad
-words, min_tokens and the host's bitmask, alone and mixed in one batch (issue 10, test 1)."""
+words, min_tokens and the host's bitmask, alone and mixed in one batch."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.sample import host_masks, processors
+from jaxllm.core import token_masks
+from jaxllm.sample import processors
 from jaxllm.sample.sampler import ProcessorMetadata
 
 VOCAB, NUM_ROWS = 70, 6  # 70: the bitmask's last word is partly padding
@@ -105,7 +106,7 @@ def test_a_batch_mixing_processors_treats_each_row_as_alone_and_leaves_plain_row
 def test_the_host_bitmask_masks_exactly_the_cleared_bits():
     bitmask = np.full((2, 3), -1, np.int32)
     for t in (0, 31, 32, 69):
-        host_masks.forbid(bitmask[0], t)
+        token_masks.forbid(bitmask[0], t)
     bitmask[1] = 0
     bitmask[1, 0], bitmask[1, 1] = 1 << 5, np.uint32(1 << 31).view(np.int32)  # tokens 5 and 63
     req = request()

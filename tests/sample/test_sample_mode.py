@@ -7,7 +7,7 @@ import pytest
 from jaxllm.config import EngineArgs
 from jaxllm.sample.sampler import SampleMode, needs_processors, sample, sample_mode
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.worker import batch as batching
+from jaxllm.worker import input_batch as batching
 from jaxllm.worker.model_runner import ModelRunner
 from tests.conftest import tiny_model
 from tests.sample.test_sampler import metadata, random_logits
@@ -69,14 +69,15 @@ def test_the_step_holds_no_conditional():
     token_bucket = runner.token_buckets[0]
     buffer, views = runner._next_host_buffer(token_bucket)
     batching.fill_padding(views)
-    forward = runner._forward.lower(runner._params, runner.kv_caches, runner._prev_sampled, buffer, token_bucket)
+    params = runner.weights.params
+    forward = runner.fns.forward.lower(params, runner.kv_caches, runner._prev_sampled, buffer, token_bucket)
     texts = [forward.as_text()]
-    _, logits, words, _, _ = runner._forward.eval_shape(runner._params, runner.kv_caches, runner._prev_sampled,
-                                                        buffer, token_bucket)
-    texts += [runner._sample.lower(logits, words, mode).as_text() for mode in list(SampleMode)[1:]]
+    _, logits, words, _, _ = runner.fns.forward.eval_shape(params, runner.kv_caches, runner._prev_sampled,
+                                                           buffer, token_bucket)
+    texts += [runner.fns.sample.lower(logits, words, mode).as_text() for mode in list(SampleMode)[1:]]
     bitmask = runner._all_allowed_bitmask(logits.shape[0])
-    texts += [runner._sample_processed.lower(logits, words, runner._processor_state, bitmask,
-                                             runner._user_states(None, logits.shape[0]), mode).as_text()
+    texts += [runner.fns.sample_processed.lower(logits, words, runner.processor_rows.state, bitmask,
+                                                runner.processor_rows.user_states(None, logits.shape[0]), mode).as_text()
               for mode in SampleMode]
     for text in texts:
         assert "stablehlo.if" not in text and "stablehlo.case" not in text

@@ -102,6 +102,19 @@ def test_sampling_params_with_a_bad_regex_raises_at_construction():
         SamplingParams(structured_outputs=StructuredOutputsParams(regex="("))
 
 
+@pytest.mark.parametrize("kind, value", [("regex", r"[^\s\S]"), ("regex", r"ab[^\s\S]c"),
+                                         ("grammar", 'start: x\nx: x "a"')])
+def test_a_constraint_no_output_can_match_is_refused(kind, value):
+    with pytest.raises(ValueError, match=rf"^structured_outputs\.{kind}: no output can match it"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(**{kind: value}))
+
+
+@pytest.mark.parametrize("kwargs", [dict(regex=""), dict(regex="a{0}"), dict(grammar='start: ""'),
+                                    dict(grammar="start: <|eot_id|>")])  # the model's tokenizer has it, perhaps
+def test_a_constraint_only_the_empty_output_or_a_special_token_matches_is_not_refused(kwargs):
+    check_structured_outputs(StructuredOutputsParams(**kwargs))
+
+
 def test_grammar_is_built_once_per_constraint_text():
     first = grammar_text(StructuredOutputsParams(json=dict(PERSON_SCHEMA)))
     assert grammar_text(StructuredOutputsParams(json=dict(PERSON_SCHEMA))) is first

@@ -6,7 +6,7 @@ import pytest
 from jaxllm.config import EngineArgs
 from jaxllm.sample.sampler import (COLUMN, FLOAT_COLUMNS, NUM_SAMPLING_WORDS, ProcessorMetadata, SampleMode,
                                    SamplingMetadata)
-from jaxllm.worker import batch as batching
+from jaxllm.worker import input_batch as batching
 from jaxllm.worker.model_runner import ModelRunner
 from tests.conftest import tiny_model
 
@@ -52,7 +52,7 @@ def test_an_all_padding_step_writes_nothing_to_the_kv_cache():
                         max_num_batched_tokens=128, num_gpu_blocks_override=40).create_config()
     runner = ModelRunner(config)
     for token_bucket in runner.token_buckets:
-        runner.kv_caches = jax.tree.map(jax.numpy.ones_like, runner.kv_caches)  # so a write of anything shows
+        runner.kv_cache.caches = jax.tree.map(jax.numpy.ones_like, runner.kv_caches)  # so a write of anything shows
         buffer, views = runner._next_host_buffer(token_bucket)
         batching.fill_padding(views)
         jax.block_until_ready(runner._dispatch(token_bucket, buffer, SampleMode.FILTERED, processed=True,

@@ -4,24 +4,32 @@ Endpoints: /v1/completions, /v1/chat/completions (both stream as Server-Sent Eve
 /v1/models, /tokenize, /detokenize, /health, /version, /metrics (Prometheus). With an
 API key, every /v1 route needs `Authorization: Bearer KEY`; the others stay open (a load
 balancer's health check, a Prometheus scrape). Errors are OpenAI's error JSON.
+
+SIGINT or SIGTERM stops the server in a bounded time: it stops listening, gives the
+requests in flight --shutdown-timeout seconds, ends the rest (a stream with an error event
+and [DONE]), then shuts the engine core down.
 """
 import asyncio
 import contextlib
 import importlib.metadata
+import json
 import logging
 import resource
 import secrets
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from jaxllm.engine.exceptions import EngineDeadError
+from jaxllm.entrypoints.openai.cli_args import MAX_REQUEST_BODY_BYTES, MAX_SEQS_PER_REQUEST, SHUTDOWN_TIMEOUT_S
+from jaxllm.entrypoints.openai.errors import APIError, engine_dead_error
 from jaxllm.entrypoints.openai.metrics import ServerMetrics, log_stats_periodically
 from jaxllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                 ModelCard, ModelList, TokenizeRequest)
-from jaxllm.entrypoints.openai.serving import APIError, OpenAIServing, engine_dead_error
+from jaxllm.entrypoints.openai.request_body import RequestLimits, parse_request, read_body
+from jaxllm.entrypoints.openai.serving import MAX_TOKENIZE_TOKENS, OpenAIServing
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +47,7 @@ class APIKeyMiddleware:
             if not secrets.compare_digest(given, self.expected):
                 error = APIError(401, "Incorrect API key provided: pass it as `Authorization: Bearer KEY`.",
                                  code="invalid_api_key")
-                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+                await _error_response(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -90,34 +98,18 @@ def _respond(result):
     return JSONResponse(result.model_dump())
 
 
-def _validation_error(error: RequestValidationError) -> APIError:
-    """pydantic's errors as one 400 whose message and param name the bad fields. A value
-    that fits none of a union's types gives one error per type: they become one line."""
-    by_field: dict[str, list[dict]] = {}
-    for e in error.errors():
-        if e.get("type") == "json_invalid":
-            return APIError(400, f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e['msg'])}")
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        by_field.setdefault(loc[0] if loc else "body", []).append({**e, "loc": loc})
-    parts = []
-    for field, errors in list(by_field.items())[:3]:
-        e = errors[0]
-        if e.get("type") == "extra_forbidden":
-            parts.append(f"Unrecognized request argument supplied: {'.'.join(e['loc'])}")
-        elif len({x["loc"][1] for x in errors if len(x["loc"]) > 1}) > 1:  # the branches of a union
-            kinds = ", ".join(dict.fromkeys(x["loc"][1] for x in errors if len(x["loc"]) > 1))
-            value = min(errors, key=lambda x: len(x["loc"])).get("input")
-            parts.append(f"{field}: {value!r} is none of the allowed types ({kinds})")
-        else:
-            parts.append(f"{'.'.join(e['loc']) or 'body'}: {e['msg']}")
-    param = next(iter(by_field)) if by_field else None
-    return APIError(400, "; ".join(parts) or "invalid request", param=None if param == "body" else param)
+def _error_response(error: APIError) -> Response:
+    # ASCII JSON: whatever a message quotes, its response can be encoded.
+    return Response(json.dumps(error.body()), status_code=error.status, media_type="application/json")
 
 
 def build_app(engine, model_names: list[str], api_key: str | None = None, chat_template: str | None = None,
-              max_log_len: int | None = None) -> FastAPI:
+              max_log_len: int | None = None, max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
+              max_seqs_per_request: int = MAX_SEQS_PER_REQUEST) -> FastAPI:
     metrics = ServerMetrics(model_names[0], engine.config.model.max_model_len)
-    serving = OpenAIServing(engine, model_names, metrics, chat_template, max_log_len)
+    engine.stats_listeners.append(metrics.record_scheduler_stats)
+    serving = OpenAIServing(engine, model_names, metrics, chat_template, max_log_len, max_seqs_per_request)
+    limits = RequestLimits(max_request_body_bytes, max_seqs_per_request, engine.config.model.max_model_len)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -126,32 +118,39 @@ def build_app(engine, model_names: list[str], api_key: str | None = None, chat_t
             yield
         finally:
             task.cancel()
+            serving.close()
+            engine.shutdown()  # here, not after uvicorn returns: it re-raises a SIGTERM, which ends the process
 
     app = FastAPI(title="jaxllm", lifespan=lifespan)
     app.state.serving = serving
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
+    async def body_as(request: Request, model):
+        """The request's body as `model`: read here, parsed and checked in a worker thread."""
+        body = await read_body(request, limits.max_body_bytes)
+        return await serving.in_worker(parse_request, body, model, limits)
+
     @app.exception_handler(APIError)
     async def api_error(request, error: APIError):
-        return JSONResponse(error.body(), status_code=error.status)
+        return _error_response(error)
 
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request, error: RequestValidationError):
-        e = _validation_error(error)
-        return JSONResponse(e.body(), status_code=e.status)
+    @app.exception_handler(HTTPException)
+    async def http_error(request, error: HTTPException):  # an unknown route, a wrong method
+        return _error_response(APIError(error.status_code, str(error.detail), type="invalid_request_error"))
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request, error: EngineDeadError):
-        e = engine_dead_error()
-        return JSONResponse(e.body(), status_code=e.status)
+        return _error_response(engine_dead_error())
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(request: Request):
+        body = await body_as(request, CompletionRequest)
         return _respond(await _unless_disconnected(request, serving.create_completion(body)))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(request: Request):
+        body = await body_as(request, ChatCompletionRequest)
         return _respond(await _unless_disconnected(request, serving.create_chat_completion(body)))
 
     @app.get("/v1/models")
@@ -161,19 +160,25 @@ def build_app(engine, model_names: list[str], api_key: str | None = None, chat_t
                  for name in model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        serving.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "set exactly one of prompt and messages", param="prompt")
+    def tokenize_response(body: TokenizeRequest) -> Response:
         if body.messages is not None:
             _, tokens = serving.chat_prompt(body)
         else:
-            tokens = serving.tokenize_text(body.prompt, "prompt", body.add_special_tokens)
-        return {"count": len(tokens), "max_model_len": engine.config.model.max_model_len, "tokens": tokens}
+            tokens = serving.tokenize_text(body.prompt, "prompt", body.add_special_tokens, MAX_TOKENIZE_TOKENS)
+        content = {"count": len(tokens), "max_model_len": engine.config.model.max_model_len, "tokens": tokens}
+        return Response(json.dumps(content), media_type="application/json")  # a long list: in the worker too
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await body_as(request, TokenizeRequest)
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "set exactly one of prompt and messages", param="prompt")
+        return await serving.in_worker(tokenize_response, body)
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
+    async def detokenize(request: Request):
+        body = await body_as(request, DetokenizeRequest)
         serving.check_model(body.model)
         if engine.tokenizer is None:
             raise APIError(400, "this server's engine was started with skip_tokenizer_init: it has no tokenizer",
@@ -183,7 +188,7 @@ def build_app(engine, model_names: list[str], api_key: str | None = None, chat_t
         if bad:
             raise APIError(400, f"tokens hold ids outside the vocabulary [0, {vocab_size}): {bad[:5]}",
                            param="tokens")
-        return {"prompt": engine.tokenizer.decode(body.tokens)}
+        return {"prompt": await serving.in_worker(engine.tokenizer.decode, body.tokens)}
 
     @app.get("/health")
     async def health():
@@ -197,9 +202,6 @@ def build_app(engine, model_names: list[str], api_key: str | None = None, chat_t
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        if not engine.errored:
-            with contextlib.suppress(EngineDeadError):
-                metrics.update_from_stats(await engine.get_stats())
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
@@ -222,16 +224,33 @@ def configure_logging() -> None:
 
 def run_server(engine, model_names: list[str], host: str, port: int, api_key: str | None = None,
                chat_template: str | None = None, max_log_len: int | None = None,
-               uvicorn_log_level: str = "info") -> None:
+               uvicorn_log_level: str = "info", max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
+               max_seqs_per_request: int = MAX_SEQS_PER_REQUEST,
+               shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
     """Serve the engine until interrupted (SIGINT, SIGTERM); the engine is shut down then."""
     import uvicorn
 
+    class Server(uvicorn.Server):
+        """uvicorn's shutdown stops listening, then waits for every connection to close,
+        streams included, for as long as they run: here they get shutdown_timeout_s."""
+
+        async def shutdown(self, sockets=None) -> None:
+            drain = asyncio.ensure_future(app.state.serving.drain(shutdown_timeout_s))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                drain.cancel()
+
     _raise_open_file_limit()
     try:
-        app = build_app(engine, model_names, api_key, chat_template, max_log_len)
+        app = build_app(engine, model_names, api_key, chat_template, max_log_len, max_request_body_bytes,
+                        max_seqs_per_request)
         logger.info("serving %s on http://%s:%d", ", ".join(model_names), host, port)
+        # uvicorn's own deadline is a backstop: past it, it cancels what still runs.
         config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level, timeout_keep_alive=5,
-                                backlog=4096)
-        uvicorn.Server(config).run()
+                                backlog=4096, timeout_graceful_shutdown=shutdown_timeout_s + 5)
+        Server(config).run()
+    except KeyboardInterrupt:
+        pass  # uvicorn handled the SIGINT (the server has shut down), then raised it again
     finally:
         engine.shutdown()

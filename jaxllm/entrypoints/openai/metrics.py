@@ -1,13 +1,12 @@
 """The server's Prometheus metrics (vLLM's names, with a `jaxllm:` prefix) and the
 periodic one-line stats log.
 
-Everything is computed in the server's process from what the RequestOutputs carry
-(monotonic timestamps of one clock: the engine core shares the machine) and, for the
-gauges, the preemptions and the prefix cache, from the core's get_stats() at each scrape
-and each stats log. The prefix-cache counters are vLLM's prefix_cache_queries and
-prefix_cache_hits (prompt tokens looked up at admission, and those the cache held): the
-SchedulerStats' increments, summed by the core since start-up, or fed one SchedulerStats
-at a time (record_scheduler_stats) by a front end that sees them. The intervals are vLLM's:
+Everything is computed in the server's process from what the engine core's outputs carry:
+the RequestOutputs (monotonic timestamps of one clock: the engine core shares the machine)
+and, for the gauges, the preemptions and the prefix cache, the SchedulerStats that come
+with each step's outputs (AsyncLLM.stats_listeners); a scrape asks the core nothing. The
+prefix-cache counters are vLLM's prefix_cache_queries and prefix_cache_hits (prompt tokens
+looked up at admission, and those the cache held), the stats' increments. The intervals are vLLM's:
 queue = arrival .. first scheduled, prefill = first scheduled .. first token,
 decode = first token .. last token, inference = first scheduled .. last token,
 end-to-end = arrival .. the server saw the request finish.
@@ -21,6 +20,7 @@ import time
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
                                disable_created_metrics, generate_latest)
 
+from jaxllm.contracts.engine_core import SchedulerStats
 from jaxllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -102,35 +102,21 @@ class ServerMetrics:
         # Plain totals for the stats log's rates.
         self.total_prompt_tokens = self.total_generation_tokens = 0
         self.total_queries = self.total_hits = 0
-        self._core_preemptions = 0
-        self._core_prefix_cache = (0, 0)  # the core's (queries, hits) totals, as last seen
-        self._fed_scheduler_stats = False
+        self.scheduler_stats = SchedulerStats()  # the newest
 
     def request_success(self, finished_reason: str) -> None:
         self._request_success.labels(model_name=self._model_name, finished_reason=finished_reason).inc()
 
-    def update_from_stats(self, stats: dict) -> None:
-        """The core's get_stats(): the gauges and the preemption counter."""
-        self.num_requests_running.set(stats["num_running"])
-        self.num_requests_waiting.set(stats["num_waiting"])
-        self.kv_cache_usage.set(1.0 - stats["num_free_blocks"] / stats["num_blocks"] if stats["num_blocks"] else 0.0)
-        preemptions = stats.get("num_preemptions", 0)
-        if preemptions > self._core_preemptions:
-            self.num_preemptions.inc(preemptions - self._core_preemptions)
-            self._core_preemptions = preemptions
-        if "prefix_cache_queries" in stats and not self._fed_scheduler_stats:
-            queries, hits = stats["prefix_cache_queries"], stats.get("prefix_cache_hits", 0)
-            last_queries, last_hits = self._core_prefix_cache
-            if queries >= last_queries and hits >= last_hits:
-                self._add_prefix_cache(queries - last_queries, hits - last_hits)
-            self._core_prefix_cache = (queries, hits)
-
-    def record_scheduler_stats(self, stats) -> None:
-        """One SchedulerStats (jaxllm.engine): its prefix-cache increments. Once a front end
-        feeds these, the core's totals in get_stats() are no longer counted (they are the
-        same tokens)."""
-        self._fed_scheduler_stats = True
+    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
+        """One step's SchedulerStats: the gauges, the preemptions (a total since start-up) and
+        the prefix cache's increments."""
+        self.num_requests_running.set(stats.num_running_reqs)
+        self.num_requests_waiting.set(stats.num_waiting_reqs)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        if stats.num_preemptions > self.scheduler_stats.num_preemptions:
+            self.num_preemptions.inc(stats.num_preemptions - self.scheduler_stats.num_preemptions)
         self._add_prefix_cache(stats.prefix_cache_queries, stats.prefix_cache_hits)
+        self.scheduler_stats = stats
 
     def _add_prefix_cache(self, queries: int, hits: int) -> None:
         if queries:
@@ -228,24 +214,18 @@ class RequestTracker:
 
 
 async def log_stats_periodically(engine, metrics: ServerMetrics, interval_s: float = LOG_STATS_INTERVAL_S) -> None:
-    """Every interval, one line of throughput and cache usage (as vLLM's LoggingStatLogger);
-    silent while the engine stays idle. The prefix cache hit rate is over the recent
-    lookups, as vLLM's (which counts its last 1000 requests): here, those of the last
-    _HIT_RATE_INTERVALS intervals that had any, so that an interval of decode alone still
-    shows the rate of the prompts before it."""
+    """Every interval, one line of throughput and cache usage (as vLLM's LoggingStatLogger),
+    from what the metrics have recorded; silent while the engine stays idle. The prefix cache
+    hit rate is over the recent lookups, as vLLM's (which counts its last 1000 requests):
+    here, those of the last _HIT_RATE_INTERVALS intervals that had any, so that an interval
+    of decode alone still shows the rate of the prompts before it."""
     last = time.monotonic()
     last_prompt, last_generation, last_queries, last_hits = 0, 0, 0, 0
     recent = collections.deque(maxlen=_HIT_RATE_INTERVALS)  # (queries, hits) of intervals with lookups
     was_idle = True
-    while True:
+    while not engine.errored:
         await asyncio.sleep(interval_s)
-        if engine.errored:
-            return
-        try:
-            stats = await engine.get_stats()
-        except Exception:  # the engine died meanwhile: /health says so
-            return
-        metrics.update_from_stats(stats)
+        stats = metrics.scheduler_stats
         now = time.monotonic()
         elapsed, last = now - last, now
         prompt = metrics.total_prompt_tokens - last_prompt
@@ -257,12 +237,11 @@ async def log_stats_periodically(engine, metrics: ServerMetrics, interval_s: flo
             recent.append((queries, hits))
         recent_queries = sum(q for q, _ in recent)
         hit_rate = sum(h for _, h in recent) / recent_queries if recent_queries else 0.0
-        idle = not (prompt or generation or stats["num_running"] or stats["num_waiting"])
+        idle = not (prompt or generation or stats.num_running_reqs or stats.num_waiting_reqs)
         if idle and was_idle:
             continue
         was_idle = idle
-        usage = 1.0 - stats["num_free_blocks"] / stats["num_blocks"] if stats["num_blocks"] else 0.0
         logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                     "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-                    prompt / elapsed, generation / elapsed, stats["num_running"], stats["num_waiting"],
-                    100 * usage, 100 * hit_rate)
+                    prompt / elapsed, generation / elapsed, stats.num_running_reqs, stats.num_waiting_reqs,
+                    100 * stats.kv_cache_usage, 100 * hit_rate)

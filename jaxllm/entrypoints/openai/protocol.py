@@ -2,13 +2,15 @@
 plus vLLM's sampling extras that an OpenAI client sends through `extra_body`).
 
 Requests forbid unknown fields, as OpenAI does: a misspelt `max_token` is a 400 that names
-it, not a silent default.
+it, not a silent default. They are strict about types, as OpenAI is: `"n": true`, `"n": "2"`
+and `"max_tokens": 2.0` are errors, not 1, 2 and 2. Every value has been checked before
+(request_body.py: 64-bit integers, finite numbers, UTF-8 text, the prompt's shape).
 """
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 def random_id(prefix: str) -> str:
@@ -16,7 +18,7 @@ def random_id(prefix: str) -> str:
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class Loose(BaseModel):
@@ -79,7 +81,7 @@ class SamplingRequest(Strict):
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[int, float] | None = None  # JSON's keys are strings: token ids in decimal
     seed: int | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
@@ -97,9 +99,21 @@ class SamplingRequest(Strict):
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputs | None = None
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_ids_as_keys(cls, value):
+        if not isinstance(value, dict):
+            return value  # pydantic names the type error
+        bad = [key[:24] for key in value if not (key.isascii() and key.isdigit() and int(key[:20]) < 2**63)]
+        if bad:
+            raise ValueError(f"keys must be token ids (integers in [0, 2**63), in decimal), got {bad[:5]!r}")
+        return {int(key): bias for key, bias in value.items()}
+
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # A string, a list of strings, a list of token ids or a list of token-id lists, checked by
+    # request_body.py before pydantic, which would take seconds over millions of ids.
+    prompt: Any
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None  # only best_of == n: the engine has no beam of candidates to pick from

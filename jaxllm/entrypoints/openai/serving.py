@@ -5,26 +5,33 @@ Every check of the input happens before the response starts, so a bad request is
 with OpenAI's error JSON, never a broken stream: the prompts are tokenized here, and each
 request's first output is awaited before the stream's headers go out. Leaving a stream
 early (the client went away) closes the engine's generator, which aborts the request.
+
+Work that grows with the request (parsing its body, the chat template, tokenizing, building
+its grammar) runs in worker threads (`in_worker`), so that one large request leaves the
+event loop, and so every stream and /health, free.
 """
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
-import re
 import time
+import weakref
 from collections.abc import AsyncIterator
 
 from jaxllm.engine.exceptions import EngineDeadError
-from jaxllm.engine.processor import check_text
 from jaxllm.entrypoints.chat_utils import apply_chat_template, chat_messages
+from jaxllm.entrypoints.openai.errors import APIError, bad_request, engine_dead_error, shutdown_error
 from jaxllm.entrypoints.openai.metrics import RequestTracker, ServerMetrics
+from jaxllm.entrypoints.openai.prompts import PromptEncoder, PromptTooLong
 from jaxllm.entrypoints.openai.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk,
                                                 ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
                                                 ChatStreamChoice, CompletionChoice, CompletionLogprobs,
-                                                CompletionRequest, CompletionResponse, DeltaMessage, ErrorInfo,
-                                                ErrorResponse, SamplingRequest, TokenLogprob, TopLogprob, UsageInfo,
-                                                random_id)
+                                                CompletionRequest, CompletionResponse, DeltaMessage,
+                                                SamplingRequest, TokenLogprob, TopLogprob, UsageInfo, random_id)
+from jaxllm.entrypoints.openai.request_streams import RequestStreams, ServerShuttingDown
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -32,35 +39,13 @@ logger = logging.getLogger(__name__)
 
 _COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _DEFAULT_PARAMS = SamplingParams()  # the request log shows only the fields that differ
-
-
-class APIError(Exception):
-    """An error the client gets as OpenAI's error JSON, with this HTTP status."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                             503: "service_unavailable"}.get(status, "server_error")
-
-    def body(self) -> dict:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
-                                             code=self.code)).model_dump()
-
-
-def engine_dead_error() -> APIError:
-    return APIError(503, "the engine has died; restart the server", type="service_unavailable",
-                    code="engine_dead")
-
-
-def bad_request(error: Exception, fields) -> APIError:
-    """A ValueError or TypeError of the engine's checks as a 400: its message starts with the
-    field it names (`max_tokens must be >= 1, got 0`), which becomes the error's param."""
-    message = " ".join(str(error).splitlines())
-    match = re.match(r"(\w+)", message)
-    param = match.group(1) if match and match.group(1) in fields else None
-    return APIError(400, message, param=param)
+# Threads for the work that grows with a request. The tokenizer lets go of the interpreter
+# while it encodes, so a few run in parallel; a request's parse and checks take turns with
+# the event loop's thread, which keeps /health answering under a large one.
+_WORKER_THREADS = 4
+# /tokenize counts texts longer than max_model_len (jaxllm bench serve measures datasets with
+# it), up to this many tokens: their list and its JSON take ~0.1 s of the interpreter per million.
+MAX_TOKENIZE_TOKENS = 2**20
 
 
 def sse(payload: str) -> str:
@@ -75,132 +60,90 @@ def _token_text(token_id: int, logprob) -> str:
     return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
 
 
-class _Requests:
-    """The engine requests of one API request (one per prompt), their outputs interleaved as
-    they come. One request is read in place; several are each read by a task of their own
-    into one small queue. Either way a consumer that falls behind leaves outputs in AsyncLLM,
-    which merges a request's DELTA outputs: a slow client gets fewer, larger chunks, and the
-    server does less work per token, not more. Closing aborts every unfinished request."""
-
-    def __init__(self, streams: list[AsyncIterator[RequestOutput]]):
-        self._streams = streams
-        self._buffer: list[tuple[int, RequestOutput]] = []
-        self._live = len(streams)
-        self._queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
-        self._tasks = [asyncio.ensure_future(self._read(i, s)) for i, s in enumerate(streams)] \
-            if len(streams) > 1 else []
-
-    async def _read(self, i: int, stream: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async with contextlib.aclosing(stream):
-                async for out in stream:
-                    await self._queue.put((i, out))
-        except Exception as e:
-            await self._queue.put((i, e))
-        else:
-            await self._queue.put((i, None))
-
-    async def _next(self) -> tuple[int, RequestOutput] | None:
-        """The next output of any request; None once all have ended. Raises what a request raised."""
-        if not self._tasks:
-            if not self._live:
-                return None
-            try:
-                return 0, await anext(self._streams[0])
-            except StopAsyncIteration:
-                self._live = 0
-                return None
-        while self._live:
-            i, item = await self._queue.get()
-            if item is None:
-                self._live -= 1
-            elif isinstance(item, Exception):
-                self._cancel_readers()
-                raise item
-            else:
-                return i, item
-        return None
-
-    async def first_outputs(self) -> list[RequestOutput]:
-        """Each request's first output; if one fails (or this is cancelled), all are aborted."""
-        firsts: dict[int, RequestOutput] = {}
-        try:
-            while len(firsts) < len(self._streams):
-                item = await self._next()
-                if item is None:
-                    raise RuntimeError("a request ended without an output")
-                self._buffer.append(item)
-                firsts.setdefault(item[0], item[1])
-        except BaseException:
-            self._cancel_readers()  # a lone request's stream has already unwound (and aborted)
-            raise
-        return [firsts[i] for i in range(len(self._streams))]
-
-    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) as they come, from the first outputs on."""
-        try:
-            while self._buffer:
-                yield self._buffer.pop(0)
-            while (item := await self._next()) is not None:
-                yield item
-        finally:
-            await self.aclose()
-
-    async def aclose(self) -> None:
-        """Abort what has not finished. Nothing here waits on the event loop (each stream's
-        cleanup is synchronous), so it completes even inside a cancelled task."""
-        self._cancel_readers()
-        if not self._tasks:
-            await self._streams[0].aclose()
-
-    def _cancel_readers(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-
-
 class OpenAIServing:
     def __init__(self, engine, served_model_names: list[str], metrics: ServerMetrics,
-                 chat_template: str | None = None, max_log_len: int | None = None):
+                 chat_template: str | None, max_log_len: int | None, max_seqs_per_request: int):
         self.engine = engine
         self.model_names = served_model_names
         self.metrics = metrics
         self.chat_template = chat_template
         self.max_log_len = max_log_len
-        self.tokenizer = engine.tokenizer
+        self.max_seqs_per_request = max_seqs_per_request
         self.max_model_len = engine.config.model.max_model_len
         self.default_fields = dict(engine.default_sampling_fields)
+        self.encoder = None if engine.tokenizer is None else PromptEncoder(engine.tokenizer, self.max_model_len)
+        self._workers = concurrent.futures.ThreadPoolExecutor(_WORKER_THREADS, thread_name_prefix="jaxllm-request")
+        self._running: weakref.WeakSet[RequestStreams] = weakref.WeakSet()
+        self.draining = False
+
+    async def in_worker(self, fn, *args, **kwargs):
+        """fn(*args, **kwargs) in a worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._workers, functools.partial(fn, *args, **kwargs))
+
+    # ---- shutdown ----
+    async def drain(self, timeout_s: float) -> None:
+        """Shutting down: new requests get a 503 at once; those in flight have timeout_s to
+        finish, then are ended (a stream with an error event and [DONE], a whole response
+        with a 503) and aborted in the engine. The server cancels this once every
+        connection has closed."""
+        self.draining = True
+        await asyncio.sleep(timeout_s)
+        for requests in list(self._running):
+            requests.stop()
+
+    def close(self) -> None:
+        self._workers.shutdown(wait=False, cancel_futures=True)
 
     # ---- shared checks ----
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
-            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+            raise APIError(404, f"The model {name[:200]!r} does not exist.", param="model", code="model_not_found")
+
+    @staticmethod
+    def check_stream_options(request: SamplingRequest) -> None:
+        if request.stream_options is not None and not request.stream:
+            raise APIError(400, "stream_options is only for a streamed request (stream: true)", param="stream_options")
 
     def check_alive(self) -> None:
         if self.engine.errored:
             raise engine_dead_error()
+        if self.draining:
+            raise shutdown_error()
 
-    def tokenize_text(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
-        try:
-            check_text(text, field)
-        except ValueError as e:
-            raise APIError(400, str(e), param=field) from e
-        if self.tokenizer is None:
+    def tokenize_text(self, text: str, field: str, add_special_tokens: bool = True,
+                      max_tokens: int | None = None) -> list[int]:
+        """In a worker thread. At most max_tokens tokens (default max_model_len)."""
+        if self.encoder is None:
             raise APIError(400, "text prompts need a tokenizer, and this server's engine was started with "
                            "skip_tokenizer_init: send token ids", param=field)
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        try:
+            return self.encoder.encode(text, add_special_tokens, max_tokens)
+        except PromptTooLong as e:
+            raise self._too_long(e, field, max_tokens or self.max_model_len, len(text)) from None
+
+    def _too_long(self, error: PromptTooLong, field: str, max_tokens: int, num_chars: int) -> APIError:
+        size = f"{num_chars} characters" if error.num_tokens is None else f"{error.num_tokens} tokens"
+        limit = (f"This model's maximum context length is {max_tokens} tokens" if max_tokens == self.max_model_len
+                 else f"The server tokenizes at most {max_tokens} tokens")
+        return APIError(400, f"{limit}, and the {field} has {size}: more than that. Please shorten the {field}.",
+                        param=field)
 
     def chat_prompt(self, request) -> tuple[str, list[int]]:
-        """The chat template applied to request.messages (ChatCompletionRequest or TokenizeRequest)."""
+        """In a worker thread: the chat template applied to request.messages
+        (ChatCompletionRequest or TokenizeRequest), at most max_model_len tokens."""
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
         for m in messages:
             m.setdefault("content", "")
         try:
             return apply_chat_template(
-                self.tokenizer, chat_messages(0, messages),
+                self.encoder, chat_messages(0, messages),
                 getattr(request, "chat_template", None) or self.chat_template,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=getattr(request, "continue_final_message", False),
                 chat_template_kwargs=request.chat_template_kwargs)
+        except PromptTooLong as e:
+            num_chars = sum(len(m["content"]) if isinstance(m["content"], str) else 0 for m in messages)
+            raise self._too_long(e, "messages", self.max_model_len, num_chars) from None
         except (ValueError, TypeError) as e:
             text = str(e).replace("conversation 0, message ", "message ").replace("conversation 0 ", "it ")
             raise APIError(400, f"messages: {text}", param="messages") from e
@@ -231,20 +174,13 @@ class OpenAIServing:
                      "repetition_penalty"):
             if getattr(request, name) is not None:
                 fields[name] = getattr(request, name)
-        logit_bias = None
-        if request.logit_bias is not None:
-            try:
-                logit_bias = {int(token): bias for token, bias in request.logit_bias.items()}
-            except ValueError as e:
-                raise APIError(400, f"logit_bias keys must be token ids (integers), got "
-                               f"{list(request.logit_bias)[:5]}", param="logit_bias") from e
         try:
             return SamplingParams(
                 n=request.n, max_tokens=max_tokens, stop=request.stop, seed=request.seed, logprobs=logprobs,
                 min_tokens=request.min_tokens, ignore_eos=request.ignore_eos, stop_token_ids=request.stop_token_ids,
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 skip_special_tokens=request.skip_special_tokens,
-                spaces_between_special_tokens=request.spaces_between_special_tokens, logit_bias=logit_bias,
+                spaces_between_special_tokens=request.spaces_between_special_tokens, logit_bias=request.logit_bias,
                 allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words,
                 structured_outputs=self._structured_outputs(request), output_kind=output_kind, **fields)
         except (ValueError, TypeError) as e:
@@ -300,7 +236,8 @@ class OpenAIServing:
             tracker.finish(default_reason)
 
     def _start(self, request_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
-               max_tokens: int) -> "_Requests":
+               max_tokens: int) -> RequestStreams:
+        self.check_alive()  # again: the engine may have died, or a shutdown begun, while it was prepared
         streams = []
         for i, (text, token_ids) in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
@@ -308,21 +245,32 @@ class OpenAIServing:
             prompt = {"prompt_token_ids": token_ids} if text is None else {"prompt": text,
                                                                           "prompt_token_ids": token_ids}
             streams.append(self._outputs(rid, prompt, params, RequestTracker(self.metrics, params.n, max_tokens)))
-        return _Requests(streams)
+        requests = RequestStreams(streams)
+        self._running.add(requests)
+        return requests
 
     @staticmethod
-    async def _first_outputs(requests: "_Requests", fields) -> list[RequestOutput]:
+    async def _first_outputs(requests: RequestStreams, fields) -> list[RequestOutput]:
         """Each request's first output (for FINAL_ONLY, its only one). The engine's own checks
         (vocabulary, logprobs limit, ...) fail here, before any response starts."""
         try:
             return await requests.first_outputs()
         except EngineDeadError as e:
             raise engine_dead_error() from e
+        except ServerShuttingDown as e:
+            raise shutdown_error() from e
         except (ValueError, TypeError) as e:
             raise bad_request(e, fields) from e
 
+    def _check_num_seqs(self, num_prompts: int, n: int) -> None:
+        if num_prompts * n > self.max_seqs_per_request:
+            raise APIError(400, f"n ({n}) times the {num_prompts} prompt(s) is {num_prompts * n} sequences, more than "
+                           f"a request may start ({self.max_seqs_per_request}: jaxllm serve --max-seqs-per-request)",
+                           param="n")
+
     # ---- /v1/completions ----
     def _completion_prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        """In a worker thread: the prompts (their shape checked in request_body.py), tokenized."""
         prompt = request.prompt
         if isinstance(prompt, str):
             prompt = [prompt]
@@ -330,6 +278,7 @@ class OpenAIServing:
             prompt = [prompt]
         if not prompt:
             raise APIError(400, "prompt is empty", param="prompt")
+        self._check_num_seqs(len(prompt), request.n)
         prompts = []
         for p in prompt:
             if isinstance(p, str):
@@ -343,6 +292,7 @@ class OpenAIServing:
     async def create_completion(self, request: CompletionRequest):
         """A CompletionResponse, or for stream=true an async iterator of SSE lines."""
         self.check_model(request.model)
+        self.check_stream_options(request)
         self.check_alive()
         if request.best_of is not None and request.best_of != request.n:
             raise APIError(400, f"best_of must equal n ({request.n}) or be unset, got {request.best_of}: the "
@@ -350,19 +300,14 @@ class OpenAIServing:
         if request.echo and request.logprobs is not None:
             raise APIError(400, "echo with logprobs would need the prompt's logprobs, which the server does not "
                            "return yet", param="echo")
-        prompts = self._completion_prompts(request)
-        longest = max(len(ids) for _, ids in prompts)
-        max_tokens = self.max_tokens(request.max_tokens, "max_tokens", longest, "prompt",
-                                     self.default_fields.get("max_tokens") or _COMPLETION_DEFAULT_MAX_TOKENS)
-        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        params = self.sampling_params(request, max_tokens, request.logprobs, kind)
+        prompts, max_tokens, params = await self.in_worker(self._prepare_completion, request)
         request_id = random_id("cmpl")
         model = request.model or self.model_names[0]
         requests = self._start(request_id, prompts, params, max_tokens)
         firsts = await self._first_outputs(requests, CompletionRequest.model_fields)
         if request.stream:
             return self._completion_stream(request, request_id, model, prompts, requests)
-        await requests.aclose()
+        requests.close()
         choices = []
         for i, out in enumerate(firsts):
             if out.error is not None:
@@ -378,6 +323,15 @@ class OpenAIServing:
                                   usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                                                   total_tokens=prompt_tokens + completion_tokens))
 
+    def _prepare_completion(self, request: CompletionRequest):
+        """In a worker thread: the prompts, max_tokens and SamplingParams (its grammar compiled)."""
+        prompts = self._completion_prompts(request)
+        longest = max(len(ids) for _, ids in prompts)
+        max_tokens = self.max_tokens(request.max_tokens, "max_tokens", longest, "prompt",
+                                     self.default_fields.get("max_tokens") or _COMPLETION_DEFAULT_MAX_TOKENS)
+        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        return prompts, max_tokens, self.sampling_params(request, max_tokens, request.logprobs, kind)
+
     @staticmethod
     def _completion_logprobs(c: CompletionOutput, text_offset: int) -> CompletionLogprobs:
         result = CompletionLogprobs()
@@ -392,7 +346,7 @@ class OpenAIServing:
         return result
 
     async def _completion_stream(self, request: CompletionRequest, request_id: str, model: str, prompts,
-                                 requests: _Requests) -> AsyncIterator[str]:
+                                 requests: RequestStreams) -> AsyncIterator[str]:
         created = int(time.time())
         options = request.stream_options
         include_usage = options is not None and options.include_usage
@@ -436,25 +390,23 @@ class OpenAIServing:
                     yield sse(chunk.model_dump_json())
         except EngineDeadError:
             yield error_event(engine_dead_error())
+        except ServerShuttingDown:
+            yield error_event(shutdown_error())
         finally:
-            await requests.aclose()  # also when the client left: the server closes this stream at a yield
+            requests.close()  # also when the client left: the server closes this stream at a yield
         yield sse("[DONE]")
 
     # ---- /v1/chat/completions ----
     async def create_chat_completion(self, request: ChatCompletionRequest):
         self.check_model(request.model)
+        self.check_stream_options(request)
         self.check_alive()
         if request.max_tokens is not None and request.max_completion_tokens is not None:
             raise APIError(400, "set max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        text, token_ids = self.chat_prompt(request)
-        field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        max_tokens = self.max_tokens(requested, field, len(token_ids), "messages", self.default_fields.get("max_tokens"))
-        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.sampling_params(request, max_tokens, logprobs, kind)
+        self._check_num_seqs(1, request.n)
+        text, token_ids, max_tokens, params = await self.in_worker(self._prepare_chat, request)
         request_id = random_id("chatcmpl")
         model = request.model or self.model_names[0]
         requests = self._start(request_id, [(text, token_ids)], params, max_tokens)
@@ -462,7 +414,7 @@ class OpenAIServing:
         top = request.top_logprobs or 0
         if request.stream:
             return self._chat_stream(request, request_id, model, len(token_ids), requests, top)
-        await requests.aclose()
+        requests.close()
         out = firsts[0]
         if out.error is not None:
             raise APIError(500, f"the engine failed the request: {out.error}")
@@ -475,6 +427,16 @@ class OpenAIServing:
                                       usage=UsageInfo(prompt_tokens=len(token_ids),
                                                       completion_tokens=completion_tokens,
                                                       total_tokens=len(token_ids) + completion_tokens))
+
+    def _prepare_chat(self, request: ChatCompletionRequest):
+        """In a worker thread: the chat template applied and tokenized, max_tokens and SamplingParams."""
+        text, token_ids = self.chat_prompt(request)
+        field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        max_tokens = self.max_tokens(requested, field, len(token_ids), "messages", self.default_fields.get("max_tokens"))
+        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        return text, token_ids, max_tokens, self.sampling_params(request, max_tokens, logprobs, kind)
 
     @staticmethod
     def _chat_logprobs(c: CompletionOutput, top: int) -> ChatLogprobs:
@@ -490,7 +452,7 @@ class OpenAIServing:
         return ChatLogprobs(content=content)
 
     async def _chat_stream(self, request: ChatCompletionRequest, request_id: str, model: str, prompt_tokens: int,
-                           requests: _Requests, top: int) -> AsyncIterator[str]:
+                           requests: RequestStreams, top: int) -> AsyncIterator[str]:
         created = int(time.time())
         options = request.stream_options
         include_usage = options is not None and options.include_usage
@@ -529,6 +491,8 @@ class OpenAIServing:
                     yield sse(chunk.model_dump_json())
         except EngineDeadError:
             yield error_event(engine_dead_error())
+        except ServerShuttingDown:
+            yield error_event(shutdown_error())
         finally:
-            await requests.aclose()  # also when the client left: the server closes this stream at a yield
+            requests.close()  # also when the client left: the server closes this stream at a yield
         yield sse("[DONE]")

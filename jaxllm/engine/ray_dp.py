@@ -12,21 +12,21 @@ import socket
 class _EngineCoreActor:
     """A Ray actor's body: one engine core until SHUTDOWN."""
 
-    def run(self, engine_args, show_progress: bool, input_address: str, output_address: str, rank: int) -> int:
+    def run(self, config, show_progress: bool, input_address: str, output_address: str, rank: int) -> int:
         from jaxllm.engine.core import serve_engine_core
-        return serve_engine_core(engine_args, show_progress, input_address, output_address, rank)
+        return serve_engine_core(config, show_progress, input_address, output_address, rank)
 
 
 class RayCore:
     """A replica's engine core in a Ray actor, with the methods of core_client._LocalCore."""
 
-    def __init__(self, engine_args, show_progress: bool, input_address: str, output_address: str, rank: int):
+    def __init__(self, config, show_progress: bool, input_address: str, output_address: str, rank: int):
         import ray
         self._ray = ray
-        gpus = engine_args.tensor_parallel_size if ray.cluster_resources().get("GPU", 0) else 0
+        gpus = config.parallel.tensor_parallel_size if ray.cluster_resources().get("GPU", 0) else 0
         actor_class = ray.remote(num_gpus=gpus, num_cpus=1)(_EngineCoreActor)
         self.actor = actor_class.options(name=None, max_restarts=0).remote()
-        self.done = self.actor.run.remote(engine_args, show_progress, input_address, output_address, rank)
+        self.done = self.actor.run.remote(config, show_progress, input_address, output_address, rank)
 
     def exit_code(self) -> int | None:
         ready, _ = self._ray.wait([self.done], timeout=0)

@@ -1,4 +1,5 @@
-"""Packing a SchedulerOutput into the static-shape inputs of one jitted step.
+"""The runner's persistent per-request rows, and packing a SchedulerOutput into the
+static-shape inputs of one jitted step.
 
 Shapes depend only on the token bucket T (a power of two up to
 max_num_batched_tokens): per-request arrays are padded to R = min(T, max_num_seqs),
@@ -9,18 +10,15 @@ bucket and written in place.
 """
 import dataclasses
 import math
-from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
-from jaxllm.core.kv_cache_utils import cdiv
-from jaxllm.core.scheduler import SchedulerOutput
+from jaxllm.contracts.step import NewRequestData, SchedulerOutput
 from jaxllm.kernels.attention import AttentionMetadata
-from jaxllm.sample.sampler import COLUMN, NUM_REQUEST_WORDS, NUM_SAMPLING_WORDS, SampleMode, sample_mode
-
-if TYPE_CHECKING:
-    from jaxllm.request import Request
+from jaxllm.sample.sampler import (COLUMN, FLOAT_COLUMNS, NUM_REQUEST_WORDS, NUM_SAMPLING_WORDS, SampleMode,
+                                   needs_processors, sample_mode)
+from jaxllm.utils import cdiv
 
 
 _ALIGN = 64  # int32 words: 256 bytes
@@ -78,13 +76,14 @@ class BatchLayout:
 
 
 class RequestRows:
-    """The runner's persistent host state, one row per request that holds KV blocks: its
-    block table in each KV cache group, its sampling words (Request.sampling_row), SampleMode, how many logprobs
-    it wants, whether it needs a host-made token mask (structured outputs, multi-token bad words), and its
-    row in the last step's sampled ids. A step gathers its requests' rows in one copy each
-    and writes only the blocks the scheduler added: packing costs O(new blocks), not
-    O(context). A request gives its row back when it finishes or is preempted, so
-    max_num_seqs rows always suffice (and index the device's ProcessorState)."""
+    """The runner's persistent host state, one row per request that holds KV blocks, made from
+    its NewRequestData: its block table in each KV cache group, its sampling words
+    (sampling_row), SampleMode, whether the sampler runs the logits processors for it, how many
+    logprobs it wants, whether its steps wait for the core's token masks, and its row in the
+    last step's sampled ids. A step gathers its requests' rows in one copy each and writes only
+    the blocks the scheduler added: packing costs O(new blocks), not O(context). A request
+    gives its row back when it finishes or is preempted, so max_num_seqs rows always suffice
+    (and index the device's ProcessorState)."""
 
     def __init__(self, max_blocks_per_seq: int, num_rows: int, num_groups: int = 1):
         self.num_rows = num_rows
@@ -98,30 +97,35 @@ class RequestRows:
         self._num_blocks = np.zeros((num_groups, num_rows), np.int32)  # a group's table entries of a row
         self._rows: dict[str, int] = {}  # request id -> its row
         self._free_rows = list(range(num_rows - 1, -1, -1))
+        self.prompts: dict[str, list[int]] = {}  # the prompts of requests that asked for prompt logprobs
 
-    def update(self, sched: SchedulerOutput) -> tuple[np.ndarray, list[tuple[int, "Request"]], list[int]]:
-        """Apply the step's new requests and blocks. Returns each scheduled request's row, the
-        (row, request) pairs that took a row this step, and the rows given back."""
+    def update(self, sched: SchedulerOutput) -> tuple[np.ndarray, list[tuple[int, NewRequestData]], list[int]]:
+        """Apply the step's finished, preempted and new requests and its new blocks. Returns each
+        scheduled request's row, the (row, data) pairs that took a row this step, and the rows
+        given back."""
         removed = []
         for request_id in (*sched.finished_req_ids, *sched.preempted_req_ids):
             row = self._rows.pop(request_id, None)
+            self.prompts.pop(request_id, None)
             if row is not None:
                 self._free_rows.append(row)
                 removed.append(row)
-        rows, added = [], []
-        for s in sched.requests:
-            request = s.request
-            row = self._rows.get(request.request_id)
-            if row is None:
-                row = self._rows[request.request_id] = self._new_row()
-                params = request.sampling_params
-                self.sampling[row] = request.sampling_row
-                self.sample_mode[row] = sample_mode(params)
-                self.processed[row] = request.needs_processors
-                self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
-                self.host_masked[row] = request.needs_host_mask
-                self._num_blocks[:, row] = 0
-                added.append((row, request))
+        added = []
+        for new in sched.new_requests:
+            row = self._rows[new.req_id] = self._new_row()
+            params = new.sampling_params
+            self.sampling[row] = sampling_row(new)
+            self.sample_mode[row] = sample_mode(params)
+            self.processed[row] = self.sampling[row, COLUMN["processed"]]
+            self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+            self.host_masked[row] = new.host_masked
+            self._num_blocks[:, row] = 0
+            if params.prompt_logprobs is not None:
+                self.prompts[new.req_id] = new.prompt_token_ids
+            added.append((row, new))
+        rows = []
+        for s in sched.scheduled:
+            row = self._rows[s.req_id]
             for g, block_ids in enumerate(s.new_block_ids):
                 if block_ids:
                     n = self._num_blocks[g, row]
@@ -141,7 +145,28 @@ class RequestRows:
 
     def clear(self) -> None:
         self._rows.clear()
+        self.prompts.clear()
         self._free_rows = list(range(self.num_rows - 1, -1, -1))
+
+
+def sampling_row(new: NewRequestData) -> np.ndarray:
+    """A request's words of the sampler's inputs [NUM_REQUEST_WORDS] int32, in the order of
+    sampler.SAMPLING_COLUMNS (floats as their bits). Made once per request."""
+    params = new.sampling_params
+    row = np.zeros(NUM_REQUEST_WORDS, np.int32)
+    floats = [params.temperature, params.top_p, params.min_p, params.presence_penalty,
+              params.frequency_penalty, params.repetition_penalty]
+    row[FLOAT_COLUMNS] = np.array(floats, np.float32).view(np.int32)
+    int32_max = np.iinfo(np.int32).max
+    row[COLUMN["top_k"]] = min(params.top_k, int32_max)
+    seed_words = np.array([new.seed >> 32, new.seed & 0xFFFFFFFF], np.uint32).view(np.int32)
+    row[COLUMN["seed_high"]], row[COLUMN["seed_low"]] = seed_words
+    row[COLUMN["min_tokens"]] = min(params.min_tokens, int32_max)
+    row[COLUMN["num_prompt_tokens"]] = len(new.prompt_token_ids)
+    # Whether the sampler runs the logits processors for it (sample/processors.py); a host-masked
+    # request's mask is applied there too.
+    row[COLUMN["processed"]] = needs_processors(params) or bool(new.banned_token_ids) or new.host_masked
+    return row
 
 
 def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
@@ -169,15 +194,14 @@ def pack(sched: SchedulerOutput, rows: np.ndarray, state: RequestRows, v: dict[s
     """Write the scheduled requests (at `rows` of `state`) into a bucket's host views `v`.
     A request's last token may be one the previous step is still sampling on the
     device: the step then reads it from there (`prev_rows`) instead of the host."""
-    reqs = sched.requests
+    reqs = sched.scheduled
     n, total = len(reqs), sched.num_scheduled_tokens
     # One pass over the requests: their numbers, and the token ids the host has for the step.
     numbers, host_tokens = [], []
     for s in reqs:
-        start, end, known = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens, s.request.num_tokens
-        numbers.append((start, end, known, s.samples))
-        if start < known:  # `known`: tokens whose ids the host has
-            host_tokens += s.request.token_ids(start, min(end, known))
+        start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+        numbers.append((start, end, start + len(s.token_ids), s.samples))  # ids known up to the third
+        host_tokens += s.token_ids
     starts, ends, known, samples = np.array(numbers, np.int32).T
     decode_only = total == n  # one token per request: the positions are the starts
 

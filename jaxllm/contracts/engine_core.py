@@ -1,0 +1,85 @@
+"""What crosses between the front end and the engine core: small msgspec structs,
+encoded as msgpack (serial.py). No live Request leaves the core; the core
+builds its own from an EngineCoreRequest."""
+import enum
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from jaxllm.sampling_params import SamplingParams
+
+
+# Messages of the core process's protocol that are not msgpack structs: the first frame of its
+# start-up answer, and what its output socket says when it dies.
+READY, STARTUP_FAILED, ENGINE_CORE_DEAD = b"READY", b"STARTUP_FAILED", b"ENGINE_CORE_DEAD"
+DP_RANK_ENV = "JAXLLM_DATA_PARALLEL_RANK"  # a data-parallel replica's index, in its core process's environment
+
+
+class EngineCoreRequestType(enum.Enum):
+    """The first frame of each message on the core's input socket."""
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+    SHUTDOWN = b"\x03"
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    seed: int            # the request's sampling seed (the front end derives one if the user gave none)
+    arrival_time: float  # time.monotonic() in the front end
+    # SamplingParams.bad_words as token ids (the front end tokenizes them): never generated
+    bad_words_token_ids: list[list[int]] = []
+
+
+class LogprobsArrays(msgspec.Struct, array_like=True, gc=False):
+    """Sample logprobs of a request's new tokens, one row each (vLLM's LogprobsLists, as
+    arrays: they cross the process boundary as raw bytes)."""
+    logprobs: np.ndarray   # [num_new_tokens, 1 + logprobs] float32: the sampled token's, then the top ones
+    token_ids: np.ndarray  # [num_new_tokens, 1 + logprobs] int32
+    ranks: np.ndarray      # [num_new_tokens] int32: the sampled token's rank (1 = most likely)
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One request's news from one step."""
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    error: str | None = None
+    new_logprobs: LogprobsArrays | None = None  # only for a request that asked (SamplingParams.logprobs)
+    # SamplingParams.prompt_logprobs: rows for prompt positions 1, 2, ... in order (a long prompt's
+    # come in several steps' outputs, one per prefill chunk); column 0 is the prompt token's own.
+    new_prompt_logprobs: LogprobsArrays | None = None
+    # The first output of a request says when the scheduler first scheduled it (time.monotonic())
+    # and how many of its prompt tokens the prefix cache held then.
+    first_scheduled_time: float | None = None
+    num_cached_tokens: int = 0
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # share of the KV cache's blocks in use
+    num_preemptions: int = 0     # since start-up
+    # The prefix cache since the last stats: prompt tokens looked up at admission, and those it held.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    call_id: int
+    result: Any = None
+    failure: str | None = None  # the exception the call raised, as "Type: message"
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What the core sends after a step (or a utility call)."""
+    outputs: list[EngineCoreOutput] = []
+    timestamp: float = 0.0  # time.monotonic() in the core when the step's tokens were applied
+    scheduler_stats: SchedulerStats | None = None
+    utility_output: UtilityOutput | None = None
+    engine_index: int = 0  # the data-parallel replica that sent it (dp_client.py)

@@ -1,0 +1,96 @@
+"""The paged KV cache on the mesh: how many blocks the memory budget holds, and the caches
+themselves, per KV tensor (K, V) [num_blocks, block_size, kv_heads, head_dim], sharded over
+KV heads. A block id means one block in one layer of each KV cache group
+(models/kv_layout.py)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm import distributed
+from jaxllm.config import Config
+from jaxllm.models.config import ModelArchConfig
+from jaxllm.models.kv_layout import KVCacheLayout
+from jaxllm.sample.processors import ProcessorState
+from jaxllm.sharding import kv_cache_sharding
+from jaxllm.utils import cdiv
+
+_CPU_KV_CACHE_BYTES = 512 << 20  # CPU devices report no memory: cap the cache at 512 MiB
+
+
+class KVCache:
+    def __init__(self, config: Config, arch: ModelArchConfig, layout: KVCacheLayout, mesh: jax.sharding.Mesh):
+        """Sizes the cache from the memory left once the weights are on the devices."""
+        self.config, self.arch, self.layout, self.mesh = config, arch, layout, mesh
+        self.block_size = config.cache.block_size
+        self.num_blocks = self._num_blocks()
+        if self.num_blocks < self.blocks_per_request():
+            raise ValueError(
+                f"the KV cache has {self.num_blocks} blocks, fewer than one request of max_model_len "
+                f"({config.model.max_model_len}) tokens takes ({self.blocks_per_request()}): raise "
+                "gpu_memory_utilization or num_gpu_blocks_override, or lower max_model_len")
+        self.caches: list[tuple[jax.Array, jax.Array]] | None = None
+        shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        # Compiled once and kept: a cache made again (after a failed step, a wake-up) compiles nothing.
+        self._zeros = jax.jit(lambda: jnp.zeros(shape, config.cache.cache_dtype),
+                              out_shardings=kv_cache_sharding(mesh)).lower().compile()
+
+    @property
+    def bytes_per_block(self) -> int:
+        """A block id holds one block in each KV tensor (a layer of each group)."""
+        itemsize = jnp.dtype(self.config.cache.cache_dtype).itemsize
+        return 2 * self.layout.num_tensors * self.block_size * self.arch.num_kv_heads * self.arch.head_dim * itemsize
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override:
+            return cache.num_gpu_blocks_override
+        stats = jax.local_devices()[0].memory_stats() or {}
+        if "bytes_limit" in stats:
+            budget = (stats["bytes_limit"] * cache.gpu_memory_utilization - stats["bytes_in_use"]
+                      - self._activation_bytes() - self._processor_state_bytes())
+        else:
+            budget = min(_CPU_KV_CACHE_BYTES,
+                         self.config.scheduler.max_num_seqs * self.blocks_per_request() * self.bytes_per_block)
+        num_blocks = max(int(budget // self.bytes_per_block), 0)
+        if jax.process_count() > 1:  # every host schedules alike: the same cache on each (the smallest)
+            from jax.experimental import multihost_utils
+            distributed.barrier("jaxllm-weights-loaded")
+            num_blocks = int(np.min(multihost_utils.process_allgather(np.int32(num_blocks))))
+        return num_blocks
+
+    def blocks_per_request(self) -> int:
+        """The most blocks one request of max_model_len tokens holds, over every KV cache group: a
+        sliding window's group holds its window and a prefill chunk (a bound)."""
+        sc = self.config.scheduler
+        full = cdiv(sc.max_model_len, self.block_size)
+        return sum(full if group.sliding_window is None else
+                   min(full, cdiv(group.sliding_window + sc.max_num_batched_tokens, self.block_size) + 1)
+                   for group in self.layout.groups)
+
+    def _activation_bytes(self) -> int:
+        """A generous bound on the step's transient memory at the largest bucket."""
+        arch, sc = self.arch, self.config.scheduler
+        tokens = sc.max_num_batched_tokens
+        per_token = 4 * (4 * arch.hidden_size + 3 * arch.intermediate_size
+                         + 2 * (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim)
+        logits = 4 * min(tokens, sc.max_num_seqs) * arch.vocab_size * 4
+        return 2 * (tokens * per_token + logits) + (256 << 20)
+
+    def _processor_state_bytes(self) -> int:
+        return ProcessorState.nbytes(self.config.scheduler.max_num_seqs, self.config.model.arch.vocab_size)
+
+    def allocate(self) -> None:
+        """Zeroed caches on the mesh (a block's old contents never matter: a step writes a
+        slot before any step reads it)."""
+        self.caches = jax.block_until_ready([(self._zeros(), self._zeros()) for _ in range(self.layout.num_tensors)])
+
+    def delete(self) -> None:
+        """Free the caches' memory now (those a failed step consumed are gone already)."""
+        for array in jax.tree.leaves(self.caches or []):
+            if not array.is_deleted():
+                array.delete()
+        self.caches = None

@@ -1,0 +1,147 @@
+"""A model's params handed over in memory (a JAX program's own: `LLM(params=...)`,
+`update_weights`), checked whole, then placed on the mesh one param at a time, device to
+device where they are already on devices (no copy through the host).
+
+Two layouts are taken:
+- the engine's own: the nested dict `LLM.get_params()` gives, e.g.
+  {"embed_tokens": {"embedding": [vocab, hidden]}, "layers": {0: {"self_attn": {"qkv_proj":
+  {"kernel": [hidden, qkv]}}, ...}}, ...}, Linear kernels [in, *out], qkv_proj and gate_up_proj
+  fused (models/llama.py; docs/jax.md lists every param with its shape and logical axes);
+- HF's: a flat mapping of HF parameter names to arrays ("model.layers.0.self_attn.q_proj.weight":
+  [out, in]), as a checkpoint holds them, which is packed here as the loader packs a checkpoint
+  (models/loader.py), in jnp on the mesh.
+
+A wrong name, shape or dtype, or an array on a device outside the mesh, raises ValueError
+naming the param (and both shapes) before any param is placed.
+"""
+import functools
+from collections.abc import Iterator, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.models.config import ModelArchConfig
+from jaxllm.models.loader import ParamPath, checkpoint_params, hf_tensors, path_to_hf_names
+from jaxllm.sharding import replicated
+
+ENGINE, HF = "engine", "hf"
+
+
+def layout_of(params: Mapping) -> str:
+    """HF when `params` is a flat mapping of dotted names to arrays, else the engine's."""
+    if not isinstance(params, Mapping) or not params:
+        raise ValueError(f"params must be a non-empty dict (the engine's layout, or HF names to arrays), "
+                         f"got {type(params).__name__}")
+    flat = all(isinstance(k, str) and "." in k and not isinstance(v, Mapping) for k, v in params.items())
+    return HF if flat else ENGINE
+
+
+def flatten(params: Mapping, prefix: ParamPath = ()) -> dict[ParamPath, object]:
+    """The engine layout's nested dict as {path: array}; a layer's key may be an int or its digits."""
+    flat = {}
+    for key, value in params.items():
+        key = int(key) if isinstance(key, str) and key.isdigit() else key
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, (*prefix, key)))
+        else:
+            flat[(*prefix, key)] = value
+    return flat
+
+
+def _name(path: ParamPath) -> str:
+    return ".".join(map(str, path))
+
+
+def check(params: Mapping, abstract: dict, arch: ModelArchConfig, mesh: jax.sharding.Mesh) -> str:
+    """Raise ValueError naming the first bad param; returns the layout. `abstract`: the model's
+    params (loader.abstract_params) as the engine runs them (KV heads repeated for tensor
+    parallelism: arch, the checkpoint's architecture, gives the HF shapes)."""
+    layout = layout_of(params)
+    if layout == ENGINE:
+        given = flatten(params)
+        expected = {path: (tuple(var.shape), var.dtype) for path, var in abstract.items()}
+        names = {path: _name(path) for path in set(given) | set(expected)}
+    else:
+        given = dict(params)
+        dtypes = {path: var.dtype for path, var in abstract.items()}
+        expected = {name: (shape, dtypes[path]) for name, (path, shape) in hf_tensors(arch, _hf_abstract(abstract, arch)).items()}
+        if arch.tie_word_embeddings:
+            given.pop("lm_head.weight", None)
+        names = {name: name for name in set(given) | set(expected)}
+    missing = sorted(names[p] for p in expected if p not in given)
+    extra = sorted(names[p] for p in given if p not in expected)
+    if missing or extra:
+        raise ValueError(f"params do not fit the {arch.architecture} model ({layout} layout): "
+                         f"missing {missing[:8]}, unexpected {extra[:8]}")
+    mesh_devices = set(mesh.devices.flat)
+    for key, value in given.items():
+        shape, dtype = expected[key]
+        if tuple(np.shape(value)) != shape:
+            raise ValueError(f"param {names[key]} has shape {tuple(np.shape(value))}, expected {shape}")
+        if jnp.dtype(getattr(value, "dtype", None) or np.asarray(value).dtype) != jnp.dtype(dtype):
+            raise ValueError(f"param {names[key]} has dtype {value.dtype}, expected {jnp.dtype(dtype).name} "
+                             "(the engine's dtype: cast it, or set dtype)")
+        if isinstance(value, jax.Array) and not set(value.sharding.device_set) <= mesh_devices:
+            raise ValueError(f"param {names[key]} lives on devices outside the engine's mesh "
+                             f"({sorted(d.id for d in value.sharding.device_set - mesh_devices)}): "
+                             "put it on the mesh's devices (jax.device_put) or pass a host array")
+    return layout
+
+
+def _hf_abstract(abstract: dict, arch: ModelArchConfig) -> dict:
+    """The abstract params as the checkpoint's architecture has them (KV heads not repeated)."""
+    return {path: jax.ShapeDtypeStruct(_hf_engine_shape(path, var.shape, arch), var.dtype)
+            for path, var in abstract.items()}
+
+
+def _hf_engine_shape(path: ParamPath, shape, arch: ModelArchConfig) -> tuple:
+    """A param's engine-layout shape for the checkpoint's KV heads (the engine may repeat them)."""
+    if path[-2] != "qkv_proj":
+        return tuple(shape)
+    rows = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+    return (shape[0], rows) if path[-1] == "kernel" else (rows,)
+
+
+def place(params: Mapping, layout: str, abstract: dict, shardings: dict, arch: ModelArchConfig,
+          repeat: int) -> Iterator[tuple[ParamPath, jax.Array]]:
+    """(path, the param on the mesh in its sharding, a copy of its own) for every param, one at a
+    time. `repeat`: the engine's copies of each KV head (worker/kv_heads.py)."""
+    if layout == ENGINE:
+        for path, value in flatten(params).items():
+            yield path, jax.device_put(value, shardings[path], may_alias=False)
+        return
+    hf_abstract = _hf_abstract(abstract, arch)
+    for path, _ in checkpoint_params(arch, hf_abstract, ((name, params[name]) for name in params
+                                                         if name != "lm_head.weight" or not arch.tie_word_embeddings)):
+        parts = [jax.device_put(params[name], replicated(shardings[path].mesh)) for name in path_to_hf_names(path)]
+        pack = _packer(path[-2] if path[-2] in ("qkv_proj", "gate_up_proj") else None, path[-1] == "kernel",
+                       arch.num_kv_heads, arch.head_dim, repeat, abstract[path].dtype, shardings[path])
+        yield path, pack(*parts)
+
+
+@functools.lru_cache(maxsize=None)
+def _packer(fused: str | None, kernel: bool, num_kv_heads: int, head_dim: int, repeat: int, dtype, sharding):
+    """The jitted HF-to-engine packing of one param kind (loader.QKVSource and GateUpSource's, in
+    jnp), straight into its sharding; one per kind and shape, so an update compiles nothing new."""
+    def pack(*parts):
+        if fused == "qkv_proj":
+            q, k, v = parts
+            k, v = (_repeat_heads(x, head_dim, repeat) for x in (k, v))
+            groups = num_kv_heads * repeat
+            pieces = [x.reshape(groups, x.shape[0] // groups, *x.shape[1:]) for x in (q, k, v)]
+            x = jnp.concatenate(pieces, axis=1).reshape(-1, *q.shape[1:])
+        elif fused == "gate_up_proj":
+            x = jnp.stack(parts, axis=1)
+        else:
+            (x,) = parts
+        return (x.T if kernel else x).astype(dtype)  # an HF weight [out, *in] is the kernel reversed
+    return jax.jit(pack, out_shardings=sharding)
+
+
+def _repeat_heads(x, head_dim: int, repeat: int):
+    """[kv_heads * head_dim, ...] -> [kv_heads * repeat * head_dim, ...], each head's rows repeated."""
+    if repeat == 1:
+        return x
+    heads = x.reshape(-1, head_dim, *x.shape[1:])
+    return jnp.repeat(heads, repeat, axis=0).reshape(-1, *x.shape[1:])
