@@ -1,8 +1,8 @@
 """The `jaxllm` command: `jaxllm generate` runs offline generation, `jaxllm serve` an
 OpenAI-compatible server, `jaxllm bench ...` the benchmarks (jaxllm/benchmarks: the engine's
-throughput, latency, step and start-up, a running server, the kernels and the device's
-ceilings), `jaxllm convert` writes a model as an orbax checkpoint that restores straight into
-the mesh's shardings (docs/models.md).
+throughput, latency, step, start-up and weight updates, a running server, the kernels and the
+device's ceilings), `jaxllm convert` writes a model as an orbax checkpoint that restores
+straight into the mesh's shardings (docs/models.md).
 
 Engine flags are EngineArgs' fields, spelled as in vLLM (--max-model-len, ...). A user's
 mistake (a flag's value, a model file, a prompt) prints one line, `jaxllm: error: ...`,
