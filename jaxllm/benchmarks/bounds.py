@@ -39,7 +39,8 @@ def add_cli_args(parser) -> None:
     p.add_argument("--matmul-n", type=positive_int, default=8192)
     p.add_argument("--output-json", required=True)
     p = sub.add_parser("table", help="the bounds beside the measured steps, from a folder of results")
-    p.add_argument("--dir", required=True, help="the folder of the ceilings_*.json, step.json, hf.json, throughput.json")
+    p.add_argument("--dir", required=True,
+                   help="the folder of the ceilings_*.json, step.json, hf.json and throughput.json")
     p.add_argument("--config", required=True, help="the model's config.json, or its folder")
     p.add_argument("--dtype-bytes", type=positive_int, default=2)
     p.add_argument("--input-len", type=positive_int, default=128)

@@ -70,5 +70,6 @@ def test_multi_report_sets_each_configuration_against_tp1(tmp_path, capsys):
     write(tmp_path, "tp2-long", throughput(150000.0))
     assert main(["bench", "report", "multi", "--dir", str(tmp_path), "--configs", "tp1", "tp2:step,long"]) == 0
     printed = capsys.readouterr().out
-    assert table_rows(printed) == [["tp1", "4.5", "0%", "10,000", "-", "30.0"], ["tp2", "3.1", "25%", "15,000", "-", "30.0"]]
+    assert table_rows(printed) == [["tp1", "4.5", "0%", "10,000", "-", "30.0"],
+                                   ["tp2", "3.1", "25%", "15,000", "-", "30.0"]]
     assert printed.splitlines()[-1] == "tp2 / tp1 throughput (1000/1000): 1.50x"
