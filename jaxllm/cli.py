@@ -1,7 +1,8 @@
 """The `jaxllm` command: `jaxllm generate` runs offline generation, `jaxllm serve` an
-OpenAI-compatible server, `jaxllm bench throughput|latency|step` benchmarks the engine and
-`jaxllm bench serve` a running server (jaxllm/benchmarks), `jaxllm convert` writes a model
-as an orbax checkpoint that restores straight into the mesh's shardings (docs/models.md).
+OpenAI-compatible server, `jaxllm bench ...` the benchmarks (jaxllm/benchmarks: the engine's
+throughput, latency, step, start-up and weight updates, a running server, the kernels and the
+device's ceilings), `jaxllm convert` writes a model as an orbax checkpoint that restores
+straight into the mesh's shardings (docs/models.md).
 
 Engine flags are EngineArgs' fields, spelled as in vLLM (--max-model-len, ...). A user's
 mistake (a flag's value, a model file, a prompt) prints one line, `jaxllm: error: ...`,
@@ -192,15 +193,13 @@ def main(argv=None) -> int:
     add_engine_args(worker)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from jaxllm.benchmarks import BENCHES
-    for name, module in BENCHES.items():
+    from jaxllm.benchmarks import ENGINE_BENCHES, OTHER_BENCHES
+    for name, module in {**ENGINE_BENCHES, **OTHER_BENCHES}.items():
         bench_parser = bench_sub.add_parser(name, help=module.HELP, description=module.__doc__,
                                             formatter_class=argparse.RawDescriptionHelpFormatter)
-        add_engine_args(bench_parser)
+        if name in ENGINE_BENCHES:
+            add_engine_args(bench_parser)
         module.add_cli_args(bench_parser)
-    from jaxllm.benchmarks import serve as bench_serve  # a client of a server: no engine flags
-    bench_serve.add_cli_args(bench_sub.add_parser("serve", help=bench_serve.HELP, description=bench_serve.__doc__,
-                                                  formatter_class=argparse.RawDescriptionHelpFormatter))
     ns = parser.parse_args(argv)
     try:
         if ns.command == "generate":
@@ -213,11 +212,10 @@ def main(argv=None) -> int:
             from jaxllm.executor.multihost import run_worker
             with user_errors():
                 return run_worker(engine_args_from(ns))
-        if ns.bench == "serve":
-            with user_errors():
-                return bench_serve.main(ns)
-        with user_errors():  # the engine's start, and its checks of the bench's requests
-            return BENCHES[ns.bench].main(ns, engine_args_from(ns))
+        with user_errors():  # the engine's start and its checks of a bench's requests; a bench's checks of its flags
+            if ns.bench in ENGINE_BENCHES:
+                return ENGINE_BENCHES[ns.bench].main(ns, engine_args_from(ns))
+            return OTHER_BENCHES[ns.bench].main(ns)
     except UserError as e:
         print(f"jaxllm: error: {e}", file=sys.stderr)
         return 2

@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# Downloads into .whl/ (or $WHEEL_DIR) the wheels the GPU image lacks (../shared/GPU.md),
-# for its Python 3.12 on x86-64 Linux. A device command that needs them carries .whl and
-# starts with:
+# Downloads into .whl/ (or $WHEEL_DIR) the wheels a GPU image without internet access lacks,
+# for its Python 3.12 on x86-64 Linux: the image this was written for has jax, jaxlib with its
+# CUDA plugin, flax, orbax, transformers, tokenizers, safetensors, torch and triton, and none
+# of the packages below. Carry the folder to the GPU machine and install it there with
+#   bash scripts/gpu_run.sh --wheels .whl PART...
+# which runs, before the parts:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-#     --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit;
-# (scripts/gpu_setup.sh does that.) /tmp/site comes first on the path, so a wheel here
-# shadows the image's copy of the same package: every pin below is what our .venv runs.
+#     --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+# /tmp/site comes first on the path, so a wheel here shadows the image's copy of the same
+# package: every pin below is what our .venv runs (pyproject.toml's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 DEST=${WHEEL_DIR:-.whl}
 # jax-triton 0.4.x needs triton >= 3.7; the image has triton 3.6. Their other needs
 # (jax, triton, absl-py) are already in the image.
-# gguf: GGUF files; pyzmq, msgspec, cloudpickle: the engine-core process; llguidance: structured outputs
+# gguf: GGUF files; pyzmq, msgspec: the engine-core process; cloudpickle, a dependency now too: the engine
+# args sent to that process (a logits processor class from a script's __main__); llguidance: structured outputs
 WHEELS=("jax-triton==0.3.1" "gguf==0.19.0" "pyzmq==27.3.0" "msgspec==0.23.0" "cloudpickle==3.1.3"
         "llguidance==1.9.1")
 # `jaxllm serve` (fastapi, uvicorn, prometheus-client) and `jaxllm bench serve` (aiohttp),
@@ -36,8 +40,8 @@ download() {
     --platform manylinux1_x86_64 --platform any -d "$dest" "$@"
 }
 download "$DEST" "${WHEELS[@]}"
-# PLOT=1: matplotlib and what it imports (24 MB; numpy and packaging are in the image), for
-# scripts/gpu_bench.sh's plot. In their own folder, which gpu_setup.sh's *.whl leaves out.
+# PLOT=1: matplotlib and what it imports (24 MB; numpy and packaging are in the image), for the
+# plot of gpu_run.sh's hf-compare part. In their own folder, which the other parts' *.whl leaves out.
 if [ -n "${PLOT:-}" ]; then
   download "$DEST/plot" "matplotlib==3.11.2" "contourpy==1.4.0" "cycler==0.12.1" "fonttools==4.68.0" \
     "kiwisolver==1.5.1" "pillow==13.0.0" "pyparsing==3.3.3" "python-dateutil==2.9.0.post0" "six==1.17.0"

@@ -21,6 +21,22 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def positive_ints(text: str) -> list[int]:
+    """A comma-separated list of positive ints, e.g. "1,64,256"."""
+    return [positive_int(item) for item in text.split(",")]
+
+
+def names_from(choices):
+    """An argparse type: a comma-separated list of names, each one of `choices`."""
+    def parse(text: str) -> list[str]:
+        names = text.split(",")
+        for name in names:
+            if name not in choices:
+                raise argparse.ArgumentTypeError(f"{name!r} is not one of {', '.join(choices)}")
+        return names
+    return parse
+
+
 def range_ratio(text: str) -> float:
     value = float(text)
     if not 0.0 <= value < 1.0:
@@ -89,6 +105,20 @@ def write_json(path: str | None, result: dict) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def read_json(path: str) -> dict | None:
+    """A result a bench wrote, or None where the run wrote none (or was cut short mid-file)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def cell(value, spec: str = ",.0f") -> str:
+    """A table's cell: the value formatted, or "-" where nothing was measured."""
+    return "-" if value is None else format(value, spec)
 
 
 def report_failures(failed: list[str]) -> int:

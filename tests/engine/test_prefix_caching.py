@@ -1,6 +1,7 @@
 """Prefix caching end to end: outputs equal with the cache on and off (greedy and seeded,
 with preemption and aborts), the hit counters, no compilation on hits, and the hybrid
-KV cache of a model with sliding-window layers against one plain forward pass."""
+KV cache of a model with sliding-window layers against one plain forward pass (on a GPU
+too, through each of its attention backends, with prefix hits)."""
 import json
 import os
 import shutil
@@ -192,3 +193,31 @@ def test_hybrid_kv_cache_decodes_as_one_forward_pass_with_the_window(request, mo
         logits = plain_forward_logits(path, arch, prompt + generated)
         expected = logits[len(prompt) - 1:-1].argmax(-1).tolist()
         assert generated == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["pallas", "mosaic", "triton"])
+@pytest.mark.parametrize("model", ["hybrid_model", "tiny_gemma3"])
+def test_hybrid_kv_cache_and_prefix_hits_through_a_gpu_backend(request, model, backend):
+    """The GPU kernels over the hybrid cache: chunks of 32 and a pool of 60 blocks, so blocks leave
+    the windows and are reused, and three of four prompts share a 48-token prefix that an earlier
+    request cached. Greedy outputs equal one plain forward pass's argmax, each prompt finds its
+    cached blocks (the first its own 5 full blocks, the next two the prefix's 3), and every block
+    comes back."""
+    path, arch = request.getfixturevalue(model)
+    rng = np.random.default_rng(3)
+    shared = rng.integers(3, 256, 48).tolist()
+    prompts = [shared + rng.integers(3, 256, n).tolist() for n in (42, 13, 77)] + [rng.integers(3, 256, 90).tolist()]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    with LLM(path, dtype="float32", attention_backend=backend, max_model_len=256, max_num_seqs=4,
+             max_num_batched_tokens=32, num_gpu_blocks_override=60, skip_tokenizer_init=True,
+             show_progress=False) as llm:
+        llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # caches the shared prefix
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        stats = llm.llm_engine.get_stats()
+    assert [o.num_cached_tokens for o in outs] == [80, 48, 48, 0]
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    for prompt, out in zip(prompts, outs):
+        generated = list(out.outputs[0].token_ids)
+        logits = plain_forward_logits(path, arch, prompt + generated)
+        assert generated == logits[len(prompt) - 1:-1].argmax(-1).tolist()

@@ -1,14 +1,17 @@
-"""The device's ceilings and a decode step's bounds, for scripts/gpu_bench.sh.
+"""`jaxllm bench bounds`: the device's ceilings and a decode step's bounds, beside jaxllm's and
+HF transformers' measured steps.
 
-    python scripts/bench_bounds.py ceilings --framework jax --output-json OUT/ceilings_jax.json
+    jaxllm bench bounds ceilings --framework jax --output-json OUT/ceilings_jax.json
         copy bandwidth (read + write bytes of a device-to-device copy of a 2 GiB bf16 buffer:
-        `x + 1` through XLA, or torch's copy_ with --framework torch) and the bf16 matmul rate
-        (8192^3: jnp.dot, torch.mm); medians of 20 runs after 3 of warm-up.
-    python scripts/bench_bounds.py table --dir OUT --config CONFIG [--png FILE]
-        reads OUT/{ceilings_jax,ceilings_torch,step,hf,throughput}.json (any may be missing),
-        prints the comparison table and writes OUT/bench.json, the table's data; with
-        matplotlib, the plot too.
-    python scripts/bench_bounds.py plot --summary OUT/bench.json --png FILE
+        `x + 1` through XLA, or PyTorch's copy_ with --framework torch) and the bf16 matmul
+        rate (8192^3: jnp.dot, torch.mm); medians of 20 runs after 3 of warm-up, on the host's
+        clock around a blocking call for JAX and on CUDA events for PyTorch. Run each framework
+        in its own process: the two would share the GPU.
+    jaxllm bench bounds table --dir OUT --config CONFIG [--png FILE]
+        reads OUT/{ceilings_jax,ceilings_torch,step,hf,throughput}.json (any may be missing:
+        `bench step`'s, `bench hf`'s and `bench throughput`'s JSON), prints the comparison table
+        and writes OUT/bench.json, the table's data; with matplotlib, the plot too.
+    jaxllm bench bounds plot --summary OUT/bench.json --png FILE
         the plot alone, from a bench.json (where matplotlib is: `pip install -e .[plot]`).
 
 The bounds of a decode step at batch B and context c (tokens before the new one), from the
@@ -19,23 +22,36 @@ and B / the larger of the two is the most tokens/s a step can give. The weights 
 those a step reads whole: every layer, the final norm and the LM head, not the embedding
 table (a step gathers B of its rows). c is input_len + output_len / 2, the mean over the decode.
 """
-import argparse
 import json
 import os
-import statistics
-import sys
-import time
+
+from jaxllm.benchmarks.common import cell, positive_int, positive_ints, read_json, write_json
+from jaxllm.benchmarks.device_timing import median_s, torch_median_s
+
+HELP = "the device's copy and matmul ceilings, and a decode step's bounds beside jaxllm's and HF's steps"
 
 
-def _median_s(run, warmup: int = 3, iters: int = 20) -> float:
-    for _ in range(warmup):
-        run()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def add_cli_args(parser) -> None:
+    sub = parser.add_subparsers(dest="bounds_command", required=True)
+    p = sub.add_parser("ceilings", help="copy bandwidth and bf16 matmul rate through one framework")
+    p.add_argument("--framework", choices=("jax", "torch"), default="jax")
+    p.add_argument("--copy-bytes", type=positive_int, default=2 << 30)
+    p.add_argument("--matmul-n", type=positive_int, default=8192)
+    p.add_argument("--output-json", required=True)
+    p = sub.add_parser("table", help="the bounds beside the measured steps, from a folder of results")
+    p.add_argument("--dir", required=True,
+                   help="the folder of the ceilings_*.json, step.json, hf.json and throughput.json")
+    p.add_argument("--config", required=True, help="the model's config.json, or its folder")
+    p.add_argument("--dtype-bytes", type=positive_int, default=2)
+    p.add_argument("--input-len", type=positive_int, default=128)
+    p.add_argument("--output-len", type=positive_int, default=128)
+    p.add_argument("--batch-sizes", type=positive_ints, default=[],
+                   help="rows to show even where nothing was measured (the bounds alone)")
+    p.add_argument("--summary", help="where to write the summary (default DIR/bench.json)")
+    p.add_argument("--png", help="also plot tokens/s against batch size into this PNG")
+    p = sub.add_parser("plot", help="the PNG from a bench.json that table wrote")
+    p.add_argument("--summary", required=True)
+    p.add_argument("--png", required=True)
 
 
 def jax_ceilings(copy_bytes: int, matmul_n: int) -> dict:
@@ -45,19 +61,20 @@ def jax_ceilings(copy_bytes: int, matmul_n: int) -> dict:
     def copy_s() -> float:
         x = jax.random.normal(jax.random.key(0), (copy_bytes // 2,), jnp.bfloat16)
         add_one = jax.jit(lambda a: a + 1)  # not a bare copy, which XLA may elide
-        return _median_s(lambda: add_one(x).block_until_ready())
+        return median_s(lambda: add_one(x).block_until_ready())
 
     def matmul_s() -> float:
         a = jax.random.normal(jax.random.key(1), (matmul_n, matmul_n), jnp.bfloat16)
         b = jax.random.normal(jax.random.key(2), (matmul_n, matmul_n), jnp.bfloat16)
         dot = jax.jit(jnp.dot)
-        return _median_s(lambda: dot(a, b).block_until_ready())
+        return median_s(lambda: dot(a, b).block_until_ready())
 
     return {"device": jax.devices()[0].device_kind, "copy_Bps": 2 * copy_bytes / copy_s(),
             "matmul_flops": 2 * matmul_n ** 3 / matmul_s()}
 
 
 def torch_ceilings(copy_bytes: int, matmul_n: int) -> dict | None:
+    """None where there is no PyTorch with a GPU."""
     try:
         import torch
     except ImportError:
@@ -65,36 +82,21 @@ def torch_ceilings(copy_bytes: int, matmul_n: int) -> dict | None:
     if not torch.cuda.is_available():
         return None
 
-    def median_s(run, warmup: int = 3, iters: int = 20) -> float:
-        """On the GPU's clock (CUDA events) around each run."""
-        for _ in range(warmup):
-            run()
-        times = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(times)
-
     def copy_s() -> float:
         x = torch.randn(copy_bytes // 2, dtype=torch.bfloat16, device="cuda")
         y = torch.empty_like(x)
-        return median_s(lambda: y.copy_(x))
+        return torch_median_s(lambda: y.copy_(x), warmup=3, iters=20)
 
     def matmul_s() -> float:
         a = torch.randn(matmul_n, matmul_n, dtype=torch.bfloat16, device="cuda")
         b = torch.randn(matmul_n, matmul_n, dtype=torch.bfloat16, device="cuda")
-        return median_s(lambda: torch.mm(a, b))
+        return torch_median_s(lambda: torch.mm(a, b), warmup=3, iters=20)
 
     return {"device": torch.cuda.get_device_name(), "copy_Bps": 2 * copy_bytes / copy_s(),
             "matmul_flops": 2 * matmul_n ** 3 / matmul_s()}
 
 
 def ceilings(ns) -> int:
-    """One framework's figures, each in its own process (torch and JAX would share the GPU)."""
     if ns.framework == "jax":
         result = jax_ceilings(ns.copy_bytes, ns.matmul_n)
     else:
@@ -105,8 +107,7 @@ def ceilings(ns) -> int:
     result.update(framework=ns.framework, copy_bytes=ns.copy_bytes, matmul_n=ns.matmul_n)
     print(f"{ns.framework}: copy {result['copy_Bps'] / 1e12:.3g} TB/s, bf16 matmul "
           f"{result['matmul_flops'] / 1e12:.3g} TFLOP/s ({result['device']})")
-    with open(ns.output_json, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(ns.output_json, result)
     return 0
 
 
@@ -137,35 +138,22 @@ def bounds(sizes: dict, ceil: dict, batch: int, context: int) -> dict:
             "bound_tok_s": batch / max(memory_s, compute_s)}
 
 
-def _load(path: str):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _fmt(value, spec: str = ",.0f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def table(ns) -> int:
-    measured = {name: _load(os.path.join(ns.dir, f"ceilings_{name}.json")) for name in ("jax", "torch")}
+    measured = {name: read_json(os.path.join(ns.dir, f"ceilings_{name}.json")) for name in ("jax", "torch")}
     measured = {name: r for name, r in measured.items() if r}
     # The device's ceilings: the faster framework's figure of each.
     ceil = measured and {"copy_Bps": max(r["copy_Bps"] for r in measured.values()),
                          "matmul_flops": max(r["matmul_flops"] for r in measured.values()),
                          "device": next(iter(measured.values()))["device"], **measured}
-    step = _load(os.path.join(ns.dir, "step.json"))
-    hf = _load(os.path.join(ns.dir, "hf.json"))
-    throughput = _load(os.path.join(ns.dir, "throughput.json"))
+    step = read_json(os.path.join(ns.dir, "step.json"))
+    hf = read_json(os.path.join(ns.dir, "hf.json"))
+    throughput = read_json(os.path.join(ns.dir, "throughput.json"))
     sizes = model_sizes(ns.config, ns.dtype_bytes)
     context = ns.input_len + ns.output_len // 2
     jax_rows = {r["batch"]: r for r in (step or {}).get("rows", [])}
     hf_rows = {r["batch"]: r for r in (hf or {}).get("rows", [])}
-    batches = sorted(set(jax_rows) | set(hf_rows) | set(ns.batch_sizes))
     rows = []
-    for batch in batches:
+    for batch in sorted(set(jax_rows) | set(hf_rows) | set(ns.batch_sizes)):
         j, h = jax_rows.get(batch), hf_rows.get(batch)
         row = {"batch": batch, "context": context,
                "jaxllm_step_ms": j and j["decode_step_ms"], "jaxllm_device_ms": j and j["device_step_ms"],
@@ -201,10 +189,10 @@ def table(ns) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         speedup = r["jaxllm_tok_s"] / r["hf_tok_s"] if r["jaxllm_tok_s"] and r["hf_tok_s"] else None
-        print(f"| {r['batch']} | {_fmt(r['jaxllm_step_ms'], '.2f')} | {_fmt(r['jaxllm_device_ms'], '.2f')} "
-              f"| {_fmt(r['jaxllm_tok_s'])} | {_fmt(r['hf_step_ms'], '.2f')} | {_fmt(r['hf_tok_s'])} "
-              f"| {_fmt(r.get('memory_bound_tok_s'))} | {_fmt(r.get('compute_bound_tok_s'))} "
-              f"| {_fmt(r.get('jaxllm_pct_of_bound'), '.0f')} | {_fmt(speedup, '.2f')} |")
+        print(f"| {r['batch']} | {cell(r['jaxllm_step_ms'], '.2f')} | {cell(r['jaxllm_device_ms'], '.2f')} "
+              f"| {cell(r['jaxllm_tok_s'])} | {cell(r['hf_step_ms'], '.2f')} | {cell(r['hf_tok_s'])} "
+              f"| {cell(r.get('memory_bound_tok_s'))} | {cell(r.get('compute_bound_tok_s'))} "
+              f"| {cell(r.get('jaxllm_pct_of_bound'), '.0f')} | {cell(speedup, '.2f')} |")
     if throughput:
         t = throughput
         print(f"\njaxllm bench throughput: {t['num_requests']} prompts, {t['input_len']} in / {t['output_len']} out: "
@@ -217,12 +205,11 @@ def table(ns) -> int:
                                     if hf else "")
     title = (f"{step['model'] if step else 'decode step'}, {ns.input_len} in / {ns.output_len} out"
              + (f", {ceil['device']}" if ceil else ""))
-    summary = {"title": title, "hf_label": hf_label, "input_len": ns.input_len, "output_len": ns.output_len, "context": context, "model_sizes": sizes,
-               "ceilings": ceil, "rows": rows,
+    summary = {"title": title, "hf_label": hf_label, "input_len": ns.input_len, "output_len": ns.output_len,
+               "context": context, "model_sizes": sizes, "ceilings": ceil, "rows": rows,
                "throughput": throughput and {k: v for k, v in throughput.items()
                                              if k not in ("prompt_lens", "output_lens")}}
-    with open(os.path.join(ns.dir, "bench.json") if ns.summary is None else ns.summary, "w") as f:
-        json.dump(summary, f, indent=2)
+    write_json(os.path.join(ns.dir, "bench.json") if ns.summary is None else ns.summary, summary)
     if ns.png:
         try:
             plot(rows, ns.png, title, hf_label)
@@ -239,7 +226,7 @@ def plot(rows: list[dict], path: str, title: str, hf_label: str) -> None:
         import matplotlib.pyplot as plt
         import matplotlib.ticker
     except ImportError:
-        print(f"plot: no matplotlib here; bench.json holds its data (scripts/bench_bounds.py plot --summary "
+        print(f"plot: no matplotlib here; bench.json holds its data (jaxllm bench bounds plot --summary "
               f"bench.json --png {os.path.basename(path)} makes it where matplotlib is)")
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -267,38 +254,13 @@ def plot(rows: list[dict], path: str, title: str, hf_label: str) -> None:
     print(f"plot: {path}")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("ceilings")
-    p.add_argument("--framework", choices=("jax", "torch"), default="jax")
-    p.add_argument("--copy-bytes", type=int, default=2 << 30)
-    p.add_argument("--matmul-n", type=int, default=8192)
-    p.add_argument("--output-json", required=True)
-    p = sub.add_parser("table")
-    p.add_argument("--dir", required=True, help="the folder of the ceilings_*.json, step.json, hf.json, throughput.json")
-    p.add_argument("--config", required=True, help="the model's config.json, or its folder")
-    p.add_argument("--dtype-bytes", type=int, default=2)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--batch-sizes", type=lambda s: [int(b) for b in s.split(",")], default=[],
-                   help="rows to show even where nothing was measured (the bounds alone)")
-    p.add_argument("--summary", help="where to write the summary (default DIR/bench.json)")
-    p.add_argument("--png", help="also plot tokens/s against batch size into this PNG")
-    p = sub.add_parser("plot", help="the PNG from a bench.json table wrote")
-    p.add_argument("--summary", required=True)
-    p.add_argument("--png", required=True)
-    ns = parser.parse_args()
-    if ns.command == "ceilings":
+def main(ns) -> int:
+    if ns.bounds_command == "ceilings":
         return ceilings(ns)
-    if ns.command == "table":
+    if ns.bounds_command == "table":
         return table(ns)
-    summary = _load(ns.summary)
+    summary = read_json(ns.summary)
     if summary is None:
-        parser.error(f"cannot read {ns.summary}")
+        raise ValueError(f"cannot read {ns.summary}")
     plot(summary["rows"], ns.png, summary["title"], summary["hf_label"])
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

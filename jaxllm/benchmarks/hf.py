@@ -1,4 +1,6 @@
-"""HF transformers' decode step on a model with random weights, for scripts/gpu_bench.sh.
+"""`jaxllm bench hf`: HF transformers' decode step on a model with random weights, the baseline
+`jaxllm bench bounds table` sets beside jaxllm's. Needs torch and transformers, which jaxllm
+does not install (`pip install torch`).
 
 Its fastest plain path: `generate` with a static KV cache, whose decode forward transformers
 then compiles with torch.compile (its default CompileConfig: inductor, mode "reduce-overhead",
@@ -9,27 +11,40 @@ and output_len / 2 new tokens; the step is the difference of their medians over 
 difference in tokens, so the prefill and whatever else each call pays once cancel out (the
 static cache attends over all of max_cache_len, so a late step costs what an early one does).
 Every call sizes the cache the same (max_cache_len), so they share one compiled graph.
+Each generate is checked to return every request's full length.
 
 A batch whose estimated time would pass --budget-s is skipped; the JSON (--output-json)
 is rewritten after each batch, so a run cut short keeps what it measured.
-
-    python scripts/bench_hf.py --config models/configs/llama-3.1-8b.json --batch-sizes 1,64 --output-json hf.json
 """
-import argparse
-import json
 import os
 import statistics
-import sys
 import time
 
-import torch
-import transformers
-from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
+from jaxllm.benchmarks.common import positive_int, positive_ints, write_json
+
+HELP = "HF transformers' decode step (static cache, torch.compile) on random weights: the baseline"
 
 
-def build_model(config_path: str, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+def add_cli_args(parser) -> None:
+    parser.add_argument("--config", required=True, help="a config.json, or a folder holding one "
+                        "(e.g. models/configs/llama-3.1-8b.json)")
+    parser.add_argument("--batch-sizes", type=positive_ints, default="1,64")
+    parser.add_argument("--input-len", type=positive_int, default=128)
+    parser.add_argument("--output-len", type=positive_int, default=128)
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", help="default: cuda where torch has it, else cpu")
+    parser.add_argument("--no-compile", action="store_true", help="eager decode (no torch.compile)")
+    parser.add_argument("--budget-s", type=float, default=float("inf"), help="skip a batch that would end past this")
+    parser.add_argument("--output-json", required=True)
+
+
+def build_model(config_path: str, dtype, device: str):
     """LlamaForCausalLM of this config.json (a file, or a folder holding one) with transformers'
     own random initialization (normal, std = initializer_range), made directly on `device`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     if os.path.isdir(config_path):
         config_path = os.path.join(config_path, "config.json")
     config = LlamaConfig.from_json_file(config_path)
@@ -44,8 +59,9 @@ def build_model(config_path: str, dtype: torch.dtype, device: str) -> LlamaForCa
     return model.eval()
 
 
-def timed_generate(model, input_ids: torch.Tensor, new_tokens: int, gen_kwargs: dict) -> float:
+def timed_generate(model, input_ids, new_tokens: int, gen_kwargs: dict) -> float:
     """Seconds for one generate of `new_tokens` tokens per request; checks they all came."""
+    import torch
     sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
     sync()
     start = time.perf_counter()
@@ -60,6 +76,7 @@ def timed_generate(model, input_ids: torch.Tensor, new_tokens: int, gen_kwargs: 
 
 
 def bench_batch(model, batch: int, input_len: int, output_len: int, repeats: int, gen_kwargs: dict) -> dict:
+    import torch
     input_ids = torch.randint(0, model.config.vocab_size, (batch, input_len), device=model.device)
     half = output_len // 2
     first_s = timed_generate(model, input_ids, output_len, gen_kwargs)  # compiles the decode forward
@@ -78,26 +95,34 @@ def bench_batch(model, batch: int, input_len: int, output_len: int, repeats: int
             "first_generate_s": round(first_s, 1), "second_generate_s": round(second_s, 2)}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="a config.json, or a folder holding one")
-    parser.add_argument("--batch-sizes", default="1,64")
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--no-compile", action="store_true", help="eager decode (no torch.compile)")
-    parser.add_argument("--budget-s", type=float, default=float("inf"), help="skip a batch that would end past this")
-    parser.add_argument("--output-json", required=True)
-    ns = parser.parse_args()
+def estimated_s(last: dict | None, batch: int) -> float:
+    """Seconds a batch will take after `last` (the last batch's row): a new batch size compiles
+    again (static shapes: about the last compile); the step grows slower than the batch (HF
+    measured 7.3 ms at 1, 14.2 at 64, 35.6 at 256), so the runs' time is scaled by the square
+    root of the batch ratio."""
+    if last is None:
+        return 0.0
+    runs_s = last["batch_s"] - last["first_generate_s"]
+    return last["first_generate_s"] + runs_s * max(1.0, batch / last["batch"]) ** 0.5
+
+
+def main(ns) -> int:
     if ns.output_len < 2:
-        parser.error("--output-len must be >= 2 (the step is timed from generates of output_len and output_len / 2)")
+        raise ValueError("--output-len must be >= 2 (the step is timed from generates of output_len and "
+                         "output_len / 2)")
+    try:
+        import torch
+        import transformers
+        from transformers import CompileConfig
+    except ImportError as e:
+        raise ValueError(f"jaxllm bench hf needs torch and transformers, which jaxllm does not install "
+                         f"(pip install torch): {e}") from e
+    device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
     start = time.perf_counter()
-    model = build_model(ns.config, getattr(torch, ns.dtype), ns.device)
+    model = build_model(ns.config, getattr(torch, ns.dtype), device)
     num_params = sum(p.numel() for p in model.parameters())
     compile_config = CompileConfig()  # what generate uses when given none
-    if ns.device == "cpu":
+    if device == "cpu":
         compile_config._compile_all_devices = True  # transformers compiles only on accelerators unless told
     gen_kwargs = {"do_sample": False, "cache_implementation": "static",
                   "max_cache_len": ns.input_len + ns.output_len, "pad_token_id": 0}
@@ -105,29 +130,19 @@ def main() -> int:
         gen_kwargs["disable_compile"] = True
     else:
         gen_kwargs["compile_config"] = compile_config
-    result = {"transformers": transformers.__version__, "torch": torch.__version__, "device": ns.device,
-              "device_name": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu",
+    result = {"transformers": transformers.__version__, "torch": torch.__version__, "device": device,
+              "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu",
               "dtype": ns.dtype, "num_params": num_params, "compiled": not ns.no_compile,
               "compile_config": None if ns.no_compile else compile_config.to_dict(),
               "build_s": round(time.perf_counter() - start, 1), "rows": [], "skipped": []}
     print(f"HF {transformers.__version__} / torch {torch.__version__}: {num_params / 1e9:.2f}B parameters "
           f"({ns.dtype}) on {result['device_name']} in {result['build_s']} s", flush=True)
 
-    def write():
-        with open(ns.output_json, "w") as f:
-            json.dump(result, f, indent=2)
-
-    write()
+    write_json(ns.output_json, result)
     last = None  # the last batch's row
-    for batch in (int(b) for b in ns.batch_sizes.split(",")):
+    for batch in ns.batch_sizes:
         left = ns.budget_s - (time.perf_counter() - start)
-        # A new batch size compiles again (static shapes: about the last compile); the step grows
-        # slower than the batch (HF measured 7.3 ms at 1, 14.2 at 64, 35.6 at 256), so the runs'
-        # time is scaled by the square root of the batch ratio.
-        need = 0.0
-        if last is not None:
-            runs_s = last["batch_s"] - last["first_generate_s"]
-            need = last["first_generate_s"] + runs_s * max(1.0, batch / last["batch"]) ** 0.5
+        need = estimated_s(last, batch)
         if need > left:
             print(f"SKIPPED HF batch {batch}: {left:.0f} s left, it needs ~{need:.0f} s", flush=True)
             result["skipped"].append(batch)
@@ -142,12 +157,8 @@ def main() -> int:
         row["batch_s"] = round(time.perf_counter() - t0, 1)
         last = row
         result["rows"].append(row)
-        write()
+        write_json(ns.output_json, result)
         print(f"HF batch {batch}: {row['decode_step_ms']} ms per step, {row['decode_tok_s']} tok/s "
               f"(first generate {row['first_generate_s']} s, batch done in {row['batch_s']} s)", flush=True)
-    write()
+    write_json(ns.output_json, result)
     return 0 if result["rows"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,448 @@
+#!/usr/bin/env bash
+# The GPU runs behind docs/benchmarks.md and docs/kernels.md, in one runner: it sets up, runs
+# the named parts in order under one time budget, prints each part's table last, and keeps
+# every result (each bench's JSON, traces' summaries, the tables) in an output folder.
+#
+# Usage: bash scripts/gpu_run.sh [OPTIONS] PART...
+#   --wheels DIR   first install the wheels in DIR into /tmp/site (scripts/gpu_wheels.sh downloads
+#                  those an image lacks) and jaxllm itself, editable; without it the runner takes
+#                  jaxllm and the GPU extras as installed (pip install -e '.[cuda13,serve]')
+#   --out DIR      the results, one folder per part (default $OUT, else /tmp/out); log.txt holds
+#                  every command's whole output
+#   --budget-s S   the run's time budget (default 540: a 600 s device call less set-up): a command
+#                  whose estimate does not fit in the time left is SKIPPED, and each runs under a
+#                  timeout of what is left, keeping 20 s for the tables
+#   --dry-run      print each part's commands and run nothing
+#   --tiny         the tiny Llama on this machine's CPU (this checkout's .venv), small counts: a
+#                  check of the runner itself, not a measurement
+# Exits 1 if a command failed (a skipped one does not count).
+#
+# Parts (the Llama-3.1-8B shape is `--model llama-3.1-8b --load-format dummy --dtype bfloat16`):
+#   smoke       bench step 128/128: the tiny Llama at batch 1, 256 and the 8B shape at 1, 64, 256,
+#               asynchronous scheduling on and off, 32 mid-decode steps profiled; BACKEND=NAME
+#               picks the attention backend
+#   step        bench step on the 8B shape at batch 1 and 256, context ~1k, profiled
+#   tput tput1000 tput2048
+#               bench throughput, 1000 prompts at 128/128, 1000/1000 and 2048/128, MAX_SEQS
+#               sequences (default 1024) and 16384 batched tokens
+#   qwen        bench throughput on the Qwen3-0.6B shape, in and out uniform in about 100-1024, profiled
+#   startup     bench startup twice against a fresh compilation cache: cold, then warm, whose
+#               outputs must be the cold start's
+#   fp8         bench fp8: FP8 matmul forms against bf16 (FP8_FORMS, FP8_BATCHES pick)
+#   prefix      bench throughput, 1000 requests sharing a 1024-token prefix, the prefix cache off
+#               and on; bench report prefix
+#   prefill     bench step on 2048-token prompts in 2048-token steps, per attention backend
+#               (PREFILL_BACKENDS, default "auto pallas")
+#   serve       the server against the offline engine, 1000/1000: bench throughput, bench latency
+#               at batch 1, then jaxllm serve and bench serve at concurrency 256, 1, 64 and 16;
+#               bench report serve
+#   sampling    bench step at batch 256: greedy, every sampling feature, and that with 64 of the
+#               256 requests JSON-constrained (a byte-level tokenizer)
+#   hf-compare  the device's ceilings (bench bounds ceilings, JAX and PyTorch), bench step at batch
+#               1-256, bench hf (HF transformers' static cache + torch.compile, in the time left),
+#               bench throughput 128/128; bench bounds table, with the plot where matplotlib is
+#               (its wheels in the wheel folder's plot/)
+#   kernels     the gpu-marked kernel tests, then bench attention (ATTENTION_ARGS adds flags:
+#               "--tune", "--skip-check --sections prefill")
+#   check       the gpu-marked kernel tests alone (CHECK=WORD: those whose name has it)
+#   hybrid      the gpu-marked check of the hybrid KV cache and prefix hits through each backend
+#   kv-dtype    bench kv-dtype: decode attention over bf16 and e4m3 caches
+#   sampler     bench sampler: the sampler's pieces at [256, 128256]
+#   multi-gpu   on 2-8 GPUs, each configuration of MULTI (default "tp1 tp2"): NAME[:MODES], NAME
+#               one of tp1 tp2 tp4 tp8, dp2 dp4 dp8 (the 8B shape), 70b-tp4 70b-tp8 (the 70B
+#               shape), tp2-ll tp2-ll128 tp2-simple (TP 2 with NCCL_PROTO forced), tp2-combine
+#               (TP 2 with XLA's all-reduce combining and async collectives); MODES of step (bench
+#               step at batch 1, profiled: the collectives' share), long (throughput 1000/1000),
+#               short (2048/128), default all three; bench report multi. NVLink multicast stays
+#               off. Parts that fit a 600 s call: x2 "tp1 tp2", then "dp2 tp2-ll:step
+#               tp2-ll128:step tp2-simple:step tp2-combine:step"; x4 "tp4 dp4", then "70b-tp4";
+#               x8 "tp8 dp8", then "70b-tp8"
+#   profile     = fp8 step startup tput
+# QUANT=fp8 runs the step, tput* and qwen parts with FP8 weights, KV=fp8 with an e4m3 KV cache.
+set -o pipefail
+cd "$(dirname "$0")/.."
+
+usage() { sed -n '2,/^set -o/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit "${1:-0}"; }
+PARTS=() WHEELS="" OUT=${OUT:-/tmp/out} BUDGET_S=${BUDGET_S:-540} DRY=0 TINY=0
+while [ $# -gt 0 ]; do
+  case $1 in
+    --wheels) WHEELS=$2; shift 2 ;;
+    --out) OUT=$2; shift 2 ;;
+    --budget-s) BUDGET_S=$2; shift 2 ;;
+    --dry-run) DRY=1; shift ;;
+    --tiny) TINY=1; shift ;;
+    -h|--help) usage ;;
+    -*) echo "unknown option $1" >&2; usage 2 >&2 ;;
+    *) PARTS+=("$1"); shift ;;
+  esac
+done
+ALL_PARTS=" smoke step tput tput1000 tput2048 qwen startup fp8 prefix prefill serve sampling hf-compare kernels"
+ALL_PARTS+=" check hybrid kv-dtype sampler multi-gpu "
+[ ${#PARTS[@]} -gt 0 ] || { echo "name at least one part" >&2; usage 2 >&2; }
+expanded=()
+for part in "${PARTS[@]}"; do
+  if [ "$part" = profile ]; then expanded+=(fp8 step startup tput); continue; fi
+  [[ "$ALL_PARTS" == *" $part "* ]] || { echo "unknown part $part (parts:$ALL_PARTS)" >&2; exit 2; }
+  expanded+=("$part")
+done
+PARTS=("${expanded[@]}")
+
+T0=$SECONDS
+exec 3>&1  # step's own lines pass the pipes that keep a command's tail
+FAILED=$(mktemp)
+trap 'rm -f "$FAILED"' EXIT
+trap 'exit 130' INT TERM
+export PYTHONUNBUFFERED=1
+if [ $TINY = 1 ]; then
+  PY=${PY:-.venv/bin/python}
+  export JAXLLM_COMPILATION_CACHE=${JAXLLM_COMPILATION_CACHE:-/tmp/jaxllm-xla-tiny}
+  MODEL8=tests/fixtures/tiny/llama WEIGHTS8=()
+  M8=(--model "$MODEL8" --skip-tokenizer-init)  # it has no tokenizer: token-id prompts
+  M70=("${M8[@]}") QWEN=("${M8[@]}") TINY_LLAMA=("${M8[@]}")
+  CONFIG8=tests/fixtures/tiny/llama
+else
+  PY=${PY:-python3}
+  export JAXLLM_COMPILATION_CACHE=${JAXLLM_COMPILATION_CACHE:-/tmp/jaxllm-xla}  # later runs reuse earlier executables
+  MODEL8=llama-3.1-8b WEIGHTS8=(--load-format dummy --dtype bfloat16)
+  M8=(--model "$MODEL8" "${WEIGHTS8[@]}")
+  M70=(--model llama-3.1-70b --load-format dummy --dtype bfloat16)
+  QWEN=(--model qwen3-0.6b --load-format dummy --dtype bfloat16)
+  TINY_LLAMA=(--model tests/fixtures/tiny/llama --skip-tokenizer-init)
+  CONFIG8=models/configs/llama-3.1-8b.json
+fi
+JAXLLM=("$PY" -m jaxllm.cli)
+NUMERICS=(${QUANT:+--quantization "$QUANT"} ${KV:+--kv-cache-dtype "$KV"})
+
+left() { echo $(( BUDGET_S - (SECONDS - T0) )); }
+# show CMD...: the command as one would type it (an argument quoted only where it needs to be).
+show() {
+  local arg line='$'
+  for arg in "$@"; do
+    if [[ "$arg" =~ ^[A-Za-z0-9_./:=,+@%-]+$ ]]; then line+=" $arg"; else line+=" $(printf %q "$arg")"; fi
+  done
+  echo "$line"
+}
+# run CMD...: a command of the set-up or a table, shown (and not run) in a dry run.
+run() {
+  if [ $DRY = 1 ]; then show "$@" >&3; return 0; fi
+  "$@" && return 0
+  echo "FAILED: $*" >&3; echo "$1" >> "$FAILED"; return 1
+}
+# step EST NAME CMD...: CMD if its estimate EST (s) fits in the time left, less 20 s for the
+# tables, under a timeout of that; says SKIPPED or FAILED rather than stopping the run.
+step() {
+  local est=$1 name=$2; shift 2
+  if [ $DRY = 1 ]; then show "$@" >&3; return 0; fi
+  local rest=$(( $(left) - 20 ))
+  if [ "$rest" -lt "$est" ] || [ "$rest" -lt 1 ]; then
+    echo "SKIPPED $name: ${rest} s left, it needs ~${est} s" >&3; return 1
+  fi
+  echo "== $name ($(( SECONDS - T0 )) s in, ${rest} s left)" >&3
+  timeout -k 20 "$rest" "$@"
+  local status=$?
+  if [ $status != 0 ]; then echo "FAILED $name (exit $status)" >&3; echo "$name" >> "$FAILED"; fi
+  return $status
+}
+# quiet N: a command's output into log.txt, and its last N lines worth seeing here.
+quiet() {
+  if [ $DRY = 1 ]; then cat > /dev/null; return; fi
+  tr '\r' '\n' | tee -a "$OUT/log.txt" | grep -v -i -e warning -e "Processed prompts" -e "^Compiling" \
+    -e "it/s]" -e cuda_timer -e "Delay kernel" -e "^Loading weights" -e "^$" | tail -"$1"
+}
+folder() { D=$OUT/$1; [ $DRY = 1 ] || mkdir -p "$D"; }
+
+setup() {
+  [ $DRY = 1 ] || mkdir -p "$OUT"
+  [ $TINY = 1 ] && return
+  if [ -n "$WHEELS" ]; then
+    run "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "$WHEELS"/*.whl
+    run "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e .
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    if ls "$WHEELS"/plot/*.whl > /dev/null 2>&1; then  # matplotlib, for hf-compare's plot only
+      run "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/plot-site \
+        "$WHEELS"/plot/*.whl && PLOT_PATH=/tmp/plot-site
+    fi
+  elif [ $DRY = 0 ] && ! "$PY" -c "import jaxllm" 2> /dev/null; then
+    echo "jaxllm does not import here: pip install -e '.[cuda13,serve]', or pass --wheels DIR" >&2; exit 2
+  fi
+  [ $DRY = 1 ] || nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+}
+
+part_smoke() {
+  local backend=(${BACKEND:+--attention-backend "$BACKEND"}) sched
+  local big=(--batch-sizes 1,64,256 --input-len 128 --output-len 128)
+  local tiny=(--batch-sizes 1,256 --input-len 128 --output-len 128)
+  [ $TINY = 1 ] && big=(--batch-sizes 1,16 --input-len 16 --output-len 16) tiny=("${big[@]}")
+  for sched in async-scheduling no-async-scheduling; do
+    step 60 "smoke: tiny Llama, --$sched" "${JAXLLM[@]}" bench step "${TINY_LLAMA[@]}" "${backend[@]}" --$sched "${tiny[@]}" \
+      --max-model-len 512 --max-num-batched-tokens 8192 --num-gpu-blocks-override 8192 --output-json "$D/tiny-$sched.json" \
+      --profile-dir "/tmp/profile/tiny-$sched" 2>&1 | quiet 12
+  done
+  for sched in async-scheduling no-async-scheduling; do
+    step 90 "smoke: 8B shape, --$sched" "${JAXLLM[@]}" bench step "${M8[@]}" "${backend[@]}" --$sched --max-model-len 2048 \
+      --max-num-batched-tokens 8192 "${big[@]}" --output-json "$D/llama8b-$sched.json" \
+      --profile-dir "/tmp/profile/llama8b-$sched" 2>&1 | quiet 12
+  done
+}
+
+part_step() {
+  local shape=(--batch-sizes 1,256 --input-len 1000 --output-len 96)
+  [ $TINY = 1 ] && shape=(--batch-sizes 1,16 --input-len 64 --output-len 40)
+  step 150 "bench step, context ~1k, profiled" "${JAXLLM[@]}" bench step "${M8[@]}" "${NUMERICS[@]}" --max-model-len 2048 \
+    --max-num-seqs 256 --max-num-batched-tokens 8192 "${shape[@]}" --profile-dir /tmp/profile \
+    --output-json "$D/step.json" 2>&1 | quiet 40
+}
+
+# throughput EST IN OUT MAX_MODEL_LEN: bench throughput at MAX_SEQS sequences and 16384 batched tokens.
+throughput() {
+  local est=$1 in=$2 out=$3 max_len=$4 seqs=${MAX_SEQS:-1024} prompts=1000 batched=16384
+  [ $TINY = 1 ] && seqs=64 prompts=64 batched=1024 max_len=512 in=$(( in > 256 ? 256 : in )) out=$(( out > 40 ? 40 : out ))
+  step "$est" "throughput $2/$3" "${JAXLLM[@]}" bench throughput "${M8[@]}" "${NUMERICS[@]}" --max-model-len "$max_len" \
+    --max-num-seqs "$seqs" --max-num-batched-tokens "$batched" --input-len "$in" --output-len "$out" \
+    --num-prompts "$prompts" --output-json "$D/throughput.json" 2>&1 | quiet 6
+}
+part_tput() { throughput 120 128 128 2048; }
+part_tput1000() { throughput 150 1000 1000 2048; }
+part_tput2048() { throughput 120 2048 128 2176; }
+
+part_qwen() {
+  local lens=(--input-len 562 --output-len 562 --random-range-ratio 0.82) seqs=${MAX_SEQS:-1024} prompts=1000 batched=16384
+  [ $TINY = 1 ] && lens=(--input-len 40 --output-len 40) seqs=64 prompts=64 batched=1024
+  step 150 "Qwen3-0.6B shape, uniform 100-1024, profiled" "${JAXLLM[@]}" bench throughput "${QWEN[@]}" "${NUMERICS[@]}" \
+    --max-model-len 2048 --max-num-seqs "$seqs" --max-num-batched-tokens "$batched" "${lens[@]}" --num-prompts "$prompts" \
+    --profile-dir /tmp/profile-qwen --output-json "$D/qwen.json" 2>&1 | quiet 7
+}
+
+part_startup() {
+  local cache=/tmp/jaxllm-startup-$$ max_len=2048
+  [ $TINY = 1 ] && max_len=512
+  local engine=(--model "$MODEL8" --load-format dummy --dtype bfloat16 --max-model-len "$max_len" --max-num-seqs 256
+                --max-num-batched-tokens 8192 --skip-tokenizer-init)
+  step 90 "cold start-up" env JAXLLM_COMPILATION_CACHE="$cache" "${JAXLLM[@]}" bench startup "${engine[@]}" \
+    --output-json "$D/cold.json" 2>&1 | quiet 2
+  step 90 "warm start-up" env JAXLLM_COMPILATION_CACHE="$cache" "${JAXLLM[@]}" bench startup "${engine[@]}" \
+    --expect-outputs "$D/cold.json" --output-json "$D/warm.json" 2>&1 | quiet 2
+}
+
+part_fp8() {
+  local batches=${FP8_BATCHES:-}
+  [ $TINY = 1 ] && batches=${batches:-1}
+  step 90 "bench fp8" "${JAXLLM[@]}" bench fp8 ${FP8_FORMS:+--forms "$FP8_FORMS"} ${batches:+--batches "$batches"} \
+    --output-json "$D/fp8.json" 2>&1 | quiet 70
+}
+
+part_prefix() {
+  local engine=(--max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 8192)
+  local work=(--prefix-len 1024 --input-len 128 --output-len 128 --num-prompts 1000) mode
+  [ $TINY = 1 ] && engine=(--max-model-len 512 --max-num-seqs 64 --max-num-batched-tokens 1024) \
+    work=(--prefix-len 64 --input-len 16 --output-len 16 --num-prompts 64)
+  for mode in no-enable-prefix-caching enable-prefix-caching; do
+    step 30 "prefix caching: --$mode" timeout -k 20 200 "${JAXLLM[@]}" bench throughput "${M8[@]}" "${engine[@]}" \
+      "${work[@]}" "--$mode" --output-json "$D/prefix_$mode.json" 2>&1 | quiet 8
+  done
+  run "${JAXLLM[@]}" bench report prefix --dir "$D"
+}
+
+part_prefill() {
+  local backend flag
+  for backend in ${PREFILL_BACKENDS:-auto pallas}; do
+    flag=(); [ "$backend" = auto ] || flag=(--attention-backend "$backend")
+    step 60 "prefill, attention $backend" env JAXLLM_COMPILATION_CACHE=off timeout 280 "${JAXLLM[@]}" bench step \
+      "${M8[@]}" "${flag[@]}" --max-model-len 4096 --max-num-batched-tokens 2048 --batch-sizes 1,16 --input-len 2048 \
+      --output-len 32 --output-json "$D/prefill_$backend.json" 2>&1 | quiet 8
+  done
+}
+
+part_serve() {
+  local in=1000 out=1000 max_len=2048 offline_prompts=1000 seqs=256 batched=8192 port=${PORT:-8765}
+  local conc=(256 1 64 16) prompts=(1000 4 256 64) est=(140 30 50 30) offline_est=150 latency_est=45 start_est=40
+  [ $TINY = 1 ] && in=64 out=64 max_len=512 offline_prompts=64 seqs=64 batched=1024 prompts=(64 2 32 16) \
+    est=(60 20 30 20) offline_est=90 latency_est=60 start_est=60
+  local raw=/tmp/serve-raw tok=/tmp/wordtok
+  [ $DRY = 1 ] || mkdir -p "$raw"
+  run "$PY" -m jaxllm.benchmarks.dummy_tokenizer word "$tok" --model "$MODEL8" || return 1
+  local engine=(--model "$MODEL8" "${WEIGHTS8[@]}" --tokenizer "$tok" --max-model-len "$max_len" --max-num-seqs "$seqs"
+                --max-num-batched-tokens "$batched")
+  step "$offline_est" "offline bench throughput" "${JAXLLM[@]}" bench throughput "${engine[@]}" \
+    --num-prompts "$offline_prompts" --input-len "$in" --output-len "$out" --output-json "$D/offline.json" 2>&1 | quiet 8
+  step "$latency_est" "offline batch-1 step (bench latency)" "${JAXLLM[@]}" bench latency "${engine[@]}" --batch-size 1 \
+    --input-len "$in" --output-len "$out" --num-iters-warmup 1 --num-iters 2 --output-json "$D/latency.json" 2>&1 | quiet 4
+  local server=("${JAXLLM[@]}" serve "${engine[@]}" --host 127.0.0.1 --port "$port" --uvicorn-log-level warning
+                --max-log-len 8)
+  local i
+  if [ $DRY = 1 ]; then
+    show "${server[@]}" >&3
+    for i in "${!conc[@]}"; do serve_bench "$i"; done
+  elif [ "$(( $(left) - 20 ))" -lt "$(( start_est + est[0] ))" ]; then
+    echo "SKIPPED jaxllm serve: $(left) s left"
+  elif start_server; then
+    for i in "${!conc[@]}"; do
+      kill -0 "$SERVER_PID" 2> /dev/null || { echo "FAILED: the server is gone"; echo serve >> "$FAILED"; break; }
+      serve_bench "$i"
+    done
+    stop_server
+  fi
+  run "${JAXLLM[@]}" bench report serve --dir "$D" --raw-dir "$raw" --concurrencies "$(IFS=,; echo "${conc[*]}")"
+}
+# serve_bench I: bench serve at part_serve's I-th concurrency (its settings).
+serve_bench() {
+  local c=${conc[$1]} n=${prompts[$1]}
+  step "${est[$1]}" "bench serve c=$c, $n prompts" "${JAXLLM[@]}" bench serve --base-url "http://127.0.0.1:$port" \
+    --num-prompts "$n" --random-input-len "$in" --random-output-len "$out" --ignore-eos --temperature 1.0 \
+    --request-rate inf --max-concurrency "$c" --output-json "$raw/serve_c$c.json" 2>&1 | tail -22
+}
+start_server() {
+  echo "== jaxllm serve ($(( SECONDS - T0 )) s in)"
+  "${server[@]}" > /tmp/server.log 2>&1 &
+  SERVER_PID=$!
+  trap 'stop_server; rm -f "$FAILED"' EXIT
+  local deadline=$(( SECONDS + ${START_TIMEOUT_S:-240} ))
+  while [ $SECONDS -lt $deadline ] && [ "$(left)" -gt 60 ]; do
+    kill -0 "$SERVER_PID" 2> /dev/null || break
+    if "$PY" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2> /dev/null; then
+      echo "server ready after $(( SECONDS - T0 )) s"; return 0
+    fi
+    sleep 1
+  done
+  echo "FAILED: the server did not answer /health"; echo serve >> "$FAILED"; tail -n 30 /tmp/server.log
+  stop_server
+  return 1
+}
+stop_server() {
+  [ -n "${SERVER_PID:-}" ] || return 0
+  if kill -0 "$SERVER_PID" 2> /dev/null; then
+    kill -INT "$SERVER_PID" 2> /dev/null
+    for _ in $(seq 30); do kill -0 "$SERVER_PID" 2> /dev/null || break; sleep 0.5; done
+    pkill -KILL -P "$SERVER_PID" 2> /dev/null  # its engine core, if it is still there
+    kill -KILL "$SERVER_PID" 2> /dev/null
+  fi
+  SERVER_PID=
+  grep -v "Received request" /tmp/server.log | tail -n 80 > "$D/server_log_tail.txt" 2> /dev/null
+}
+
+part_sampling() {
+  local shape=(--batch-sizes 256 --input-len 128 --output-len 128) max_len=2048
+  [ $TINY = 1 ] && shape=(--batch-sizes 16 --input-len 16 --output-len 16) max_len=512
+  run "$PY" -m jaxllm.benchmarks.dummy_tokenizer byte /tmp/bytetok || return 1
+  local common=(--model "$MODEL8" "${WEIGHTS8[@]}" --tokenizer /tmp/bytetok --max-model-len "$max_len"
+                --max-num-batched-tokens 8192 "${shape[@]}")
+  step 90 "sampling: greedy" "${JAXLLM[@]}" bench step "${common[@]}" --output-json "$D/greedy.json" \
+    --profile-dir /tmp/profile/greedy 2>&1 | quiet 12
+  step 90 "sampling: every feature" "${JAXLLM[@]}" bench step "${common[@]}" --sampling all \
+    --output-json "$D/all.json" --profile-dir /tmp/profile/all 2>&1 | quiet 12
+  if [ $TINY = 1 ]; then  # grammars need the byte tokenizer's 257 tokens
+    echo "SKIPPED sampling, JSON-constrained: the tiny Llama's vocabulary has 256 tokens" >&3; return
+  fi
+  step 90 "sampling: every feature, 64 JSON-constrained" "${JAXLLM[@]}" bench step "${common[@]}" --sampling all \
+    --structured-requests 64 --output-json "$D/all-json.json" --profile-dir /tmp/profile/all-json 2>&1 | quiet 12
+}
+
+part_hf-compare() {
+  local batches=1,8,32,64,128,256 hf_batches=1,64,256 in=128 out=128 prompts=1000 seqs=256 batched=8192 max_len=2048
+  local ceiling=() est_ceil=30 est_step=120 est_hf=120 est_tput=90
+  [ $TINY = 1 ] && batches=1,4,16 hf_batches=1,16 in=32 out=16 prompts=64 seqs=16 batched=1024 max_len=512 \
+    ceiling=(--copy-bytes $((64 << 20)) --matmul-n 1024) est_ceil=20 est_step=60 est_hf=60 est_tput=60
+  step "$est_ceil" "ceilings (JAX)" env XLA_PYTHON_CLIENT_PREALLOCATE=false "${JAXLLM[@]}" bench bounds ceilings \
+    --framework jax "${ceiling[@]}" --output-json "$D/ceilings_jax.json" 2>&1 | quiet 4
+  step "$est_ceil" "ceilings (torch)" "${JAXLLM[@]}" bench bounds ceilings --framework torch "${ceiling[@]}" \
+    --output-json "$D/ceilings_torch.json" 2>&1 | quiet 4
+  local engine=("${M8[@]}" --max-model-len "$max_len" --max-num-seqs "$seqs" --max-num-batched-tokens "$batched")
+  step "$est_step" "jaxllm bench step" "${JAXLLM[@]}" bench step "${engine[@]}" --batch-sizes "$batches" \
+    --input-len "$in" --output-len "$out" --output-json "$D/step.json" 2>&1 | quiet 12
+  # HF, after jaxllm has exited (the GPU to itself), stops starting batches 10 s before its timeout.
+  step "$est_hf" "HF transformers (static cache, torch.compile)" "${JAXLLM[@]}" bench hf --config "$CONFIG8" \
+    --batch-sizes "$hf_batches" --input-len "$in" --output-len "$out" --budget-s $(( $(left) - 30 )) \
+    --output-json "$D/hf.json" 2>&1 | quiet 12
+  step "$est_tput" "jaxllm bench throughput" "${JAXLLM[@]}" bench throughput "${engine[@]}" --num-prompts "$prompts" \
+    --input-len "$in" --output-len "$out" --output-json "$D/throughput.json" 2>&1 | quiet 8
+  local plot=()  # matplotlib's folder on the path, where set-up installed it
+  [ -n "${PLOT_PATH:-}" ] && plot=(env PYTHONPATH="$PLOT_PATH${PYTHONPATH:+:$PYTHONPATH}")
+  run "${plot[@]}" "${JAXLLM[@]}" bench bounds table --dir "$D" \
+    --config "$CONFIG8" --input-len "$in" --output-len "$out" --batch-sizes "$batches" --png "$D/bench_decode_tok_s.png"
+}
+
+# kernel_tests NAME PYTEST_FLAGS...: the gpu-marked attention kernel tests, under 240 s.
+kernel_tests() {
+  local name=$1; shift
+  step 120 "$name" timeout 240 "$PY" -m pytest -q -m gpu "$@" tests/kernels/test_attention.py \
+    tests/kernels/test_mosaic_attention.py 2>&1 | quiet 25
+}
+part_kernels() {
+  local extra
+  read -ra extra <<< "${ATTENTION_ARGS:-}"
+  [ $TINY = 1 ] && extra=(--interpret --kernels pallas --sections decode --decode-batches 2 --decode-contexts 64
+                          "${extra[@]}")
+  kernel_tests "kernel tests" -x
+  # The bench runs even when a test failed: it reports which kernels fail its own check.
+  step 120 "bench attention" timeout 330 "${JAXLLM[@]}" bench attention "${extra[@]}" --output-json "$D/attention.json" \
+    2>&1 | quiet 100
+}
+part_check() { kernel_tests "kernel checks" ${CHECK:+-k "$CHECK"}; }
+part_hybrid() {
+  step 60 "hybrid KV cache through the GPU backends" timeout 240 "$PY" -m pytest -q -m gpu -k gpu_backend \
+    tests/engine/test_prefix_caching.py 2>&1 | quiet 12
+}
+part_kv-dtype() {
+  if [ $TINY = 1 ]; then echo "SKIPPED kv-dtype: it needs a GPU" >&3; return; fi
+  step 120 "bench kv-dtype" "${JAXLLM[@]}" bench kv-dtype --output-json "$D/kv_dtype.json" 2>&1 | quiet 70
+}
+part_sampler() {
+  local shape=()
+  [ $TINY = 1 ] && shape=(--rows 4 --vocab 512)
+  step 60 "bench sampler" "${JAXLLM[@]}" bench sampler "${shape[@]}" --output-json "$D/sampler.json" 2>&1 | quiet 20
+}
+
+part_multi-gpu() {
+  local configs=${MULTI:-tp1 tp2} config name modes mode
+  local common=(--max-model-len 4096 --max-num-seqs 256 --max-num-batched-tokens 8192)
+  local long=(--input-len 1000 --output-len 1000 --num-prompts 1000) short=(--input-len 2048 --output-len 128 --num-prompts 1000)
+  local step_shape=(--input-len 128 --output-len 128) envs=(NCCL_NVLS_ENABLE=0) xla=${XLA_FLAGS:-}
+  if [ $TINY = 1 ]; then
+    common=(--max-model-len 512 --max-num-seqs 16 --max-num-batched-tokens 256)
+    long=(--input-len 32 --output-len 32 --num-prompts 16) short=(--input-len 64 --output-len 8 --num-prompts 16)
+    step_shape=(--input-len 16 --output-len 80) envs+=(JAX_PLATFORMS=cpu)
+    xla="${xla:+$xla }--xla_force_host_platform_device_count=8"
+  else
+    run nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+  fi
+  for config in $configs; do
+    name=${config%%:*} modes=step,long,short
+    [ "$config" != "$name" ] && modes=${config#*:}
+    for mode in ${modes//,/ }; do multi_run "$name" "$mode"; done
+  done
+  run "${JAXLLM[@]}" bench report multi --dir "$D" --configs $configs
+}
+# multi_run NAME MODE: one bench of one configuration (part_multi-gpu's settings), its JSON to NAME-MODE.json.
+multi_run() {
+  local name=$1 mode=$2 model=("${M8[@]}") par=() extra=(${xla:+XLA_FLAGS="$xla"}) bench
+  case $name in
+    tp[1248]) par=(-tp "${name#tp}") ;;
+    dp[248]) par=(-dp "${name#dp}") ;;
+    70b-tp[48]) model=("${M70[@]}"); par=(-tp "${name#70b-tp}") ;;
+    tp2-ll) par=(-tp 2); extra+=(NCCL_PROTO=LL) ;;
+    tp2-ll128) par=(-tp 2); extra+=(NCCL_PROTO=LL128) ;;
+    tp2-simple) par=(-tp 2); extra+=(NCCL_PROTO=Simple) ;;
+    tp2-combine) par=(-tp 2); extra=("XLA_FLAGS=${xla:+$xla }--xla_gpu_enable_async_collectives=true \
+--xla_gpu_all_reduce_combine_threshold_bytes=134217728") ;;
+    *) echo "unknown configuration $name" >&3; echo "$name" >> "$FAILED"; return 1 ;;
+  esac
+  case $mode in
+    step) bench=(step --batch-sizes 1 "${step_shape[@]}" --profile-dir "/tmp/prof-$name") ;;
+    long) bench=(throughput "${long[@]}") ;;
+    short) bench=(throughput "${short[@]}") ;;
+    *) echo "unknown mode $mode" >&3; echo "$name:$mode" >> "$FAILED"; return 1 ;;
+  esac
+  step 30 "$name $mode" env "${envs[@]}" "${extra[@]}" "${JAXLLM[@]}" bench "${bench[@]}" "${model[@]}" "${common[@]}" \
+    "${par[@]}" --output-json "$D/$name-$mode.json" 2>&1 | quiet 4
+}
+
+echo "parts: ${PARTS[*]}; budget ${BUDGET_S} s; results in $OUT$([ $DRY = 1 ] && echo "; dry run")"
+setup
+for part in "${PARTS[@]}"; do
+  echo "==== $part"
+  folder "$part"
+  "part_$part"
+done
+echo "done in $(( SECONDS - T0 )) s"
+if [ -s "$FAILED" ]; then echo "failed: $(sort -u "$FAILED" | tr '\n' ' ')"; exit 1; fi

@@ -1,0 +1,102 @@
+"""The kernel and device microbenchmarks on the CPU, at tiny shapes: `bench attention` in the
+Pallas interpreter (its check, then its timing and table), a kernel that fails the check is
+not timed, `bench fp8` and `bench sampler` end to end, and `bench kv-dtype`'s variants."""
+import json
+
+import jax.numpy as jnp
+import pytest
+
+from jaxllm.benchmarks import kv_dtype, sampler
+from jaxllm.cli import main
+
+pytestmark = pytest.mark.timeout(300)
+TINY_ATTENTION = ["bench", "attention", "--interpret", "--kernels", "pallas", "--sections", "decode",
+                  "--decode-batches", "2", "--decode-contexts", "64"]
+
+
+def run(capsys, tmp_path, argv: list[str], status: int = 0) -> tuple[dict, list[str]]:
+    """The bench's JSON and the lines it printed."""
+    path = tmp_path / "result.json"
+    assert main([*argv, "--output-json", str(path)]) == status
+    return json.loads(path.read_text()), capsys.readouterr().out.splitlines()
+
+
+def test_attention_checks_the_kernel_then_times_it_and_prints_the_table_last(capsys, tmp_path):
+    result, printed = run(capsys, tmp_path, TINY_ATTENTION)
+    cases = ("decode b8", "mixed", "decode b64")
+    assert set(result["check"]) == {f"pallas {case} splits={s}" for case in cases for s in (None, 4)}
+    assert all(0 < err < 1.5e-2 for err in result["check"].values()) and result["failed_check"] == []
+    [row] = result["decode"]
+    assert (row["batch"], row["ctx"]) == (2, 64) and row["kv_MB"] == 2 * 64 * 8 * 128 * 2 * 2 / 1e6
+    assert row["pallas"]["us"] > 0 and row["pallas"]["TBps"] == pytest.approx(row["kv_MB"] / row["pallas"]["us"])
+    assert "error" in row["jax"]  # JAX's GPU kernel has no CPU path: reported, not fatal
+    table = printed[printed.index("decode: TB/s of KV read, pallas / triton / jax paged_attention"):]
+    assert table[1].split() == ["batch", "64"] and table[2].split()[0] == "2"
+    assert printed[-1].startswith("mixed (4 x 512-token chunks")
+
+
+def test_a_kernel_that_fails_the_check_is_not_timed_and_the_bench_exits_1(capsys, tmp_path, monkeypatch):
+    from jaxllm.kernels import pallas_attention
+    monkeypatch.setattr(pallas_attention, "paged_attention", lambda q, *args, **kwargs: jnp.zeros_like(q))
+    result, printed = run(capsys, tmp_path, TINY_ATTENTION, status=1)
+    assert result["failed_check"] == ["pallas"]
+    assert "pallas" not in result["decode"][0]
+    assert printed[-1] == "FAILED: pallas failed the correctness check, so it was not timed"
+
+
+def test_attention_contexts_must_fill_whole_blocks(capsys):
+    assert main(["bench", "attention", "--decode-contexts", "100"]) == 2
+    assert capsys.readouterr().err == "jaxllm: error: --decode-contexts must be multiples of the block size (16)\n"
+
+
+def test_an_unknown_kernel_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "attention", "--kernels", "pallas,cuda"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.endswith("argument --kernels: 'cuda' is not one of pallas, triton, mosaic\n")
+
+
+def test_fp8_checks_and_times_each_form_against_bf16(capsys, tmp_path):
+    result, printed = run(capsys, tmp_path, ["bench", "fp8", "--forms", "bf16,w8a8_t", "--shapes", "64x128,128x64",
+                                             "--batches", "2,16", "--iters", "2", "--repeats", "1"])
+    rows = result["rows"]
+    assert [(r["shape"], r["m"], r["form"]) for r in rows] == [
+        (shape, m, form) for shape in ("64x128", "128x64") for m in (2, 16) for form in ("bf16", "w8a8_t")]
+    for r in rows:
+        assert r["ms"] > 0 and r["compile_s"] >= 0
+        assert r["rel_err"] < (0.01 if r["form"] == "bf16" else 0.1)  # e4m3 keeps 3 bits of mantissa
+    assert all(r["vs_bf16"] == 1.0 for r in rows if r["form"] == "bf16")
+    header = printed.index(next(line for line in printed if line.split()[:3] == ["K", "x", "N"]))
+    assert len(printed) - header - 1 == len(rows)
+
+
+def test_a_bad_fp8_shape_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "fp8", "--shapes", "4096"])
+    assert capsys.readouterr().err.endswith("argument --shapes: '4096' is not K x N, e.g. 4096x6144\n")
+
+
+def test_sampler_times_every_piece_and_prints_the_table_last(capsys, tmp_path):
+    result, printed = run(capsys, tmp_path, ["bench", "sampler", "--rows", "2", "--vocab", "64", "--iters", "1"])
+    names = [name for name, _, _ in sampler.pieces(2, 64)]
+    assert list(result["ms"]) == names and len(names) == 18
+    assert (result["rows"], result["vocab"]) == (2, 64)
+    assert printed[-len(names) - 1].split() == ["piece", "ms"]
+    assert [line.rsplit(None, 1)[0] for line in printed[-len(names):]] == names
+
+
+def test_kv_dtype_times_both_caches_under_each_launch_and_sweeps_the_8bit_one():
+    variants = kv_dtype.variants(["bf16", "e4m3"])
+    for dtype in ("bf16", "e4m3"):
+        launches = [knobs for kernel, d, knobs in variants if kernel == "pallas" and d == dtype]
+        assert {} in launches and kv_dtype.PLAIN in launches
+        assert dict(kv_dtype.PLAIN, head_major=True) in launches and dict(kv_dtype.PLAIN, prefetch=True) in launches
+        assert ("triton", dtype, {}) in variants
+    assert all(("pallas", "e4m3", knobs) in variants for knobs in kv_dtype.SWEEP)
+    assert not any(("pallas", "bf16", knobs) in variants for knobs in kv_dtype.SWEEP)
+
+
+def test_kv_dtype_takes_only_its_output_flag(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "kv-dtype", "--model", "llama-3.1-8b"])
+    assert "unrecognized arguments: --model llama-3.1-8b" in capsys.readouterr().err
