@@ -123,7 +123,7 @@ def plan(num_tokens, max_num_reqs, num_q_heads, num_kv_heads, head_dim, itemsize
     apply to both launches). The decode launch runs head-major with its page ids
     prefetched (3-10% at batch 64-256 on the H200). cache_itemsize: the KV cache's
     (None: itemsize); over an 8-bit cache the decode launch takes KV tiles of up to 128
-    tokens (scripts/bench_kv_dtype.py has both sweeps). The jax-triton backend shares the
+    tokens (`jaxllm bench kv-dtype` has both sweeps). The jax-triton backend shares the
     shapes only: it passes no cache_itemsize and ignores head_major and prefetch."""
     group_pad = _next_pow2(num_q_heads // num_kv_heads)
     # K/V tiles of 16 KiB and q tiles of 32 KiB keep 3 pipeline stages in shared memory.
