@@ -46,6 +46,9 @@
 #               "--tune", "--skip-check --sections prefill")
 #   check       the gpu-marked kernel tests alone (CHECK=WORD: those whose name has it)
 #   hybrid      the gpu-marked check of the hybrid KV cache and prefix hits through each backend
+#   weights     bench weights on the 8B shape at half the device's memory (the trainer's half
+#               stays free), in the default mode and with --batch-invariant; then bench step at
+#               batch 1, 64, 256 and bench throughput 128/128 with --batch-invariant (its cost)
 #   kv-dtype    bench kv-dtype: decode attention over bf16 and e4m3 caches
 #   sampler     bench sampler: the sampler's pieces at [256, 128256]
 #   multi-gpu   on 2-8 GPUs, each configuration of MULTI (default "tp1 tp2"): NAME[:MODES], NAME
@@ -77,7 +80,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 ALL_PARTS=" smoke step tput tput1000 tput2048 qwen startup fp8 prefix prefill serve sampling hf-compare kernels"
-ALL_PARTS+=" check hybrid kv-dtype sampler multi-gpu "
+ALL_PARTS+=" check hybrid weights kv-dtype sampler multi-gpu "
 [ ${#PARTS[@]} -gt 0 ] || { echo "name at least one part" >&2; usage 2 >&2; }
 expanded=()
 for part in "${PARTS[@]}"; do
@@ -223,6 +226,20 @@ part_startup() {
     --output-json "$D/cold.json" 2>&1 | quiet 2
   step 90 "warm start-up" env JAXLLM_COMPILATION_CACHE="$cache" "${JAXLLM[@]}" bench startup "${engine[@]}" \
     --expect-outputs "$D/cold.json" --output-json "$D/warm.json" 2>&1 | quiet 2
+}
+
+part_weights() {
+  local engine=(--max-model-len 2048 --gpu-memory-utilization 0.5) others=255 prompts=1000 mode
+  [ $TINY = 1 ] && engine=(--max-model-len 512) others=15 prompts=64
+  for mode in no-batch-invariant batch-invariant; do
+    step 120 "bench weights, --$mode" "${JAXLLM[@]}" bench weights "${M8[@]}" "${engine[@]}" --$mode \
+      --num-others "$others" --output-json "$D/weights_$mode.json" 2>&1 | quiet 16
+  done
+  step 120 "bench step, --batch-invariant" "${JAXLLM[@]}" bench step "${M8[@]}" "${engine[@]}" --batch-invariant \
+    --batch-sizes 1,64,256 --input-len 128 --output-len 128 --output-json "$D/step_bi.json" 2>&1 | quiet 8
+  step 120 "throughput 128/128, --batch-invariant" "${JAXLLM[@]}" bench throughput "${M8[@]}" "${engine[@]}" \
+    --batch-invariant --input-len 128 --output-len 128 --num-prompts "$prompts" --output-json "$D/throughput_bi.json" \
+    2>&1 | quiet 6
 }
 
 part_fp8() {
