@@ -1,8 +1,10 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import pytest
@@ -22,7 +24,9 @@ def tiny_model(name: str) -> str:
 def smollm2():
     """The embedded SmolLM2 (the default model), one engine for every module that needs it."""
     from jaxllm import LLM
+    before = set(child_pids())
     with LLM(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256, show_progress=False) as llm:
+        _SESSION_CHILDREN.update(set(child_pids()) - before)  # its engine core lives as long as the session
         yield llm
 
 
@@ -90,8 +94,11 @@ def char_llama(tmp_path_factory) -> str:
     return tiny_llama_with_tokenizer(tmp_path_factory.mktemp("char_llama"), write_char_tokenizer)
 
 
+_SESSION_CHILDREN: set[int] = set()  # processes of session-scoped fixtures
+
+
 def child_pids() -> list[int]:
-    """Live processes whose parent is this one (from /proc)."""
+    """Live processes whose parent is this one (from /proc), but for session fixtures' own."""
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -100,9 +107,36 @@ def child_pids() -> list[int]:
                     fields = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            if int(fields[1]) == os.getpid() and fields[0] != "Z" and int(entry) not in _SESSION_CHILDREN:
                 pids.append(int(entry))
     return pids
+
+
+def _command_line(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return "?"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_process_left_behind():
+    """Every process a module's tests start has ended when its fixtures are torn down: the
+    leftovers are killed and the module fails, naming them."""
+    before = set(child_pids())
+    yield
+    deadline = time.monotonic() + 10.0
+    while (left := set(child_pids()) - before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if left:
+        named = {pid: _command_line(pid) for pid in left}
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        pytest.fail(f"processes left behind: {named}")
 
 
 @pytest.fixture(scope="session")
