@@ -1,10 +1,8 @@
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import jax
 import pytest
@@ -110,33 +108,6 @@ def child_pids() -> list[int]:
             if int(fields[1]) == os.getpid() and fields[0] != "Z" and int(entry) not in _SESSION_CHILDREN:
                 pids.append(int(entry))
     return pids
-
-
-def _command_line(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
-    except OSError:
-        return "?"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_process_left_behind():
-    """Every process a module's tests start has ended when its fixtures are torn down: the
-    leftovers are killed and the module fails, naming them."""
-    before = set(child_pids())
-    yield
-    deadline = time.monotonic() + 10.0
-    while (left := set(child_pids()) - before) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if left:
-        named = {pid: _command_line(pid) for pid in left}
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        pytest.fail(f"processes left behind: {named}")
 
 
 @pytest.fixture(scope="session")
