@@ -5,13 +5,13 @@ shares its step and wherever it sits in it.
 XLA picks a matmul's algorithm, and a row reduction's tiling, from the whole operand's shape,
 so a row's sum runs in another order in a bucket of 16 tokens than in one of 256 (measured on
 CPU: RMSNorm and the attention einsums move a request's hidden states by ~1e-6; on GPU the
-GEMMs' split and tile choices do the same). Here the work is cut into tiles of one fixed shape
-for every batch, and each output element is reduced in one fixed order:
+GEMMs' split and tile choices do the same). Here each output element is reduced in one fixed
+order whatever the batch:
 
 - matmul(x, w): a Pallas kernel over [BM, BN] output tiles, K walked in BK chunks with a
   float32 accumulator and never split; BK depends only on the weight's shape, the tiles on
   the number of rows (they do not change the order of summation).
-- rms_normalize(x, eps): a Pallas kernel over [BR, D] row blocks.
+- rms_normalize(x, eps): a Pallas kernel over row blocks ([BR, D] on CPU, one row on a GPU).
 - log_softmax(x): in blocks of BR rows.
 - attention: the reference in blocks of BR tokens (CPU), or the Pallas kernel in one launch shape
   for every bucket, with no split-K (GPU).
