@@ -11,6 +11,7 @@ and exits 2, as argparse does; any other exception is a crash and keeps its trac
 import argparse
 import contextlib
 import dataclasses
+import json
 import sys
 import time
 import typing
@@ -39,7 +40,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if typing.get_origin(base) is list:  # names: --logits-processors mod:A mod:B
             parser.add_argument(*flags, nargs="+", default=field.default)
             continue
+        if typing.get_origin(base) is dict:  # JSON, as vLLM's: --speculative-config '{"method": "ngram", ...}'
+            parser.add_argument(*flags, type=_json_object, default=field.default)
+            continue
         parser.add_argument(*flags, type=base, default=field.default)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
 
 
 class UserError(Exception):

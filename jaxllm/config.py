@@ -3,6 +3,7 @@ import dataclasses
 import importlib.resources
 import json
 import os
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +68,43 @@ class ParallelConfig:
     device_ids: tuple[int, ...] | None = None  # the devices of a caller's mesh (LLM(mesh=...)); None: the first
 
 
+SPECULATIVE_METHODS = ("ngram",)  # "draft_model", "eagle" and "eagle3" are not built yet
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """EngineArgs.speculative_config resolved (vLLM's keys): each decoding request's next
+    `num_speculative_tokens` tokens are guessed and the model checks them all in one step."""
+    method: str  # "ngram": the tokens after the latest earlier copy of the text's last n-gram (spec_decode/ngram.py)
+    num_speculative_tokens: int
+    prompt_lookup_min: int  # the n-gram's length: the longest in [min, max] that occurs before
+    prompt_lookup_max: int
+
+    @classmethod
+    def from_dict(cls, spec: dict) -> "SpeculativeConfig":
+        """Checked, each bad key named: "speculative_config.num_speculative_tokens must be ..."."""
+        known = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+        unknown = sorted(set(spec) - set(known))
+        _check(not unknown, f"speculative_config has unknown keys {unknown} (known: {list(known)})")
+        method = spec.get("method")
+        _check(method in SPECULATIVE_METHODS, f"speculative_config.method must be one of {SPECULATIVE_METHODS} "
+               f"(a draft model and EAGLE are not built yet), got {method!r}")
+        k = spec.get("num_speculative_tokens")
+        _check(_is_int(k) and k >= 1, f"speculative_config.num_speculative_tokens must be an int >= 1, got {k!r}")
+        low, high = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+        for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            _check(value is None or (_is_int(value) and value >= 1),
+                   f"speculative_config.{name} must be an int >= 1, got {value!r}")
+        # vLLM's defaults: 5 for both, or the one given for the other.
+        low, high = (5, 5) if low is None and high is None else (low or high, high or low)
+        _check(low <= high, f"speculative_config.prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
+        return cls(method, k, low, high)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig
@@ -77,6 +115,11 @@ class Config:
     seed: int
     logits_processors: tuple = ()  # LogitsProcessor subclasses (jaxllm/sample/logits_processor.py)
     batch_invariant: bool = False  # a request's numbers do not depend on its batch (kernels/batch_invariant.py)
+    speculative: SpeculativeConfig | None = None  # speculative decoding (jaxllm/spec_decode)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return 0 if self.speculative is None else self.speculative.num_speculative_tokens
 
 
 @dataclasses.dataclass
@@ -117,7 +160,8 @@ class EngineArgs:
     # vLLM's: "auto" (the model's dtype), "bfloat16", "fp8" (= "fp8_e4m3") or "fp8_e5m2": K and V in 8 bits
     # (kernels/reference.py write_kv), read back in the attention kernels; twice the tokens per GB
     kv_cache_dtype: str = "auto"
-    async_scheduling: bool = True
+    # None: on, unless speculative decoding (its n-gram drafts are made from the tokens of the step before)
+    async_scheduling: bool | None = None
     # Users' LogitsProcessor classes, or their "module:Class" names (jaxllm/sample/logits_processor.py)
     logits_processors: list[type | str] | None = None
     # The engine core in its own process (EngineCoreProc); None reads $JAXLLM_ENABLE_MULTIPROCESSING (on unless "0").
@@ -125,6 +169,8 @@ class EngineArgs:
     # A request's tokens and logprobs bitwise the same whatever else is in its batch: every matmul,
     # norm and attention reduction in one order for every batch (kernels/batch_invariant.py). Slower.
     batch_invariant: bool = False
+    # vLLM's: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": .., "prompt_lookup_max": ..}
+    speculative_config: dict[str, typing.Any] | None = None
 
     def create_config(self, devices: DeviceFacts | None = None) -> Config:
         """The validated Config, for the devices `devices` describes (default: those a fresh process
@@ -169,6 +215,10 @@ class EngineArgs:
                f"coordinator_address must be 'host:port' with num_hosts > 1, got {self.coordinator_address!r}")
         _check(self.num_hosts == 1 or self.data_parallel_size == 1,
                "data_parallel_size > 1 over several hosts is not built: use num_hosts with tensor parallelism")
+        speculative = None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
+        _check(speculative is None or not self.async_scheduling,
+               "async_scheduling does not run with speculative_config (n-gram drafts are made from the tokens of "
+               "the step before): leave async_scheduling unset or False")
         devices = devices or device_facts()
         num_devices = devices.local_device_count * self.num_hosts
         _check(self.tensor_parallel_size <= num_devices,
@@ -182,6 +232,8 @@ class EngineArgs:
         tokenizer = _resolve_tokenizer(tokenizer, self.tokenizer_revision, self.download_dir)
         from jaxllm.sample.logits_processor import resolve_logits_processors
         logits_processors = resolve_logits_processors(self.logits_processors)
+        _check(speculative is None or not logits_processors,
+               "speculative_config does not run with logits_processors yet (their state is one row per request)")
         path, fmt, hf_config, arch = _resolve_model(self.model, self.load_format, self.revision, self.download_dir)
         tp = self.tensor_parallel_size
         # KV heads fewer than the devices are replicated (worker/kv_heads.py): TP must divide the q
@@ -206,13 +258,15 @@ class EngineArgs:
                               max_logprobs=self.max_logprobs, tokenizer=tokenizer, quantization=self.quantization),
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.num_gpu_blocks_override,
                               KV_CACHE_DTYPES[self.kv_cache_dtype] or dtype, self.enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs, batched, max_len, self.async_scheduling),
+            scheduler=SchedulerConfig(max_num_seqs, batched, max_len,
+                                      speculative is None if self.async_scheduling is None else self.async_scheduling),
             parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.pipeline_parallel_size,
                                     self.num_hosts, self.host_rank, self.coordinator_address),
             attention_backend=self.attention_backend or devices.attention_backend,
             seed=self.seed,
             logits_processors=logits_processors,
             batch_invariant=self.batch_invariant,
+            speculative=speculative,
         )
 
 

@@ -70,7 +70,8 @@ def pieces(rows: int, vocab: int) -> list[tuple]:
 
     pmd = ProcessorMetadata(full(0.2, jnp.float32), full(0.2, jnp.float32), full(1.1, jnp.float32),
                             full(0, jnp.int32), full(100, jnp.int32), full(True, bool), full(128, jnp.int32),
-                            jnp.arange(rows, dtype=jnp.int32), jnp.arange(rows, dtype=jnp.int32))
+                            jnp.arange(rows, dtype=jnp.int32), jnp.arange(rows, dtype=jnp.int32), full(-1, jnp.int32),
+                            jnp.arange(rows, dtype=jnp.int32))
     bitmask = jnp.full((rows, (vocab + 31) // 32), -1, jnp.int32)
     tokens = jnp.zeros(rows, jnp.int32)
     top_p = md(top_p=full(0.9, jnp.float32))

@@ -42,6 +42,10 @@ class LogprobsArrays(msgspec.Struct, array_like=True, gc=False):
     token_ids: np.ndarray  # [num_new_tokens, 1 + logprobs] int32
     ranks: np.ndarray      # [num_new_tokens] int32: the sampled token's rank (1 = most likely)
 
+    def head(self, n: int) -> "LogprobsArrays":
+        """The first n rows."""
+        return LogprobsArrays(self.logprobs[:n], self.token_ids[:n], self.ranks[:n])
+
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One request's news from one step."""
@@ -60,6 +64,27 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
 
 
+class SpecDecodingStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Speculative decoding since the last stats (vLLM's): requests' steps with drafts, their
+    draft tokens, the drafts accepted, and how often the draft at each position was."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []
+
+    @classmethod
+    def empty(cls, num_speculative_tokens: int) -> "SpecDecodingStats":
+        return cls(num_accepted_tokens_per_pos=[0] * num_speculative_tokens)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One request's drafts of one step, of which the first num_accepted were taken."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.num_accepted_tokens_per_pos[position] += 1
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -68,6 +93,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # The prefix cache since the last stats: prompt tokens looked up at admission, and those it held.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    spec_decoding: SpecDecodingStats | None = None  # None: no drafts since the last stats
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

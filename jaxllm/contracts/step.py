@@ -41,6 +41,9 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     samples: bool  # the step reaches the request's last token, so it samples the next one
     # SamplingParams.prompt_logprobs: the prompt positions [start, end) whose logprobs this step computes
     prompt_logprobs: tuple[int, int] | None = None
+    # Speculative decoding: the guesses of the tokens after the request's next one, the last
+    # len(draft_token_ids) of num_new_tokens (their ids are not in token_ids).
+    draft_token_ids: list[int] = []
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -65,9 +68,12 @@ class TokenMasks(msgspec.Struct, array_like=True, gc=False):
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """A step's results, row i for SchedulerOutput.scheduled[i]."""
-    sampled_token_ids: list[int]  # meaningful where the request sampled
-    logprobs: LogprobsArrays | None = None  # when a request asked (SamplingParams.logprobs)
+    """A step's results, item i for SchedulerOutput.scheduled[i]."""
+    # The tokens each request took: none for a prefill chunk short of the prompt's end, else the one
+    # it sampled, or with drafts the ones the model agreed with and the token it sampled after them.
+    sampled_token_ids: list[list[int]]
+    # When a request asked (SamplingParams.logprobs): a row per token taken, the requests' in order.
+    logprobs: LogprobsArrays | None = None
     # Per scheduled request, its prompt positions' logprobs this step (or None); None if no request asked.
     prompt_logprobs: list[LogprobsArrays | None] | None = None
     failed: dict[str, str] = {}  # request id -> why its host work in the runner failed: it ends alone

@@ -16,13 +16,21 @@ from step N's sampled ids on the device) and it is appended when step N's
 output lands. A request whose in-flight token will end it by length is not
 scheduled again, so the only waste is one step of a request that an EOS, a stop
 token or a stop string ends.
+
+Speculative decoding (a `proposer`, spec_decode/): a decoding request is scheduled with its
+draft tokens after its next token, within the token budget, its max_tokens and the model
+length; their KV slots are the request's like any others'. When the step lands, the
+request takes the drafts the model agreed with and the token after them, one by one
+until a stop, and `num_computed_tokens` falls back to what was accepted: the KV slots
+of rejected drafts are written again by the next step. Requests under the core's token
+masks get no drafts. Speculation runs with synchronous scheduling (config.py).
 """
 import collections
 import logging
 import time
 
 from jaxllm.config import SchedulerConfig
-from jaxllm.contracts.engine_core import EngineCoreOutput, LogprobsArrays, SchedulerStats
+from jaxllm.contracts.engine_core import EngineCoreOutput, LogprobsArrays, SchedulerStats, SpecDecodingStats
 from jaxllm.contracts.step import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.request import FINISH_REASONS, Request, RequestStatus
@@ -31,9 +39,16 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, proposer=None,
+                 num_speculative_tokens: int = 0):
+        """proposer: the drafts' (spec_decode/), up to num_speculative_tokens per request and step."""
         self.config = config
         self.kv = kv_cache_manager
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
+        # Since the last stats, and since start-up.
+        self.spec_stats = SpecDecodingStats.empty(num_speculative_tokens) if proposer else None
+        self.spec_totals = SpecDecodingStats.empty(num_speculative_tokens) if proposer else None
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -71,16 +86,20 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(self._num_pending_tokens(request), budget)
-            while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
+            drafts = self._drafts(request, budget) if num_new == 1 and self.proposer else []
+            while (new_blocks := self.kv.allocate_slots(request, num_new + len(drafts))) is None:
+                if drafts:  # short of blocks: the next token alone first
+                    drafts = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted += 1
                 if victim is request:
                     break
             else:
-                out.append(self._schedule(request, num_new, new_blocks))
+                out.append(self._schedule(request, num_new, new_blocks, drafts))
                 requests.append(request)
-                budget -= num_new
+                budget -= num_new + len(drafts)
                 i += 1
 
         # Admit waiting requests only in a step that preempted nothing: blocks are short.
@@ -119,12 +138,26 @@ class Scheduler:
         return SchedulerOutput(out, self.config.max_num_batched_tokens - budget, new_requests, finished,
                                preempted_ids, preempted, self._num_steps)
 
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """The proposer's drafts for a decoding request whose tokens are all known: never more
+        than the budget, its max_tokens and the model length leave room for after its next token."""
+        if request.num_output_placeholders or request.needs_host_mask:
+            return []
+        room = min(self.num_speculative_tokens, budget - 1, self.config.max_model_len - request.num_tokens - 1)
+        if request.max_tokens is not None:
+            room = min(room, request.max_tokens - request.num_output_tokens - 1)
+        return self.proposer.propose(request, room) if room > 0 else []
+
     @staticmethod
-    def _schedule(request: Request, num_new: int, new_blocks: list[list[int]]) -> ScheduledRequest:
+    def _schedule(request: Request, num_new: int, new_blocks: list[list[int]],
+                  drafts: list[int] = ()) -> ScheduledRequest:
+        """num_new tokens of `request` (and its drafts after them) in this step."""
         start = request.num_computed_tokens
         samples = num_new == request.num_tokens + request.num_output_placeholders - start
         known = request.token_ids(start, min(start + num_new, request.num_tokens)) if start < request.num_tokens else []
-        scheduled = ScheduledRequest(request.request_id, start, num_new, known, new_blocks, samples)
+        scheduled = ScheduledRequest(request.request_id, start, num_new + len(drafts), known, new_blocks, samples,
+                                     draft_token_ids=list(drafts))
+        num_new += len(drafts)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
         if request.sampling_params.prompt_logprobs is not None:
@@ -168,20 +201,25 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Append the token each sampling request drew (its grammar accepts it) and finish the
+        """Append the tokens each sampling request took (its grammar accepts them) and finish the
         ones that stop. Requests that ended while the step ran (abort, stop, error) drop theirs.
         A request gets the logprobs cut to its own number of top logprobs. A request whose host
         work failed in the runner (runner_output.failed), or whose update here raises, ends with
         the error; the others go on."""
         outputs, failed = [], runner_output.failed
         requests = self._in_flight.pop(scheduler_output.step_id, [])
+        logprob_row = 0  # runner_output.logprobs has a row per token taken, the requests' in order
         for i, (sched, request) in enumerate(zip(scheduler_output.scheduled, requests)):
+            token_ids = runner_output.sampled_token_ids[i]
             if sched.samples:
                 request.num_output_placeholders -= 1
+            if sched.draft_token_ids:
+                self._count_drafts(sched, request, len(token_ids) - 1)
+            row, logprob_row = logprob_row, logprob_row + len(token_ids)
             error = failed.get(request.request_id)
             if error is None:
                 try:
-                    output = self._update_request(sched, request, i, runner_output)
+                    output = self._update_request(sched, request, i, token_ids, row, runner_output)
                     if output is not None:
                         outputs.append(output)
                     continue
@@ -194,9 +232,19 @@ class Scheduler:
                 outputs.append(EngineCoreOutput(request.request_id, [], "error", error=error))
         return outputs
 
-    def _update_request(self, sched: ScheduledRequest, request: Request, i: int,
-                        runner_output: ModelRunnerOutput) -> EngineCoreOutput | None:
-        """Scheduled request i's news from the step (None: nothing to tell)."""
+    def _count_drafts(self, sched: ScheduledRequest, request: Request, num_accepted: int) -> None:
+        """A step's drafts of one request: the rejected ones' KV is not the request's (the next
+        step writes it again), and the acceptance goes into the stats."""
+        num_drafts = len(sched.draft_token_ids)
+        if not request.is_finished:
+            request.num_computed_tokens -= num_drafts - num_accepted
+        self.spec_stats.observe(num_drafts, num_accepted)
+        self.spec_totals.observe(num_drafts, num_accepted)
+
+    def _update_request(self, sched: ScheduledRequest, request: Request, i: int, token_ids: list[int],
+                        logprob_row: int, runner_output: ModelRunnerOutput) -> EngineCoreOutput | None:
+        """Scheduled request i's news from the step (None: nothing to tell): the tokens it took,
+        one by one until one ends it; its logprobs are rows logprob_row.. of the runner's."""
         new_prompt_logprobs = None
         prompt_logprobs = runner_output.prompt_logprobs
         if prompt_logprobs is not None and prompt_logprobs[i] is not None and not request.is_finished:
@@ -207,18 +255,23 @@ class Scheduler:
             return None
         if request.is_finished:
             return None
-        token_id = runner_output.sampled_token_ids[i]
-        request.append_token(token_id)
+        taken, stopped = [], False
+        for token_id in token_ids:
+            request.append_token(token_id)
+            taken.append(token_id)
+            if stopped := request.check_stop(self.config.max_model_len):
+                break
         if request.grammar is not None:
             request.advance_grammar()
-        output = EngineCoreOutput(request.request_id, [token_id], new_prompt_logprobs=new_prompt_logprobs)
-        if request.num_output_tokens == 1:
+        output = EngineCoreOutput(request.request_id, taken, new_prompt_logprobs=new_prompt_logprobs)
+        if request.num_output_tokens == len(taken):
             output.first_scheduled_time = request.first_scheduled_time
             output.num_cached_tokens = request.num_cached_tokens
         num_logprobs = request.sampling_params.logprobs
         if num_logprobs is not None and runner_output.logprobs is not None:
-            output.new_logprobs = _columns(runner_output.logprobs, num_logprobs, row=i)
-        if request.check_stop(self.config.max_model_len):
+            output.new_logprobs = _columns(runner_output.logprobs, num_logprobs,
+                                           slice(logprob_row, logprob_row + len(taken)))
+        if stopped:
             self._free(request)
             output.finish_reason, output.stop_reason = FINISH_REASONS[request.status], request.stop_reason
         return output
@@ -245,8 +298,12 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         (queries, hits), (last_queries, last_hits) = self.prefix_cache_totals, self._totals_at_last_stats
         self._totals_at_last_stats = (queries, hits)
+        spec_stats = self.spec_stats
+        if spec_stats is not None:
+            self.spec_stats = SpecDecodingStats.empty(self.num_speculative_tokens)
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions,
-                              queries - last_queries, hits - last_hits)
+                              queries - last_queries, hits - last_hits,
+                              spec_stats if spec_stats is not None and spec_stats.num_drafts else None)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the cached prefixes (vLLM's reset_prefix_cache): False while a request holds blocks."""
@@ -258,12 +315,13 @@ class Scheduler:
         elif request in self.waiting:  # preempted, or never scheduled
             self.waiting.remove(request)
         self.kv.free(request)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         del self.requests[request.request_id]
         self._finished_req_ids.append(request.request_id)
 
 
-def _columns(arrays: LogprobsArrays, num_logprobs: int, row: int | None = None) -> LogprobsArrays:
-    """The first 1 + num_logprobs columns (the token's own, then the top ones), of one row or all."""
-    rows = slice(None) if row is None else slice(row, row + 1)
+def _columns(arrays: LogprobsArrays, num_logprobs: int, rows: slice = slice(None)) -> LogprobsArrays:
+    """The first 1 + num_logprobs columns (the token's own, then the top ones), of `rows`."""
     return LogprobsArrays(arrays.logprobs[rows, :num_logprobs + 1], arrays.token_ids[rows, :num_logprobs + 1],
                           arrays.ranks[rows])

@@ -38,6 +38,7 @@ from jaxllm.distributed import init_distributed
 from jaxllm.executor import make_executor
 from jaxllm.executor.multihost import HEARTBEAT_S
 from jaxllm.request import Request, RequestStatus, check_token_ids
+from jaxllm.spec_decode import make_proposer
 from jaxllm.worker.step_output import StepOutput
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class EngineCore:
         logger.info(self.executor.describe())
         kv = KVCacheManager(self.executor.num_blocks, config.cache.block_size, self.executor.kv_layout,
                             config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, kv)
+        self.scheduler = Scheduler(config.scheduler, kv, make_proposer(config), config.num_speculative_tokens)
         self.batch_queue_size = 2 if config.scheduler.async_scheduling else 1
         self.batch_queue: collections.deque[tuple[SchedulerOutput, StepOutput]] = collections.deque()
         self._grammar_compiler = None  # made for the first request with structured outputs
@@ -250,12 +251,16 @@ class EngineCore:
     # ---- utility calls (the clients' call_utility) ----
     def get_stats(self) -> dict:
         pool = self.scheduler.kv.pool
+        spec = self.scheduler.spec_totals
+        spec_decode = {} if spec is None else {
+            "spec_decode_num_drafts": spec.num_drafts, "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": spec.num_accepted_tokens}
         return {"num_blocks": pool.num_blocks, "num_free_blocks": pool.num_free_blocks,
                 "num_requests": len(self.scheduler.requests), "num_running": len(self.scheduler.running),
                 "num_waiting": len(self.scheduler.waiting), "num_preemptions": self.scheduler.num_preemptions,
                 "num_cached_blocks": pool.num_cached_blocks, "num_compilations": compilation.num_compilations(),
                 "prefix_cache_queries": self.scheduler.prefix_cache_totals[0],
-                "prefix_cache_hits": self.scheduler.prefix_cache_totals[1]}
+                "prefix_cache_hits": self.scheduler.prefix_cache_totals[1], **spec_decode}
 
     def describe(self) -> str:
         return self.executor.describe()

@@ -99,15 +99,24 @@ class RequestState:
     def append(self, token_ids: list[int], stop_terminated: bool) -> bool:
         """Add new tokens; True if a stop string ended the request. A token that
         stopped the request (EOS, a stop token id) stays out of the text, as in vLLM,
-        unless include_stop_str_in_output."""
-        self.token_ids.extend(token_ids)
+        unless include_stop_str_in_output. Several new tokens (speculative decoding)
+        are checked one by one: those after the one that completed a stop string are
+        dropped, as if they had come alone."""
         if self._stream is None:
+            self.token_ids.extend(token_ids)
             return False
-        if stop_terminated and not self.params.include_stop_str_in_output:
-            token_ids = token_ids[:-1]
-        start = len(self.text)
-        self.text += "".join(self._decode_next(t) for t in token_ids)
-        return bool(self.params.stop) and not stop_terminated and self._check_stop_strings(start)
+        hidden = stop_terminated and not self.params.include_stop_str_in_output
+        checked = bool(self.params.stop)
+        for i, token_id in enumerate(token_ids):
+            self.token_ids.append(token_id)
+            last = i == len(token_ids) - 1
+            if last and hidden:
+                break
+            start = len(self.text)
+            self.text += self._decode_next(token_id)
+            if checked and not (last and stop_terminated) and self._check_stop_strings(start):
+                return True
+        return False
 
     def _decode_next(self, token_id: int) -> str:
         piece = self._stream.step(self._backend, token_id) or ""
@@ -243,15 +252,16 @@ class OutputProcessor:
             if metrics.first_token_time is None:
                 metrics.first_token_time = timestamp
             metrics.last_token_time = timestamp
-        if co.new_logprobs is not None:
-            state.append_logprobs(co.new_logprobs)
         prompt_done = False
         if co.new_prompt_logprobs is not None and state.index == 0 and state.prompt_logprobs is not None:
             state.prompt_logprobs.append(co.new_prompt_logprobs)
             prompt_done = state.prompt_logprobs.complete
         if not co.new_token_ids and co.finish_reason is None and not prompt_done:
             return None, False  # a prefill chunk's prompt logprobs: nothing to tell until the prompt is done
+        num_tokens = len(state.token_ids)
         stopped = bool(co.new_token_ids) and state.append(co.new_token_ids, stop_terminated=co.finish_reason == "stop")
+        if co.new_logprobs is not None:  # of the tokens kept
+            state.append_logprobs(co.new_logprobs.head(len(state.token_ids) - num_tokens))
         if not stopped and co.finish_reason is not None:
             state.finish_reason, state.stop_reason, state.error = co.finish_reason, co.stop_reason, co.error
         return state.output(), stopped

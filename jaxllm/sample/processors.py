@@ -8,6 +8,10 @@ Per-request state lives on the device, one row per request row of the runner
 with the sampled ids, so asynchronous scheduling never waits for the host), which
 tokens the prompt holds, the bias row and the stop ids. The host writes a request's
 rows once, when it starts or resumes after preemption (`request_state_rows`).
+
+With speculative decoding a request has a row of logits per draft token too: row m of a
+request sees the counts as if its drafts before m had been generated, and only the tokens
+it takes (the run of samples equal to the drafts, and the one after) are counted.
 """
 import dataclasses
 
@@ -67,7 +71,7 @@ def write_rows(state: ProcessorState, rows: jax.Array, counts, prompt_mask, bias
 
 
 def apply_processors(logits: jax.Array, md: ProcessorMetadata, state: ProcessorState,
-                     bitmask: jax.Array) -> jax.Array:
+                     bitmask: jax.Array, num_speculative_tokens: int = 0) -> jax.Array:
     """logits [R, vocab] float32; bitmask [R, ceil(vocab / 32)] int32, bit t % 32 of word t // 32
     set where token t is allowed. Rows without processors come back unchanged."""
     vocab = logits.shape[-1]
@@ -78,6 +82,9 @@ def apply_processors(logits: jax.Array, md: ProcessorMetadata, state: ProcessorS
     num_output_tokens = md.positions - md.num_prompt_tokens
     out = jnp.where((num_output_tokens < md.min_tokens)[:, None] & state.stop_mask[md.state_rows], -jnp.inf, out)
     counts = state.output_counts[md.state_rows]
+    rows = jnp.arange(counts.shape[0])
+    for earlier, same_request in _earlier_rows(md, num_speculative_tokens):
+        counts = counts.at[rows, md.drafts[earlier]].add(same_request.astype(jnp.int32))
     seen = state.prompt_mask[md.state_rows] | (counts > 0)
     penalty = md.repetition_penalty[:, None]
     out = jnp.where(seen, jnp.where(out > 0, out / penalty, out * penalty), out)
@@ -85,8 +92,21 @@ def apply_processors(logits: jax.Array, md: ProcessorMetadata, state: ProcessorS
     return jnp.where(md.processed[:, None], out, logits)
 
 
-def count_sampled(state: ProcessorState, md: ProcessorMetadata, tokens: jax.Array) -> ProcessorState:
-    """Count each request's sampled id [R] int32 in its output_counts row."""
-    rows = jnp.where(md.update_rows < 0, state.output_counts.shape[0], md.update_rows)  # -1 would wrap around
+def count_sampled(state: ProcessorState, md: ProcessorMetadata, tokens: jax.Array,
+                  num_speculative_tokens: int = 0) -> ProcessorState:
+    """Count each request's sampled id [R] int32 in its output_counts row (with drafts, each id
+    the request takes)."""
+    taken = md.update_rows >= 0
+    for earlier, same_request in _earlier_rows(md, num_speculative_tokens):
+        taken &= ~same_request | (tokens[earlier] == md.drafts[earlier])
+    rows = jnp.where(taken, md.update_rows, state.output_counts.shape[0])  # -1 would wrap around
     counts = state.output_counts.at[rows, tokens].add(1, mode="drop")
     return dataclasses.replace(state, output_counts=counts)
+
+
+def _earlier_rows(md: ProcessorMetadata, num_speculative_tokens: int):
+    """For each o in 1..num_speculative_tokens: (row - o, clamped at 0 [R] int32; whether that row
+    is of the same request [R] bool), the rows whose drafts come before each row's position."""
+    rows = jnp.arange(md.drafts.shape[0], dtype=jnp.int32)
+    for o in range(1, num_speculative_tokens + 1):
+        yield jnp.maximum(rows - o, 0), rows - o >= md.segment_starts

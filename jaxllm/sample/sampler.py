@@ -47,13 +47,16 @@ def sample_mode(params: SamplingParams) -> SampleMode:
     return SampleMode.RANDOM
 
 
-# The columns of a step's sampling words [num_reqs, NUM_SAMPLING_WORDS] int32 (floats as their
-# bits). The first ones are a request's for its life (Request.sampling_row); the last three the step's:
-# "update_row" is the row + 1 that counts the sampled token, so all-zero words are an inert padding row.
+# The columns of a step's sampling words [num_rows, NUM_SAMPLING_WORDS] int32 (floats as their
+# bits), one row per position sampled: a request's, and with speculative decoding one more per
+# draft token. The first ones are a request's for its life (Request.sampling_row); the last five the
+# step's: "update_row" is the row + 1 that counts the sampled token, so all-zero words are an inert
+# padding row; "draft_token" is the draft this row's sample is checked against (-1: none, the
+# request's last row), "segment_start" the request's first row.
 SAMPLING_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "seed_high", "seed_low",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                     "num_prompt_tokens", "processed",
-                    "position", "state_row", "update_row")
+                    "position", "state_row", "update_row", "draft_token", "segment_start")
 NUM_REQUEST_WORDS, NUM_SAMPLING_WORDS = SAMPLING_COLUMNS.index("position"), len(SAMPLING_COLUMNS)
 COLUMN = {name: i for i, name in enumerate(SAMPLING_COLUMNS)}
 FLOAT_COLUMNS = [COLUMN[name] for name in ("temperature", "top_p", "min_p", "presence_penalty",
@@ -93,6 +96,8 @@ class ProcessorMetadata:
     positions: jax.Array           # [num_reqs] int32: position of the token being sampled
     state_rows: jax.Array          # [num_reqs] int32: the request's row of the ProcessorState
     update_rows: jax.Array         # [num_reqs] int32: the row that counts the sampled token, -1 for none
+    drafts: jax.Array              # [num_reqs] int32: the draft the row's sample is checked against, -1: none
+    segment_starts: jax.Array      # [num_reqs] int32: the first row of the row's request
 
     @classmethod
     def from_words(cls, words: jax.Array) -> "ProcessorMetadata":
@@ -100,7 +105,8 @@ class ProcessorMetadata:
         as_f32 = lambda name: jax.lax.bitcast_convert_type(column(name), jnp.float32)
         return cls(as_f32("presence_penalty"), as_f32("frequency_penalty"), as_f32("repetition_penalty"),
                    column("min_tokens"), column("num_prompt_tokens"), column("processed") != 0,
-                   column("position"), column("state_row"), column("update_row") - 1)
+                   column("position"), column("state_row"), column("update_row") - 1, column("draft_token"),
+                   column("segment_start"))
 
 
 def sample(logits: jax.Array, md: SamplingMetadata, mode: SampleMode = SampleMode.FILTERED) -> jax.Array:

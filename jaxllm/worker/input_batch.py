@@ -3,7 +3,9 @@ static-shape inputs of one jitted step.
 
 Shapes depend only on the token bucket T (a power of two up to
 max_num_batched_tokens): per-request arrays are padded to R = min(T, max_num_seqs),
-so each bucket is one executable. Every input of a step lives in one int32 buffer
+and the rows of logits (one per request, and with speculative decoding one per draft
+token too) to L = min(T, R * (1 + num_speculative_tokens)), so each bucket is one
+executable. Every input of a step lives in one int32 buffer
 (floats and 64-bit seeds as their bits), so a step makes one host-to-device copy;
 `BatchLayout` says where each field sits. The host buffers are allocated once per
 bucket and written in place.
@@ -23,6 +25,7 @@ from jaxllm.utils import cdiv
 
 _ALIGN = 64  # int32 words: 256 bytes
 _POSITION, _STATE_ROW, _UPDATE_ROW = COLUMN["position"], COLUMN["state_row"], COLUMN["update_row"]
+_DRAFT, _SEGMENT_START = COLUMN["draft_token"], COLUMN["segment_start"]
 
 
 @jax.tree_util.register_dataclass
@@ -31,22 +34,24 @@ class StepBatch:
     input_ids: jax.Array       # [T] int32
     prev_rows: jax.Array       # [T] int32: row of the previous step's sampled ids that holds this token, or -1
     positions: jax.Array       # [T] int32
-    logits_indices: jax.Array  # [R] int32: last scheduled token of each request
+    logits_indices: jax.Array  # [L] int32: the tokens whose logits are sampled: each request's last, and its drafts'
     attention: AttentionMetadata
-    sampling: jax.Array        # [R, NUM_SAMPLING_WORDS] int32: the sampler's words (sampler.SAMPLING_COLUMNS)
+    sampling: jax.Array        # [L, NUM_SAMPLING_WORDS] int32: the sampler's words (sampler.SAMPLING_COLUMNS)
 
 
 class BatchLayout:
     """Offsets and shapes of a bucket's fields in its int32 buffer."""
 
-    def __init__(self, num_tokens: int, num_reqs: int, max_blocks_per_seq: int, num_groups: int = 1):
-        T, R, G = num_tokens, num_reqs, num_groups
+    def __init__(self, num_tokens: int, num_reqs: int, max_blocks_per_seq: int, num_groups: int = 1,
+                 num_rows: int | None = None):
+        """num_rows: of logits (L; default num_reqs)."""
+        T, R, G, L = num_tokens, num_reqs, num_groups, num_rows or num_reqs
         shapes = {
             "input_ids": (T,), "prev_rows": (T,), "positions": (T,), "slot_mapping": (G, T),
-            "logits_indices": (R,), "query_start_loc": (R + 1,), "seq_lens": (R,), "num_seqs": (1,),
-            "sampling": (R, NUM_SAMPLING_WORDS), "block_tables": (G, R, max_blocks_per_seq),
+            "logits_indices": (L,), "query_start_loc": (R + 1,), "seq_lens": (R,), "num_seqs": (1,),
+            "sampling": (L, NUM_SAMPLING_WORDS), "block_tables": (G, R, max_blocks_per_seq),
         }
-        self.num_tokens, self.num_reqs = T, R
+        self.num_tokens, self.num_reqs, self.num_rows = T, R, L
         self.fields: dict[str, tuple[int, tuple[int, ...]]] = {}
         offset = 0
         for name, shape in shapes.items():
@@ -181,6 +186,11 @@ def request_bucket(token_bucket: int, max_num_seqs: int) -> int:
     return min(token_bucket, max_num_seqs)
 
 
+def logit_rows(token_bucket: int, max_num_seqs: int, num_speculative_tokens: int = 0) -> int:
+    """L: each row is a scheduled token, and a request has at most 1 + num_speculative_tokens."""
+    return min(token_bucket, request_bucket(token_bucket, max_num_seqs) * (1 + num_speculative_tokens))
+
+
 def fill_padding(v: dict[str, np.ndarray]) -> None:
     """An all-padding batch (warm-up compiles with these): no request, no KV writes."""
     for view in v.values():
@@ -190,19 +200,25 @@ def fill_padding(v: dict[str, np.ndarray]) -> None:
 
 
 def pack(sched: SchedulerOutput, rows: np.ndarray, state: RequestRows, v: dict[str, np.ndarray],
-         block_size: int) -> None:
+         block_size: int) -> np.ndarray | None:
     """Write the scheduled requests (at `rows` of `state`) into a bucket's host views `v`.
     A request's last token may be one the previous step is still sampling on the
-    device: the step then reads it from there (`prev_rows`) instead of the host."""
+    device: the step then reads it from there (`prev_rows`) instead of the host.
+    Returns each request's first row of logits when a request has drafts (its rows are its
+    drafts' positions and its last token's), else None (row i is request i's)."""
     reqs = sched.scheduled
     n, total = len(reqs), sched.num_scheduled_tokens
     # One pass over the requests: their numbers, and the token ids the host has for the step.
-    numbers, host_tokens = [], []
+    numbers, host_tokens, drafts = [], [], []
     for s in reqs:
         start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-        numbers.append((start, end, start + len(s.token_ids), s.samples))  # ids known up to the third
+        num_drafts = len(s.draft_token_ids)
+        numbers.append((start, end, start + len(s.token_ids) + num_drafts, s.samples, num_drafts))  # ids known up to the third
         host_tokens += s.token_ids
-    starts, ends, known, samples = np.array(numbers, np.int32).T
+        if num_drafts:
+            host_tokens += s.draft_token_ids
+            drafts += s.draft_token_ids
+    starts, ends, known, samples, num_drafts = np.array(numbers, np.int32).T
     decode_only = total == n  # one token per request: the positions are the starts
 
     qsl = v["query_start_loc"]
@@ -218,14 +234,34 @@ def pack(sched: SchedulerOutput, rows: np.ndarray, state: RequestRows, v: dict[s
     block_tables = v["block_tables"]
     np.take(state.block_table, rows, axis=1, out=block_tables[:, :n])
     last = qsl[1:n + 1] - 1
-    v["logits_indices"][:n] = last
+    samples = samples.astype(bool)
+    first_rows = None
+    if drafts:  # a row of logits per draft before each such request's last token
+        per_request = num_drafts + 1
+        first_rows = np.zeros(n, np.int32)
+        np.cumsum(per_request[:-1], out=first_rows[1:])
+        num_rows = int(per_request.sum())
+        request_of_row = np.repeat(np.arange(n), per_request)
+        before_last = first_rows[request_of_row] + num_drafts[request_of_row] - np.arange(num_rows, dtype=np.int32)
+        v["logits_indices"][:num_rows] = last[request_of_row] - before_last
+        positions = ends[request_of_row] - before_last
+        row_drafts = np.full(num_rows, -1, np.int32)
+        row_drafts[before_last > 0] = drafts
+        segment_starts = first_rows[request_of_row]
+    else:
+        num_rows, request_of_row = n, slice(None)
+        v["logits_indices"][:n] = last
+        positions, row_drafts, segment_starts = ends, -1, np.arange(n)
+    row_state = rows[request_of_row]
     sampling = v["sampling"]
-    sampling[:n, :NUM_REQUEST_WORDS] = state.sampling[rows]
-    sampling[:n, _POSITION] = ends
-    sampling[:n, _STATE_ROW] = rows
+    sampling[:num_rows, :NUM_REQUEST_WORDS] = state.sampling[row_state]
+    sampling[:num_rows, _POSITION] = positions
+    sampling[:num_rows, _STATE_ROW] = row_state
     # Only a request with processors that samples this step counts its token (row + 1; 0: nowhere).
-    sampling[:n, _UPDATE_ROW] = np.where(samples.astype(bool) & state.processed[rows], rows + 1, 0)
-    sampling[n:] = 0  # padding rows: greedy, no filter, no processors
+    sampling[:num_rows, _UPDATE_ROW] = np.where(samples[request_of_row] & state.processed[row_state], row_state + 1, 0)
+    sampling[:num_rows, _DRAFT] = row_drafts
+    sampling[:num_rows, _SEGMENT_START] = segment_starts
+    sampling[num_rows:] = 0  # padding rows: greedy, no filter, no processors
 
     # Token ids: from the host, except a last token still on the device.
     prev = v["prev_rows"]
@@ -248,6 +284,9 @@ def pack(sched: SchedulerOutput, rows: np.ndarray, state: RequestRows, v: dict[s
     slots[:, :total] = block_tables[:, req_of_token, pos // block_size] * block_size + pos % block_size
     slots[:, total:] = -1
 
-    # Where this step's samples land, for the next step.
+    # Where this step's samples land, for the next step (a request with drafts takes several: the
+    # scheduler gives it none while a step of it is in flight).
     state.prev_sampled_row[rows] = -1
-    state.prev_sampled_row[rows[samples > 0]] = np.flatnonzero(samples)
+    fed = samples & (num_drafts == 0)
+    state.prev_sampled_row[rows[fed]] = np.flatnonzero(fed) if first_rows is None else first_rows[fed]
+    return first_rows

@@ -4,7 +4,8 @@ compiled executables (executables.py), the persistent request rows and the packi
 step's inputs (input_batch.py), the logits processors' per-request state (processor_state.py),
 and the jitted functions (step_functions.py).
 
-A step is the forward pass to the logits at each request's last token and their argmax
+A step is the forward pass to the logits at each request's last token (and, with
+speculative decoding, at each of its draft tokens: those logits check the drafts) and their argmax
 (one executable per token bucket, the KV cache donated, so updated in place), then, unless
 every request is greedy with no logits processors, the sampler (one executable per request
 bucket, SampleMode and whether it runs the processors of jaxllm/sample/processors.py), and,
@@ -12,10 +13,17 @@ when a request asks for them, the logprobs of the sampled ids (per request bucke
 of top tokens; jaxllm/sample/logprobs.py) and of its prompt (per token bucket).
 
 A step is dispatched without waiting for the previous one: its sampled ids stay on the
-device, padded to max_num_seqs, and the next step reads from there a token the host does
-not have yet (asynchronous scheduling). A step with requests under the core's token masks
+device, padded to the widest bucket's rows of logits, and the next step reads from there a
+token the host does not have yet (asynchronous scheduling). A step with requests under the core's token masks
 (structured outputs, multi-token bad words) dispatches its forward in execute_model and its
 sampling in sample_tokens, once the core has made the masks.
+
+Speculative decoding: a request with drafts has a row of logits per draft and one for its
+last token, each sampled as if the tokens before it had come one by one (same key, same
+processors). It takes the run of drafts its samples agree with, and the sample after that
+run (StepOutput.get_output). With drafts that are one guess each (n-gram), that is exact
+rejection sampling: a draft is kept with the probability the model gives it, and the token
+sampled where one is not is drawn from the model's distribution without it.
 """
 import itertools
 import logging
@@ -52,9 +60,9 @@ _PROMPT_LOGPROBS_CHUNK = 256  # prompt positions per call of the prompt-logprobs
 class _Forward(NamedTuple):
     """A dispatched forward pass, on the device."""
     token_bucket: int
-    greedy: jax.Array  # [max_num_seqs] int32: the argmax of each request's logits
-    logits: jax.Array  # [R, vocab] float32
-    words: jax.Array   # [R, NUM_SAMPLING_WORDS] int32: the sampler's inputs
+    greedy: jax.Array  # [num_sampled] int32: the argmax of each row of logits
+    logits: jax.Array  # [L, vocab] float32
+    words: jax.Array   # [L, NUM_SAMPLING_WORDS] int32: the sampler's inputs
     hidden: jax.Array  # [T, hidden_size]: for prompt logprobs
 
 
@@ -62,6 +70,7 @@ class _Step(NamedTuple):
     """What a step's sampling needs once its forward is on its way."""
     sched: SchedulerOutput
     rows: np.ndarray  # [n] int32: the scheduled requests' rows
+    first_rows: np.ndarray | None  # with drafts, each request's first row of logits (else row i is request i's)
     forward: _Forward
     mode: SampleMode
     processed: bool
@@ -103,8 +112,13 @@ class ModelRunner:
         num_groups = len(self.kv_layout.groups)
         self.token_buckets = batching.token_buckets(sc.max_num_batched_tokens)
         self.request_rows = batching.RequestRows(self.max_blocks_per_seq, sc.max_num_seqs, num_groups)
+        num_spec = config.num_speculative_tokens
         layouts = {t: batching.BatchLayout(t, batching.request_bucket(t, sc.max_num_seqs), self.max_blocks_per_seq,
-                                           num_groups) for t in self.token_buckets}
+                                           num_groups, batching.logit_rows(t, sc.max_num_seqs, num_spec))
+                   for t in self.token_buckets}
+        self.layouts = layouts
+        # The sampled ids' array: as long as the widest bucket's rows of logits (max_num_seqs without drafts).
+        self.num_sampled = layouts[self.token_buckets[-1]].num_rows
         self._host_buffers = {t: [(b, layout.host_views(b)) for b in (np.zeros(layout.size, np.int32),
                                                                       np.zeros(layout.size, np.int32))]
                               for t, layout in layouts.items()}
@@ -119,8 +133,8 @@ class ModelRunner:
         # costs a fifth of one of 20 at [256, 128k] on an H200 (above 16, XLA sorts the rows).
         self.logprob_buckets = sorted({0, min(8, self.num_logprobs), self.num_logprobs})
         self.fns = StepFunctions(self.weights.graphdef, self.weights.treedef, get_attention_fn(
-            config.attention_backend, self.mesh, config.batch_invariant), layouts, sc.max_num_seqs, self.mesh,
-            self.kv_layout.num_tensors, user_processors, self.num_logprobs, config.batch_invariant)
+            config.attention_backend, self.mesh, config.batch_invariant), layouts, self.num_sampled, self.mesh,
+            self.kv_layout.num_tensors, user_processors, self.num_logprobs, config.batch_invariant, num_spec)
         self.processor_rows = ProcessorRows(config, user_processors, self.fns.write_rows,
                                             self.fns.processor_state_sharding)
         self._prev_sampled = self._zero_sampled()
@@ -141,7 +155,7 @@ class ModelRunner:
         return self.kv_cache.caches
 
     def _zero_sampled(self) -> jax.Array:
-        return jax.device_put(np.zeros(self.config.scheduler.max_num_seqs, np.int32), replicated(self.mesh))
+        return jax.device_put(np.zeros(self.num_sampled, np.int32), replicated(self.mesh))
 
     def reset_kv_caches(self) -> None:
         """Fresh caches and no step history, after a failed step may have consumed the donated caches."""
@@ -218,7 +232,7 @@ class ModelRunner:
             self.processor_rows.update_users(added, removed, failed)
         token_bucket = self._token_bucket(sched.num_scheduled_tokens)
         buffer, views = self._next_host_buffer(token_bucket)
-        batching.pack(sched, rows, self.request_rows, views, self.block_size)
+        first_rows = batching.pack(sched, rows, self.request_rows, views, self.block_size)
         mode = self.request_rows.batch_sample_mode(rows)
         processed = bool(self.processor_rows.users) or bool(self.request_rows.processed[rows].any())
         most = int(self.request_rows.num_logprobs[rows].max())
@@ -227,7 +241,7 @@ class ModelRunner:
         if self.step_replay is not None:
             self.step_replay.offer(len(sched.scheduled), sched.num_scheduled_tokens,
                                    (token_bucket, buffer, mode, processed, num_logprobs))
-        step = _Step(sched, rows, self._forward(token_bucket, buffer), mode, processed, num_logprobs,
+        step = _Step(sched, rows, first_rows, self._forward(token_bucket, buffer), mode, processed, num_logprobs,
                      prompt_inputs, prompt_segments, failed)
         if self.request_rows.host_masked[rows].any():
             self._waiting = step
@@ -245,7 +259,8 @@ class ModelRunner:
         buffers.reverse()
         bitmask = buffers[0]
         bitmask[:] = -1
-        index = {s.req_id: i for i, s in enumerate(step.sched.scheduled)}
+        first_rows = range(len(step.sched.scheduled)) if step.first_rows is None else step.first_rows.tolist()
+        index = {s.req_id: row for s, row in zip(step.sched.scheduled, first_rows)}  # a masked request has no drafts
         bitmask[[index[r] for r in masks.req_ids]] = masks.bitmask
         return self._sample_step(step, bitmask)
 
@@ -254,8 +269,8 @@ class ModelRunner:
                                                           bitmask, step.prompt_inputs, step.rows)
         for array in (sampled, *(logprobs or ()), *(a for p in prompt_logprobs for a in p)):
             array.copy_to_host_async()
-        return StepOutput(sampled, len(step.sched.scheduled), logprobs, prompt_logprobs, step.prompt_segments,
-                          step.failed)
+        return StepOutput(sampled, step.sched.scheduled, step.first_rows, logprobs, prompt_logprobs,
+                          step.prompt_segments, step.failed)
 
     def _token_bucket(self, num_tokens: int) -> int:
         return next(b for b in self.token_buckets if b >= num_tokens)
@@ -364,7 +379,7 @@ class ModelRunner:
         compiled_s = time.perf_counter() - start
         distributed.barrier("jaxllm-compiled")  # other hosts may compile for longer
         self.processor_rows.write([], {})
-        request_buckets = set()
+        row_buckets = set()
         for token_bucket in self.token_buckets:
             buffer, views = self._next_host_buffer(token_bucket)
             batching.fill_padding(views)
@@ -373,9 +388,9 @@ class ModelRunner:
             # smallest forward of its request bucket.
             jax.block_until_ready(self._dispatch(token_bucket, buffer, SampleMode.GREEDY, False,
                                                  num_logprobs=self.num_logprobs, prompt_inputs=[(zeros, zeros)]))
-            num_reqs = batching.request_bucket(token_bucket, self.config.scheduler.max_num_seqs)
-            if num_reqs not in request_buckets:
-                request_buckets.add(num_reqs)
+            num_rows = self.layouts[token_bucket].num_rows
+            if num_rows not in row_buckets:
+                row_buckets.add(num_rows)
                 for mode, processed in itertools.product(SampleMode, (False, True)):
                     if mode != SampleMode.GREEDY or processed:
                         jax.block_until_ready(self._dispatch(token_bucket, buffer, mode, processed))
@@ -384,19 +399,19 @@ class ModelRunner:
 
     def _warm_up_keys(self) -> list[ExecutableKey]:
         """Every executable warm_up builds, each forward before the prompt logprobs of its token
-        bucket and the samplers and logprobs of its request bucket."""
-        keys, request_buckets = [], set()
+        bucket and the samplers and logprobs of its rows of logits."""
+        keys, row_buckets = [], set()
         for token_bucket in self.token_buckets:
             keys += [ExecutableKey(FORWARD, token_bucket), ExecutableKey(PROMPT_LOGPROBS, token_bucket)]
-            num_reqs = batching.request_bucket(token_bucket, self.config.scheduler.max_num_seqs)
-            if num_reqs in request_buckets:
+            num_rows = self.layouts[token_bucket].num_rows
+            if num_rows in row_buckets:
                 continue
-            request_buckets.add(num_reqs)
+            row_buckets.add(num_rows)
             for mode in SampleMode:
                 if mode != SampleMode.GREEDY:  # a greedy batch samples with the forward's argmax
-                    keys.append(ExecutableKey(SAMPLER, num_reqs, mode, False))
-                keys.append(ExecutableKey(SAMPLER, num_reqs, mode, True))
-            keys += [ExecutableKey(LOGPROBS, num_reqs, num_logprobs=k) for k in self.logprob_buckets]
+                    keys.append(ExecutableKey(SAMPLER, num_rows, mode, False))
+                keys.append(ExecutableKey(SAMPLER, num_rows, mode, True))
+            keys += [ExecutableKey(LOGPROBS, num_rows, num_logprobs=k) for k in self.logprob_buckets]
         return keys
 
     def _lower(self, key: ExecutableKey, forward_info) -> jax.stages.Lowered:

@@ -23,21 +23,23 @@ class StepFunctions:
     the same inputs as the one before (and compiles nothing new)."""
 
     def __init__(self, graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout],
-                 max_num_seqs: int, mesh, num_kv_tensors: int, user_processors: tuple, num_logprobs: int,
-                 invariant: bool = False):
-        """invariant: the model traces with the batch-invariant ops (kernels/batch_invariant.py)."""
+                 num_sampled: int, mesh, num_kv_tensors: int, user_processors: tuple, num_logprobs: int,
+                 invariant: bool = False, num_speculative_tokens: int = 0):
+        """num_sampled: the length of the sampled ids' array (the most rows of logits a step has);
+        invariant: the model traces with the batch-invariant ops (kernels/batch_invariant.py)."""
         kv = kv_cache_sharding(mesh)
         rep = replicated(mesh)
         self.processor_state_sharding = ProcessorState(*[named_sharding(mesh, (None, "vocab"))] * 4)
         model_fn = _traced_invariant if invariant else (lambda fn: fn)
-        forward = model_fn(make_forward_fn(graphdef, params_treedef, attn_fn, layouts, max_num_seqs))
+        forward = model_fn(make_forward_fn(graphdef, params_treedef, attn_fn, layouts, num_sampled))
         self.forward = jax.jit(forward, donate_argnums=(1,), static_argnums=(4,), out_shardings=(
             rep, named_sharding(mesh, (None, "vocab")), rep, rep, [(kv, kv)] * num_kv_tensors))
-        self.sample = jax.jit(functools.partial(sample_padded, max_num_seqs=max_num_seqs), static_argnums=(2,),
+        self.sample = jax.jit(functools.partial(sample_padded, num_sampled=num_sampled), static_argnums=(2,),
                               out_shardings=rep)
         # Users' processors (EngineArgs.logits_processors): every step runs them, in the processed sampler.
         self.sample_processed = jax.jit(
-            functools.partial(sample_processed, max_num_seqs=max_num_seqs, user_processors=user_processors),
+            functools.partial(sample_processed, num_sampled=num_sampled, user_processors=user_processors,
+                              num_speculative_tokens=num_speculative_tokens),
             donate_argnums=(2,), static_argnums=(5,), out_shardings=(rep, self.processor_state_sharding))
         self.write_rows = jax.jit(processors.write_rows, donate_argnums=(0,),
                                   out_shardings=self.processor_state_sharding)
@@ -55,20 +57,20 @@ def _traced_invariant(fn):
     return traced
 
 
-def make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout], max_num_seqs: int):
+def make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout], num_sampled: int):
     """The jitted forward's function (a closure, not a method: the runner is not kept alive by its executables)."""
     def step(params, kv_caches, prev_sampled, buffer, token_bucket: int):
         """params: flat weights; kv_caches: per KV tensor (K, V) [num_blocks, block_size, kv_heads, head_dim];
-        prev_sampled [max_num_seqs] int32: the previous step's ids; buffer [size] int32: this step's inputs,
-        laid out as `token_bucket`'s BatchLayout. Returns (the greedy ids [max_num_seqs] int32, the logits
-        [R, vocab] float32 at each request's last token, the R requests' sampling words, the final hidden
-        states [T, hidden_size] (for prompt logprobs), kv_caches)."""
+        prev_sampled [num_sampled] int32: the previous step's ids; buffer [size] int32: this step's inputs,
+        laid out as `token_bucket`'s BatchLayout. Returns (the greedy ids [num_sampled] int32, the logits
+        [L, vocab] float32 at each sampled position (a request's last token, and its drafts'), their L
+        rows of sampling words, the final hidden states [T, hidden_size] (for prompt logprobs), kv_caches)."""
         batch = layouts[token_bucket].unpack(buffer)
         input_ids = jnp.where(batch.prev_rows >= 0, prev_sampled[jnp.maximum(batch.prev_rows, 0)], batch.input_ids)
         model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, params))
         hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attention, attn_fn)
         logits = model.compute_logits(hidden[batch.logits_indices])
-        greedy = jnp.pad(jnp.argmax(logits, axis=-1).astype(jnp.int32), (0, max_num_seqs - logits.shape[0]))
+        greedy = jnp.pad(jnp.argmax(logits, axis=-1).astype(jnp.int32), (0, num_sampled - logits.shape[0]))
         return greedy, logits, batch.sampling, hidden, kv_caches
     return step
 
@@ -83,20 +85,21 @@ def make_prompt_logprobs_fn(graphdef, params_treedef, num_logprobs: int):
     return prompt_logprobs
 
 
-def sample_padded(logits, words, mode: SampleMode, max_num_seqs: int) -> jax.Array:
-    """Sampled ids [max_num_seqs] int32: the R requests' first, then zeros."""
+def sample_padded(logits, words, mode: SampleMode, num_sampled: int) -> jax.Array:
+    """Sampled ids [num_sampled] int32: the L rows' first, then zeros."""
     tokens = sample(logits, SamplingMetadata.from_words(words), mode)
-    return jnp.pad(tokens, (0, max_num_seqs - tokens.shape[0]))
+    return jnp.pad(tokens, (0, num_sampled - tokens.shape[0]))
 
 
 def sample_processed(logits, words, state: ProcessorState, bitmask, user_states: tuple, mode: SampleMode,
-                      max_num_seqs: int, user_processors: tuple):
+                      num_sampled: int, user_processors: tuple, num_speculative_tokens: int = 0):
     """The logits processors (the built-in ones, then the users'), then the sampler; each
-    request with built-in processors counts its sampled id. Returns (ids [max_num_seqs]
+    request with built-in processors counts the ids it takes. Returns (ids [num_sampled]
     int32, the new ProcessorState)."""
     md = ProcessorMetadata.from_words(words)
-    logits = processors.apply_processors(logits, md, state, bitmask)
+    logits = processors.apply_processors(logits, md, state, bitmask, num_speculative_tokens)
     for processor, user_state in zip(user_processors, user_states):
         logits = processor.apply(user_state, logits)
     tokens = sample(logits, SamplingMetadata.from_words(words), mode)
-    return jnp.pad(tokens, (0, max_num_seqs - tokens.shape[0])), processors.count_sampled(state, md, tokens)
+    return (jnp.pad(tokens, (0, num_sampled - tokens.shape[0])),
+            processors.count_sampled(state, md, tokens, num_speculative_tokens))

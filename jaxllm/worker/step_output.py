@@ -7,35 +7,54 @@ import jax
 import numpy as np
 
 from jaxllm.contracts.engine_core import LogprobsArrays
-from jaxllm.contracts.step import ModelRunnerOutput
+from jaxllm.contracts.step import ModelRunnerOutput, ScheduledRequest
 
 
 class Logprobs(NamedTuple):
-    """A step's sample logprobs on the device (compute_logprobs), one row per request of its bucket."""
-    logprobs: jax.Array   # [R, 1 + K] float32: the sampled token's, then the top K
-    token_ids: jax.Array  # [R, 1 + K] int32
-    ranks: jax.Array      # [R] int32: the sampled token's rank (1 = most likely)
+    """A step's sample logprobs on the device (compute_logprobs), one per row of logits of its bucket."""
+    logprobs: jax.Array   # [L, 1 + K] float32: the sampled token's, then the top K
+    token_ids: jax.Array  # [L, 1 + K] int32
+    ranks: jax.Array      # [L] int32: the sampled token's rank (1 = most likely)
 
 
 @dataclasses.dataclass
 class StepOutput:
     """A dispatched step: its sampled ids (and logprobs, if a request asked) are on their way to the host."""
-    sampled: jax.Array  # [max_num_seqs] int32, on the device
-    num_reqs: int
+    sampled: jax.Array  # [num_sampled] int32, on the device: a sample per row of logits
+    scheduled: list[ScheduledRequest]
+    first_rows: np.ndarray | None = None  # with drafts, each request's first row (else row i is request i's)
     logprobs: Logprobs | None = None
     prompt_logprobs: list[Logprobs] = dataclasses.field(default_factory=list)  # chunks of [C] positions
     prompt_segments: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (request index, positions)
     failed: dict[str, str] = dataclasses.field(default_factory=dict)  # request id -> why its host work failed
 
+    @property
+    def num_reqs(self) -> int:
+        return len(self.scheduled)
+
     def get_output(self) -> ModelRunnerOutput:
         """The step's results on the host; blocks until the step has finished."""
-        return ModelRunnerOutput(np.asarray(self.sampled)[:self.num_reqs].tolist(), self._host_logprobs(),
-                                 self._host_prompt_logprobs(), self.failed)
+        samples = np.asarray(self.sampled).tolist()
+        taken, rows = [], []  # per request, its tokens; the rows of logits they were sampled at
+        for i, s in enumerate(self.scheduled):
+            if not s.samples:
+                taken.append([])
+                continue
+            first = i if self.first_rows is None else int(self.first_rows[i])
+            n = 1  # the drafts its samples agree with, and the sample after them
+            for draft in s.draft_token_ids:
+                if samples[first + n - 1] != draft:
+                    break
+                n += 1
+            taken.append(samples[first:first + n])
+            rows.extend(range(first, first + n))
+        return ModelRunnerOutput(taken, self._host_logprobs(rows), self._host_prompt_logprobs(), self.failed)
 
-    def _host_logprobs(self) -> LogprobsArrays | None:
+    def _host_logprobs(self, rows: list[int]) -> LogprobsArrays | None:
+        """Those of the tokens taken, in the requests' order."""
         if self.logprobs is None:
             return None
-        return LogprobsArrays(*(np.asarray(a) for a in self.logprobs))
+        return LogprobsArrays(*(np.asarray(a)[rows] for a in self.logprobs))
 
     def _host_prompt_logprobs(self) -> list[LogprobsArrays | None] | None:
         """Per scheduled request, the logprobs of its prompt positions this step (or None);

@@ -191,14 +191,14 @@ def test_scheduler_admits_after_the_cached_prefix_and_counts_it():
     s = Scheduler(SchedulerConfig(8, 64, 64, async_scheduling=False), kv)
     s.add_request(request(0, range(1, 14)))
     out = s.schedule()
-    s.update_from_output(out, ModelRunnerOutput([7]))
+    s.update_from_output(out, ModelRunnerOutput([[7]]))
     s.make_stats()
     s.add_request(request(1, range(1, 14)))
     out = s.schedule()
     new = next(r for r in out.scheduled if r.req_id == "1")
     assert new.num_computed_tokens == 12 and new.num_new_tokens == 1
     assert len(new.new_block_ids[0]) == 4  # the whole table of an admitted request: 3 hit blocks and 1 new
-    outputs = s.update_from_output(out, ModelRunnerOutput([7, 7]))
+    outputs = s.update_from_output(out, ModelRunnerOutput([[7], [7]]))
     assert next(o for o in outputs if o.request_id == "1").num_cached_tokens == 12
     stats = s.make_stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (13, 12)

@@ -28,7 +28,7 @@ def held_blocks(scheduler) -> dict:
 
 def run_step(scheduler, token=7):
     out = scheduler.schedule()
-    return out, scheduler.update_from_output(out, ModelRunnerOutput([token] * len(out.scheduled)))
+    return out, scheduler.update_from_output(out, ModelRunnerOutput([[token]] * len(out.scheduled)))
 
 
 def test_long_prompt_is_chunked_under_the_token_budget():
@@ -112,7 +112,7 @@ def test_preempted_request_recomputes_prompt_and_outputs():
             if r.num_computed_tokens == 0 and s.requests[r.req_id].num_output_tokens > 0:
                 assert r.num_new_tokens == s.requests[r.req_id].num_tokens  # prompt + outputs so far, again
                 recomputed += 1
-        s.update_from_output(out, ModelRunnerOutput([7] * len(out.scheduled)))
+        s.update_from_output(out, ModelRunnerOutput([[7]] * len(out.scheduled)))
     assert s.num_preemptions > 0 and recomputed > 0
 
 
@@ -138,7 +138,7 @@ def test_a_request_whose_in_flight_tokens_end_it_by_length_is_not_scheduled_agai
     s.add_request(make_request(0, 3, max_tokens=max_tokens))
     in_flight = [s.schedule(), s.schedule()]  # they will sample the 4th and 5th tokens: the last allowed
     assert s.schedule().is_empty
-    results = [s.update_from_output(out, ModelRunnerOutput([7])) for out in in_flight]
+    results = [s.update_from_output(out, ModelRunnerOutput([[7]])) for out in in_flight]
     assert results[-1][0].finish_reason == "length" and s.kv.pool.num_free_blocks == 64
 
 

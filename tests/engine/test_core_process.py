@@ -114,19 +114,22 @@ def check_against(expected, got) -> None:
 def test_every_client_gives_the_same_outputs_with_async_scheduling_on_and_off(
         char_llama, expected, client, async_scheduling):
     args = engine_args(char_llama, async_scheduling=async_scheduling, enable_multiprocessing=client != "inproc")
-    requests = expected[0]
+    got, stats = run_client(client, args, expected[0])
+    check_against(expected, got)
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def run_client(client: str, args: EngineArgs, requests) -> tuple[dict, dict]:
+    """The requests' outputs (ABORTED aborted) through LLMEngine.step ("inproc", "sync_mp") or
+    AsyncLLM ("async_llm"), and the core's stats once it holds no request."""
     if client == "async_llm":
         async def run():
             with AsyncLLM.from_engine_args(args, show_progress=False) as llm:
                 got = await drive_async(llm, requests, ABORTED)
-                return got, await llm.get_stats()
-        got, stats = asyncio.run(run())
-    else:
-        with LLM(**vars(args), show_progress=False) as llm:
-            got = drive_engine(llm.llm_engine, requests, ABORTED)
-            stats = llm.llm_engine.get_stats()
-    check_against(expected, got)
-    assert stats["num_free_blocks"] == stats["num_blocks"]
+                return got, await wait_for_idle_core(llm)
+        return asyncio.run(run())
+    with LLM(**vars(args), show_progress=False) as llm:
+        return drive_engine(llm.llm_engine, requests, ABORTED), llm.llm_engine.get_stats()
 
 
 async def wait_for_idle_core(llm: AsyncLLM, timeout_s: float = 5.0) -> dict:
@@ -311,3 +314,19 @@ def test_del_frees_the_engine_without_the_garbage_collector(char_llama):
         assert proc.poll() is not None and child_pids() == []
     finally:
         gc.enable()
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@pytest.mark.parametrize("client", ["inproc", "async_llm"])
+def test_speculative_decoding_gives_the_same_outputs(char_llama, expected, client):
+    """n-gram drafts change no token: greedy and seeded requests, stop strings and stop ids,
+    max_tokens, aborts and preemption under the small cache, in process and behind ZMQ."""
+    args = engine_args(char_llama, speculative_config=NGRAM, enable_multiprocessing=client != "inproc")
+    got, stats = run_client(client, args, expected[0])
+    check_against(expected, got)
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    assert stats["num_preemptions"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] > 50, stats  # the drafts did take tokens
+    assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]  # and some were wrong

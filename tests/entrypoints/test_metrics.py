@@ -7,7 +7,7 @@ import logging
 import httpx
 import pytest
 
-from jaxllm.contracts.engine_core import SchedulerStats
+from jaxllm.contracts.engine_core import SchedulerStats, SpecDecodingStats
 from jaxllm.entrypoints.openai.metrics import ServerMetrics, log_stats_periodically
 from tests.entrypoints.conftest import MODEL_NAME, metric_values
 
@@ -46,6 +46,28 @@ def test_the_gauges_and_the_preemptions_follow_the_newest_stats():
     assert metric_values(text, "jaxllm:num_requests_running")[LABELS] == 1.0
     assert metric_values(text, "jaxllm:kv_cache_usage_perc")[LABELS] == 0.5
     assert metric_values(text, "jaxllm:num_preemptions_total")[LABELS] == 5.0
+
+
+def test_the_speculative_decoding_counters_add_up_each_steps_drafts(caplog):
+    metrics = ServerMetrics(MODEL_NAME, 512)
+    for drafts, accepted, per_pos in ((4, 6, [3, 2, 1]), (2, 1, [1, 0, 0])):
+        metrics.record_scheduler_stats(SchedulerStats(spec_decoding=SpecDecodingStats(drafts, 3 * drafts, accepted,
+                                                                                        per_pos)))
+    metrics.record_scheduler_stats(step_stats(0, 0))  # a step without drafts
+    text = metrics.render().decode()
+    assert metric_values(text, "jaxllm:spec_decode_num_drafts_total")[LABELS] == 6.0
+    assert metric_values(text, "jaxllm:spec_decode_num_draft_tokens_total")[LABELS] == 18.0
+    assert metric_values(text, "jaxllm:spec_decode_num_accepted_tokens_total")[LABELS] == 7.0
+    per_position = metric_values(text, "jaxllm:spec_decode_num_accepted_tokens_per_pos_total")
+    assert [per_position[f'{{model_name="{MODEL_NAME}",position="{p}"}}'] for p in "012"] == [4.0, 2.0, 1.0]
+    done = iter([False, True])
+
+    class Engine:
+        errored = property(lambda self: next(done))
+
+    with caplog.at_level(logging.INFO, logger="jaxllm.entrypoints.openai.metrics"):
+        asyncio.run(asyncio.wait_for(log_stats_periodically(Engine(), metrics, 0.01), 10))
+    assert any("Mean acceptance length: 2.17" in r.getMessage() for r in caplog.records)
 
 
 def test_the_stats_log_prints_the_hit_rate_of_the_recent_lookups(caplog):

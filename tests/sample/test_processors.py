@@ -62,7 +62,8 @@ def run(requests, bitmask=None, seed=0):
         processed=jnp.asarray(processed),
         positions=jnp.int32([0 if r is None else len(r["prompt"]) + len(r["output"]) for r in requests]),
         state_rows=jnp.int32(np.where(processed, rows[:n], 0)),
-        update_rows=jnp.int32(np.where(processed, rows[:n], -1)))
+        update_rows=jnp.int32(np.where(processed, rows[:n], -1)), drafts=jnp.full(n, -1, jnp.int32),
+        segment_starts=jnp.arange(n, dtype=jnp.int32))
     out = np.asarray(jax.jit(processors.apply_processors)(logits, md, state, bitmask))
     return logits, out, md, state
 

@@ -25,16 +25,16 @@ def test_hand_built_steps_give_the_engines_greedy_tokens():
     # Step 1: both prompts, each sampling its first token.
     prefill = SchedulerOutput([ScheduledRequest(f"r{i}", 0, len(p), p, blocks[i], True) for i, p in enumerate(PROMPTS)],
                               sum(map(len, PROMPTS)), new_requests=new, step_id=1)
-    got = [[t] for t in runner.execute_model(prefill).get_output().sampled_token_ids]
+    got = [list(t) for t in runner.execute_model(prefill).get_output().sampled_token_ids]
     # Steps 2 and 3: one token each; the first decode's token is still on the device when it is
     # dispatched (no ids known to the core), the second's is known.
     decode = SchedulerOutput([ScheduledRequest(f"r{i}", len(p), 1, [], [[]], True) for i, p in enumerate(PROMPTS)],
                              2, step_id=2)
     for i, t in enumerate(runner.execute_model(decode).get_output().sampled_token_ids):
-        got[i].append(t)
+        got[i] += t
     known = SchedulerOutput([ScheduledRequest(f"r{i}", len(p) + 1, 1, [got[i][1]], [[]], True)
                              for i, p in enumerate(PROMPTS)], 2, step_id=3)
     for i, t in enumerate(runner.execute_model(known).get_output().sampled_token_ids):
-        got[i].append(t)
+        got[i] += t
     runner.shutdown()
     assert got == want

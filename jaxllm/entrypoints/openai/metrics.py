@@ -6,7 +6,9 @@ the RequestOutputs (monotonic timestamps of one clock: the engine core shares th
 and, for the gauges, the preemptions and the prefix cache, the SchedulerStats that come
 with each step's outputs (AsyncLLM.stats_listeners); a scrape asks the core nothing. The
 prefix-cache counters are vLLM's prefix_cache_queries and prefix_cache_hits (prompt tokens
-looked up at admission, and those the cache held), the stats' increments. The intervals are vLLM's:
+looked up at admission, and those the cache held), the stats' increments; so are the
+speculative decoding counters (vLLM's spec_decode_*: requests' steps with drafts, draft
+tokens, accepted ones, and accepted ones by position). The intervals are vLLM's:
 queue = arrival .. first scheduled, prefill = first scheduled .. first token,
 decode = first token .. last token, inference = first scheduled .. last token,
 end-to-end = arrival .. the server saw the request finish.
@@ -77,6 +79,12 @@ class ServerMetrics:
         self._request_success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
                                         registry=self.registry, labelnames=["model_name", "finished_reason"])
         self._model_name = model_name
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Requests' steps with draft tokens.")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_decode_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by their position.",
+            registry=self.registry, labelnames=["model_name", "position"])
         tokens = _token_buckets(max_model_len)
         self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.", tokens)
         self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens per request.",
@@ -102,6 +110,7 @@ class ServerMetrics:
         # Plain totals for the stats log's rates.
         self.total_prompt_tokens = self.total_generation_tokens = 0
         self.total_queries = self.total_hits = 0
+        self.total_drafts = self.total_accepted = 0
         self.scheduler_stats = SchedulerStats()  # the newest
 
     def request_success(self, finished_reason: str) -> None:
@@ -116,6 +125,14 @@ class ServerMetrics:
         if stats.num_preemptions > self.scheduler_stats.num_preemptions:
             self.num_preemptions.inc(stats.num_preemptions - self.scheduler_stats.num_preemptions)
         self._add_prefix_cache(stats.prefix_cache_queries, stats.prefix_cache_hits)
+        if (spec := stats.spec_decoding) is not None:
+            self.spec_decode_num_drafts.inc(spec.num_drafts)
+            self.spec_decode_num_draft_tokens.inc(spec.num_draft_tokens)
+            self.spec_decode_num_accepted_tokens.inc(spec.num_accepted_tokens)
+            for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+                self._spec_decode_per_pos.labels(model_name=self._model_name, position=str(position)).inc(count)
+            self.total_drafts += spec.num_drafts
+            self.total_accepted += spec.num_accepted_tokens
         self.scheduler_stats = stats
 
     def _add_prefix_cache(self, queries: int, hits: int) -> None:
@@ -221,6 +238,7 @@ async def log_stats_periodically(engine, metrics: ServerMetrics, interval_s: flo
     of decode alone still shows the rate of the prompts before it."""
     last = time.monotonic()
     last_prompt, last_generation, last_queries, last_hits = 0, 0, 0, 0
+    last_drafts, last_accepted = 0, 0
     recent = collections.deque(maxlen=_HIT_RATE_INTERVALS)  # (queries, hits) of intervals with lookups
     was_idle = True
     while not engine.errored:
@@ -245,3 +263,8 @@ async def log_stats_periodically(engine, metrics: ServerMetrics, interval_s: flo
                     "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
                     prompt / elapsed, generation / elapsed, stats.num_running_reqs, stats.num_waiting_reqs,
                     100 * stats.kv_cache_usage, 100 * hit_rate)
+        drafts, accepted = metrics.total_drafts - last_drafts, metrics.total_accepted - last_accepted
+        last_drafts, last_accepted = metrics.total_drafts, metrics.total_accepted
+        if drafts:  # vLLM's mean acceptance length: the tokens a step with drafts gives, the one after them included
+            logger.info("SpecDecoding metrics: Mean acceptance length: %.2f, Drafts: %d, Accepted tokens: %d",
+                        1 + accepted / drafts, drafts, accepted)
