@@ -49,6 +49,9 @@
 #   weights     bench weights on the 8B shape at half the device's memory (the trainer's half
 #               stays free), in the default mode and with --batch-invariant; then bench step at
 #               batch 1, 64, 256 and bench throughput 128/128 with --batch-invariant (its cost)
+#   spec        bench step on the 8B shape at batch 1, 8 and 64 with 0, 1, 2, 4 and 7 draft tokens per
+#               request (the cost of verifying them); then bench spec, n-gram drafts end to end on
+#               the embedded SmolLM2 (SMOLLM2_GGUF=PATH: that .gguf file) at batch 1 and 16
 #   kv-dtype    bench kv-dtype: decode attention over bf16 and e4m3 caches
 #   sampler     bench sampler: the sampler's pieces at [256, 128256]
 #   multi-gpu   on 2-8 GPUs, each configuration of MULTI (default "tp1 tp2"): NAME[:MODES], NAME
@@ -80,7 +83,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 ALL_PARTS=" smoke step tput tput1000 tput2048 qwen startup fp8 prefix prefill serve sampling hf-compare kernels"
-ALL_PARTS+=" check hybrid weights kv-dtype sampler multi-gpu "
+ALL_PARTS+=" check hybrid weights spec kv-dtype sampler multi-gpu "
 [ ${#PARTS[@]} -gt 0 ] || { echo "name at least one part" >&2; usage 2 >&2; }
 expanded=()
 for part in "${PARTS[@]}"; do
@@ -240,6 +243,15 @@ part_weights() {
   step 120 "throughput 128/128, --batch-invariant" "${JAXLLM[@]}" bench throughput "${M8[@]}" "${engine[@]}" \
     --batch-invariant --input-len 128 --output-len 128 --num-prompts "$prompts" --output-json "$D/throughput_bi.json" \
     2>&1 | quiet 6
+}
+
+part_spec() {
+  local shape=(--batch-sizes 1,8,64 --input-len 128 --output-len 64 --draft-tokens 0,1,2,4,7) e2e=(--batch-sizes 1,16)
+  [ $TINY = 1 ] && shape=(--batch-sizes 1,8 --input-len 16 --output-len 16 --draft-tokens 0,2) e2e=(--batch-sizes 1 --output-len 16)
+  step 150 "bench step, k draft tokens" "${JAXLLM[@]}" bench step "${M8[@]}" --max-model-len 2048 \
+    --gpu-memory-utilization 0.5 "${shape[@]}" --output-json "$D/step_drafts.json" 2>&1 | quiet 20
+  step 150 "bench spec, SmolLM2" "${JAXLLM[@]}" bench spec ${SMOLLM2_GGUF:+--model "$SMOLLM2_GGUF"} --max-model-len 2048 \
+    "${e2e[@]}" --output-json "$D/spec.json" 2>&1 | quiet 8
 }
 
 part_fp8() {

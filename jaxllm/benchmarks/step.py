@@ -11,10 +11,14 @@ the core records a jax.profiler trace of `profile_steps` steps in the middle of 
 idle time is the host on the critical path. `--sampling all` turns on every sampling
 feature's cost at once (penalties, top-p, logprobs; with --structured-requests N, N of
 each batch's requests JSON-constrained, which needs a tokenizer: `--tokenizer` for a
-dummy model). Exits 1 when a request got the wrong number of tokens or anything compiled
-after warm-up.
+dummy model). `--draft-tokens 0,1,4` times the verification of speculative decoding: each
+batch again with every decoding request scheduled with k random draft tokens (rejected, so
+a step still gives one token each), on one engine that speculates up to the most k (in
+this process), k = 0 its plain decode step. Exits 1 when a request got the wrong number
+of tokens or anything compiled after warm-up.
 """
 import dataclasses
+import itertools
 import os
 import time
 
@@ -43,6 +47,29 @@ def add_cli_args(parser) -> None:
                              "frequency penalties, logprobs=5")
     parser.add_argument("--structured-requests", type=int, default=0,
                         help="with --sampling all: this many requests of each batch follow a JSON schema")
+    parser.add_argument("--draft-tokens", type=draft_counts, default="0",
+                        help="comma-separated k: each batch with k random draft tokens per decoding request")
+
+
+def draft_counts(text: str) -> str:
+    for k in text.split(","):
+        if not k.isdigit():
+            raise ValueError(f"--draft-tokens takes comma-separated ints >= 0, got {text!r}")
+    return text
+
+
+class RandomDrafts:
+    """A proposer of k random draft tokens for every decoding request: the cost of verifying k
+    drafts, which the model rejects (nearly always), so each step gives one token per request."""
+
+    def __init__(self, k: int, vocab_size: int, seed: int = 0):
+        self.k, self.vocab_size, self.rng = k, vocab_size, np.random.default_rng(seed)
+
+    def propose(self, request, max_tokens: int) -> list[int]:
+        return self.rng.integers(0, self.vocab_size, min(self.k, max_tokens)).tolist()
+
+    def forget(self, request_id: str) -> None:
+        pass
 
 
 # A schema whose output a random model never finishes (strings run on): the mask is made every step.
@@ -64,9 +91,12 @@ def sampling_params(sampling: str, output_len: int, structured: bool):
 
 def run_step_bench(engine_args, batch_sizes: list[int], input_len: int, output_len: int, seed: int = 0,
                    profile_dir: str | None = None, profile_steps: int = 32, sampling: str = "greedy",
-                   structured_requests: int = 0) -> dict:
+                   structured_requests: int = 0, draft_tokens: tuple[int, ...] = (0,)) -> dict:
     from jaxllm.engine.llm_engine import LLMEngine
 
+    if max(draft_tokens):  # the core in this process, to hand its scheduler each k's proposer
+        engine_args = dataclasses.replace(engine_args, enable_multiprocessing=False, speculative_config={
+            "method": "ngram", "num_speculative_tokens": max(draft_tokens)})
     start = time.perf_counter()
     engine = LLMEngine.from_engine_args(engine_args)
     startup_s = time.perf_counter() - start
@@ -74,14 +104,16 @@ def run_step_bench(engine_args, batch_sizes: list[int], input_len: int, output_l
     rng = np.random.default_rng(seed)
     compiles_before = engine.get_stats()["num_compilations"]
     rows = []
-    for batch in batch_sizes:
+    for batch, k in itertools.product(batch_sizes, draft_tokens):
+        if max(draft_tokens):
+            engine.engine_core.core.scheduler.proposer = RandomDrafts(k, vocab, seed) if k else None
         for i in range(batch):
-            engine.add_request(f"b{batch}-{i}", {"prompt_token_ids": rng.integers(0, vocab, input_len).tolist()},
+            engine.add_request(f"b{batch}-k{k}-{i}", {"prompt_token_ids": rng.integers(0, vocab, input_len).tolist()},
                                sampling_params(sampling, output_len, i < structured_requests))
         tokens: dict[str, list[int]] = {}
         full_steps = []  # core timestamps of the steps that gave every request a token
         # The trace covers `profile_steps` steps in mid-decode; the step time leaves them out.
-        trace_dir = profile_dir and os.path.join(profile_dir, f"batch{batch}")
+        trace_dir = profile_dir and os.path.join(profile_dir, f"batch{batch}" + (f"-k{k}" if k else ""))
         window = range(max(1, (output_len - profile_steps) // 2), 0)
         if trace_dir:
             window = range(window.start, window.start + profile_steps)
@@ -109,7 +141,7 @@ def run_step_bench(engine_args, batch_sizes: list[int], input_len: int, output_l
         step_ms = 1e3 * float(np.median(intervals)) if intervals else float("nan")
         device_ms = 1e3 * engine.engine_core.call_utility("time_widest_step", 20)
         rows.append({
-            "batch": batch, "input_len": input_len, "output_len": output_len,
+            "batch": batch, "draft_tokens": k, "input_len": input_len, "output_len": output_len,
             "decode_step_ms": round(step_ms, 3), "device_step_ms": round(device_ms, 3),
             "decode_tok_s": round(batch / step_ms * 1e3, 1),
             "wall_s": round(wall_s, 3),
@@ -138,10 +170,10 @@ def print_table(res: dict) -> None:
           f"structured_requests={res['structured_requests']}), startup {res['startup_s']} s, "
           f"compiles after warm-up: {res['compiles_after_warm_up']}")
     profiled = any("profile" in r for r in res["rows"])
-    print(f"{'batch':>6} {'in':>6} {'out':>5} {'step ms':>9} {'device ms':>10} {'tok/s':>9} {'wall s':>8} {'ok':>4}"
+    print(f"{'batch':>6} {'drafts':>6} {'in':>6} {'out':>5} {'step ms':>9} {'device ms':>10} {'tok/s':>9} {'wall s':>8} {'ok':>4}"
           + (f" {'busy ms':>8} {'idle ms':>8}  host ms per phase" if profiled else ""))
     for r in res["rows"]:
-        line = (f"{r['batch']:>6} {r['input_len']:>6} {r['output_len']:>5} {r['decode_step_ms']:>9} "
+        line = (f"{r['batch']:>6} {r.get('draft_tokens', 0):>6} {r['input_len']:>6} {r['output_len']:>5} {r['decode_step_ms']:>9} "
                 f"{r['device_step_ms']:>10} {r['decode_tok_s']!s:>9} {r['wall_s']:>8} {str(r['all_lengths_ok']):>4}")
         if "profile" in r:
             p = r["profile"]
@@ -163,7 +195,8 @@ def main(ns, engine_args) -> int:
     if ns.structured_requests and ns.sampling != "all":
         raise ValueError("--structured-requests needs --sampling all")
     result = run_step_bench(engine_args, batch_sizes, ns.input_len, ns.output_len, profile_dir=ns.profile_dir,
-                            sampling=ns.sampling, structured_requests=ns.structured_requests)
+                            sampling=ns.sampling, structured_requests=ns.structured_requests,
+                            draft_tokens=tuple(int(k) for k in ns.draft_tokens.split(",")))
     write_json(ns.json, result)
     print_table(result)
     failed = [f"batch {r['batch']}: wrong output lengths" for r in result["rows"] if not r["all_lengths_ok"]]

@@ -228,3 +228,11 @@ def test_a_request_longer_than_max_model_len_is_a_one_line_error(capsys, bench):
     assert main(["bench", bench, *ENGINE_FLAGS, "--input-len", "60", "--output-len", "8"]) == 2
     assert capsys.readouterr().err.endswith(
         "jaxllm: error: the longest request needs 68 tokens (prompt + output), more than max_model_len (64)\n")
+
+
+def test_bench_step_times_each_batch_with_k_draft_tokens(tmp_path):
+    result = run_bench(tmp_path, "step", "--batch-sizes", "1,4", "--input-len", "8", "--output-len", "6",
+                       "--draft-tokens", "0,2")
+    assert [(r["batch"], r["draft_tokens"]) for r in result["rows"]] == [(1, 0), (1, 2), (4, 0), (4, 2)]
+    assert all(r["all_lengths_ok"] and r["device_step_ms"] > 0 for r in result["rows"])
+    assert result["compiles_after_warm_up"] == 0
