@@ -3,9 +3,9 @@
 For each batch size B: B requests of `input_len` random tokens each generate
 `output_len` tokens (ignore_eos). The step time is the median interval between
 consecutive steps in which all B requests got a token, on the engine core's clock
-(so the front end's own pace does not count). The device time is the first step
-in which all B requests decode, replayed back to back on the device with no host work in
-between: the floor the step time would reach if the host cost nothing. With --profile-dir,
+(so the front end's own pace does not count). The device time is the widest step
+in which all B requests decode (with their drafts), replayed back to back on the device
+with no host work in between: the floor the step time would reach if the host cost nothing. With --profile-dir,
 the core records a jax.profiler trace of `profile_steps` steps in the middle of the decode
 (left out of the step time), and the table adds the device's busy and idle time per step in that trace (jaxllm.profiling):
 idle time is the host on the critical path. `--sampling all` turns on every sampling

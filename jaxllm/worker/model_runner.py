@@ -445,7 +445,7 @@ class ModelRunner:
     # ---- benchmarks ----
     def record_widest_step(self) -> None:
         """From now on, keep the inputs of the widest step for time_widest_step."""
-        self.step_replay = StepReplay()
+        self.step_replay = StepReplay(1 + self.config.num_speculative_tokens)
 
     def time_widest_step(self, num_iters: int) -> float:
         """Seconds per step of the widest step since record_widest_step, replayed back to back
