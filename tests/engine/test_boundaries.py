@@ -60,7 +60,7 @@ def test_zero_or_negative_lengths_raise_instead_of_taking_the_default(field, val
     ({"block_size": True}, "block_size must be an int, got True"),
     ({"gpu_memory_utilization": "0.5"}, "gpu_memory_utilization must be a number, got '0.5'"),
     ({"skip_tokenizer_init": "yes"}, "skip_tokenizer_init must be a bool, got 'yes'"),
-    ({"async_scheduling": 1}, "async_scheduling must be a bool, got 1"),
+    ({"async_scheduling": 1}, "async_scheduling must be a bool or None, got 1"),
     ({"enable_multiprocessing": "0"}, "enable_multiprocessing must be a bool or None, got '0'"),
 ])
 def test_engine_args_of_the_wrong_type_raise_before_the_model_is_read(monkeypatch, kwargs, message):
@@ -182,7 +182,14 @@ ENGINE_INVALID = {
     "quantization": st.one_of(st.text(max_size=6).filter(lambda s: s != "fp8"), not_of(str, type(None))),
     "kv_cache_dtype": st.one_of(st.text(max_size=8).filter(lambda s: s not in config_module.KV_CACHE_DTYPES),
                                 not_of(str)),
-    "async_scheduling": NOT_BOOL,
+    "async_scheduling": not_of(bool, type(None)),
+    "speculative_config": st.one_of(
+        st.fixed_dictionaries({"method": st.text(max_size=6).filter(lambda s: s != "ngram"),
+                               "num_speculative_tokens": st.just(2)}),
+        st.fixed_dictionaries({"method": st.just("ngram"), "num_speculative_tokens": st.integers(max_value=0)}),
+        st.fixed_dictionaries({"method": st.just("ngram"), "num_speculative_tokens": st.just(2),
+                               "prompt_lookup_min": st.integers(max_value=0)}),
+        not_of(type(None))),
     "logits_processors": st.one_of(st.lists(st.sampled_from(["no.such:Thing", "json:loads", "os"]), min_size=1),
                                    st.lists(st.sampled_from([int, dict]), min_size=1), not_of(list, type(None))),
     "enable_multiprocessing": not_of(bool, type(None)),
