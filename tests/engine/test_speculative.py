@@ -190,3 +190,21 @@ def test_speculation_runs_with_synchronous_scheduling():
     assert EngineArgs(model=tiny_model("llama")).create_config().scheduler.async_scheduling
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineArgs(model=tiny_model("llama"), speculative_config=NGRAM, async_scheduling=True).create_config()
+
+
+def test_a_request_under_token_masks_beside_drafted_requests_keeps_to_them(char_llama):
+    """A request whose token masks the core makes each step (here multi-token bad words, as
+    structured outputs) gets no drafts and never says a bad word, while the free requests of
+    its batch take drafts and give their tokens."""
+    with LLM(char_llama, max_model_len=128, max_num_seqs=8, speculative_config=NGRAM, enable_multiprocessing=False,
+             show_progress=False) as llm:
+        prompts = ["abcabcabcabc", "xyzxyzxyz", "hello hello hello"]
+        free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        plain = [o.outputs[0].text for o in llm.generate(prompts, [free] * 3, use_tqdm=False)]
+        bad = [[text[1:3], text[4:6]] for text in plain]  # two-token words the free runs say
+        masked = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, bad_words=words) for words in bad]
+        outs = llm.generate(prompts + prompts, [free] * 3 + masked, use_tqdm=False)
+        assert llm.llm_engine.get_stats()["spec_decode_num_accepted_tokens"] > 0
+    assert [o.outputs[0].text for o in outs[:3]] == plain
+    for out, words in zip(outs[3:], bad):
+        assert not any(w in out.outputs[0].text for w in words), (out.outputs[0].text, words)
