@@ -95,5 +95,5 @@ def main(ns, engine_args) -> int:
     result = run_spec_bench(engine_args, sizes, ns.output_len)
     write_json(ns.json, result)
     print_table(result)
-    failed = [f"{result['compiles_after_warm_up']} compilations after warm-up"] if result["compiles_after_warm_up"] else []
-    return report_failures(failed)
+    compiles = result["compiles_after_warm_up"]
+    return report_failures([f"{compiles} compilations after warm-up"] if compiles else [])

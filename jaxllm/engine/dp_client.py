@@ -104,7 +104,8 @@ class _DPClient:
             outputs.scheduler_stats = SchedulerStats(
                 sum(s.num_running_reqs for s in all_stats), sum(s.num_waiting_reqs for s in all_stats),
                 sum(s.kv_cache_usage for s in all_stats) / len(all_stats), sum(s.num_preemptions for s in all_stats),
-                stats.prefix_cache_queries, stats.prefix_cache_hits)  # increments: this replica's own
+                # increments: this replica's own
+                stats.prefix_cache_queries, stats.prefix_cache_hits, stats.spec_decoding)
         return outputs
 
     @staticmethod

@@ -213,7 +213,8 @@ def pack(sched: SchedulerOutput, rows: np.ndarray, state: RequestRows, v: dict[s
     for s in reqs:
         start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
         num_drafts = len(s.draft_token_ids)
-        numbers.append((start, end, start + len(s.token_ids) + num_drafts, s.samples, num_drafts))  # ids known up to the third
+        known = start + len(s.token_ids) + num_drafts  # the ids the host has end here
+        numbers.append((start, end, known, s.samples, num_drafts))
         host_tokens += s.token_ids
         if num_drafts:
             host_tokens += s.draft_token_ids
