@@ -208,3 +208,19 @@ def test_a_request_under_token_masks_beside_drafted_requests_keeps_to_them(char_
     assert [o.outputs[0].text for o in outs[:3]] == plain
     for out, words in zip(outs[3:], bad):
         assert not any(w in out.outputs[0].text for w in words), (out.outputs[0].text, words)
+
+
+def test_a_sliding_window_model_gives_the_same_greedy_tokens_with_drafts():
+    """Gemma 3's hybrid cache (a window of 8 beside full attention): drafts move past the
+    window's edge and back when rejected, and the window's blocks are freed as it moves."""
+    rng = np.random.default_rng(3)
+    prompts = [{"prompt_token_ids": (rng.integers(3, 250, 5).tolist() * 10)[:int(n)]} for n in (9, 17, 30, 41)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with LLM(tiny_model("gemma3"), skip_tokenizer_init=True, max_model_len=128, max_num_seqs=8, block_size=16,
+             num_gpu_blocks_override=48, speculative_config=NGRAM, enable_multiprocessing=False,
+             show_progress=False) as llm:
+        want = generate(llm, prompts, params)
+        got = generate(llm, prompts, params, NgramProposer(llm.llm_engine.config.speculative))
+        stats_now = llm.llm_engine.get_stats()
+    assert got == want
+    assert stats_now["spec_decode_num_accepted_tokens"] > 0 and stats_now["num_free_blocks"] == stats_now["num_blocks"]
