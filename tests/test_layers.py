@@ -19,7 +19,7 @@ LAYERS = [
     {"config": ["jaxllm.config", "jaxllm.device_facts", "jaxllm.model_hub", "jaxllm.tokenizer", "jaxllm.profiling"]},
     {"contracts": ["jaxllm.contracts"]},
     {"sample": ["jaxllm.sample"]},
-    {"core": ["jaxllm.core", "jaxllm.request"], "worker": ["jaxllm.worker"]},
+    {"core": ["jaxllm.core", "jaxllm.request", "jaxllm.spec_decode"], "worker": ["jaxllm.worker"]},
     {"executor": ["jaxllm.executor"]},
     {"engine": ["jaxllm.engine"]},
     {"front": ["jaxllm.entrypoints", "jaxllm.benchmarks", "jaxllm.cli", "jaxllm"]},  # "jaxllm": the package's own names

@@ -49,7 +49,8 @@ def test_aborting_a_request_ends_its_stream_with_finish_reason_abort(char_llama)
     # One greedy prompt: what each stream took is a prefix of the same tokens, cut at the abort.
     streamed, whole = sum((o.outputs[0].token_ids for o in delta), []), cumulative[-1].outputs[0].token_ids
     assert 0 < len(whole) < MAX_TOKENS and 0 < len(streamed) < MAX_TOKENS and len(final) == 1
-    shorter = min(len(whole), len(streamed))
+    # The requests reach the core one by one, so one may start a step after another.
+    shorter = min(len(whole), len(streamed), len(final[0].outputs[0].token_ids))
     assert streamed[:shorter] == whole[:shorter] == final[0].outputs[0].token_ids[:shorter]
     assert stats["num_requests"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
 
