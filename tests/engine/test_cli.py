@@ -95,6 +95,10 @@ def test_a_bad_bench_flag_is_an_argparse_error(capsys, flags, message):
     (["-dp", "3"], "data_parallel_size", 3),
     (["-pp", "4"], "pipeline_parallel_size", 4),
     (["--revision", "v2", "--download-dir", "/tmp/hub"], "download_dir", "/tmp/hub"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'], "speculative_config",
+     {"method": "ngram", "num_speculative_tokens": 3}),
+    (["--no-async-scheduling"], "async_scheduling", False),
+    ([], "async_scheduling", None),
 ])
 def test_parallelism_short_flags_and_hub_flags_set_engine_args(flags, field, value):
     import argparse
@@ -102,6 +106,13 @@ def test_parallelism_short_flags_and_hub_flags_set_engine_args(flags, field, val
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert getattr(engine_args_from(parser.parse_args(flags)), field) == value
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]"])
+def test_a_speculative_config_that_is_not_a_json_object_is_an_argparse_error(capsys, text):
+    with pytest.raises(SystemExit):
+        main(["generate", "--speculative-config", text])
+    assert "--speculative-config" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, message", [
