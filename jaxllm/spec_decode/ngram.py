@@ -25,17 +25,13 @@ class NgramProposer:
         self._tokens.pop(request_id, None)
 
     def _history(self, request: Request) -> np.ndarray:
-        array, count = self._tokens.get(request.request_id, (None, 0))
+        array, count = self._tokens.get(request.request_id, (np.empty(0, np.int32), 0))
         n = request.num_tokens
-        if array is None or n > len(array) or n < count:
+        if n > len(array):
             grown = np.empty(max(2 * n, 64), np.int32)
-            if array is not None and n >= count:
-                grown[:count] = array[:count]
-            else:
-                count = 0
+            grown[:count] = array[:count]
             array = grown
-        if count < n:
-            array[count:n] = request.token_ids(count, n)
+        array[count:n] = request.token_ids(count, n)
         self._tokens[request.request_id] = (array, n)
         return array[:n]
 

@@ -34,26 +34,30 @@ class StepOutput:
 
     def get_output(self) -> ModelRunnerOutput:
         """The step's results on the host; blocks until the step has finished."""
-        samples = np.asarray(self.sampled).tolist()
-        taken, rows = [], []  # per request, its tokens; the rows of logits they were sampled at
-        for i, s in enumerate(self.scheduled):
-            if not s.samples:
-                taken.append([])
-                continue
-            first = i if self.first_rows is None else int(self.first_rows[i])
-            n = 1  # the drafts its samples agree with, and the sample after them
-            for draft in s.draft_token_ids:
-                if samples[first + n - 1] != draft:
-                    break
-                n += 1
-            taken.append(samples[first:first + n])
-            rows.extend(range(first, first + n))
-        return ModelRunnerOutput(taken, self._host_logprobs(rows), self._host_prompt_logprobs(), self.failed)
+        samples = np.asarray(self.sampled)
+        if self.first_rows is None:  # no drafts: row i is request i's
+            ids = samples[:self.num_reqs].tolist()
+            taken = [[t] if s.samples else [] for t, s in zip(ids, self.scheduled)]
+        else:
+            taken = [self._accepted(s, samples, int(first)) if s.samples else []
+                     for s, first in zip(self.scheduled, self.first_rows)]
+        return ModelRunnerOutput(taken, self._host_logprobs(taken), self._host_prompt_logprobs(), self.failed)
 
-    def _host_logprobs(self, rows: list[int]) -> LogprobsArrays | None:
+    @staticmethod
+    def _accepted(s: ScheduledRequest, samples: np.ndarray, first: int) -> list[int]:
+        """The request's samples from its first row on, while they agree with its drafts, and the one after."""
+        rows = samples[first:first + 1 + len(s.draft_token_ids)].tolist()
+        n = 1
+        while n < len(rows) and rows[n - 1] == s.draft_token_ids[n - 1]:
+            n += 1
+        return rows[:n]
+
+    def _host_logprobs(self, taken: list[list[int]]) -> LogprobsArrays | None:
         """Those of the tokens taken, in the requests' order."""
         if self.logprobs is None:
             return None
+        first_rows = range(self.num_reqs) if self.first_rows is None else self.first_rows.tolist()
+        rows = [row for first, tokens in zip(first_rows, taken) for row in range(first, first + len(tokens))]
         return LogprobsArrays(*(np.asarray(a)[rows] for a in self.logprobs))
 
     def _host_prompt_logprobs(self) -> list[LogprobsArrays | None] | None:
