@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jaxllm.device_facts import DeviceFacts, device_facts
 from jaxllm.models.config import QUANTIZATIONS, ModelArchConfig
+from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.typecheck import check_field_types
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -68,30 +69,43 @@ class ParallelConfig:
     device_ids: tuple[int, ...] | None = None  # the devices of a caller's mesh (LLM(mesh=...)); None: the first
 
 
-SPECULATIVE_METHODS = ("ngram",)  # "draft_model", "eagle" and "eagle3" are not built yet
+SPECULATIVE_METHODS = ("ngram", "draft_model")  # "eagle" and "eagle3" are not built yet
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """EngineArgs.speculative_config resolved (vLLM's keys): each decoding request's next
     `num_speculative_tokens` tokens are guessed and the model checks them all in one step."""
-    method: str  # "ngram": the tokens after the latest earlier copy of the text's last n-gram (spec_decode/ngram.py)
+    # "ngram": the tokens after the latest earlier copy of the text's last n-gram (spec_decode/ngram.py);
+    # "draft_model": a smaller model's greedy tokens (worker/draft_model.py)
+    method: str
     num_speculative_tokens: int
-    prompt_lookup_min: int  # the n-gram's length: the longest in [min, max] that occurs before
-    prompt_lookup_max: int
+    prompt_lookup_min: int = 0  # ngram: the n-gram's length is the longest in [min, max] that occurs before
+    prompt_lookup_max: int = 0
+    model: str | None = None  # draft_model: the draft's name, as EngineArgs.model takes it
+    draft: ModelConfig | None = None  # draft_model: the draft resolved (EngineArgs.create_config)
 
     @classmethod
     def from_dict(cls, spec: dict) -> "SpeculativeConfig":
-        """Checked, each bad key named: "speculative_config.num_speculative_tokens must be ..."."""
-        known = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+        """Checked, each bad key named: "speculative_config.num_speculative_tokens must be ...".
+        The draft model is resolved later, beside the target (EngineArgs.create_config)."""
+        known = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
         unknown = sorted(set(spec) - set(known))
         _check(not unknown, f"speculative_config has unknown keys {unknown} (known: {list(known)})")
-        method = spec.get("method")
+        model = spec.get("model")
+        _check(model is None or isinstance(model, str), f"speculative_config.model must be a str, got {model!r}")
+        method = spec.get("method") or ("draft_model" if model else None)  # vLLM's: a model alone is a draft model
         _check(method in SPECULATIVE_METHODS, f"speculative_config.method must be one of {SPECULATIVE_METHODS} "
-               f"(a draft model and EAGLE are not built yet), got {method!r}")
+               f"(EAGLE is not built yet), got {method!r}")
         k = spec.get("num_speculative_tokens")
         _check(_is_int(k) and k >= 1, f"speculative_config.num_speculative_tokens must be an int >= 1, got {k!r}")
         low, high = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+        if method == "draft_model":
+            _check(model is not None, "speculative_config.model must name the draft model with method 'draft_model'")
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                _check(spec.get(name) is None, f"speculative_config.{name} is for method 'ngram', not 'draft_model'")
+            return cls(method, k, model=model)
+        _check(model is None, "speculative_config.model is for method 'draft_model', not 'ngram'")
         for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
             _check(value is None or (_is_int(value) and value >= 1),
                    f"speculative_config.{name} must be an int >= 1, got {value!r}")
@@ -170,6 +184,7 @@ class EngineArgs:
     # norm and attention reduction in one order for every batch (kernels/batch_invariant.py). Slower.
     batch_invariant: bool = False
     # vLLM's: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": .., "prompt_lookup_max": ..}
+    # or {"method": "draft_model", "model": <a smaller model with the same tokenizer>, "num_speculative_tokens": k}
     speculative_config: dict[str, typing.Any] | None = None
 
     def create_config(self, devices: DeviceFacts | None = None) -> Config:
@@ -217,8 +232,8 @@ class EngineArgs:
                "data_parallel_size > 1 over several hosts is not built: use num_hosts with tensor parallelism")
         speculative = None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
         _check(speculative is None or not self.async_scheduling,
-               "async_scheduling does not run with speculative_config (n-gram drafts are made from the tokens of "
-               "the step before): leave async_scheduling unset or False")
+               "async_scheduling does not run with speculative_config (a step's drafts follow the tokens of the "
+               "step before): leave async_scheduling unset or False")
         devices = devices or device_facts()
         num_devices = devices.local_device_count * self.num_hosts
         _check(self.tensor_parallel_size <= num_devices,
@@ -251,6 +266,9 @@ class EngineArgs:
         batched = self.max_num_batched_tokens or (8192 if on_gpu else min(2048, max(max_len, max_num_seqs)))
         _check(batched >= max_num_seqs,
                f"max_num_batched_tokens ({batched}) must be >= max_num_seqs ({max_num_seqs})")
+        if speculative is not None and speculative.method == "draft_model":
+            speculative = dataclasses.replace(speculative, draft=self._draft_model(speculative.model, arch, max_len,
+                                                                                   devices.platform))
         return Config(
             model=ModelConfig(path=path, format=fmt, hf_config=hf_config, arch=arch,
                               dtype=dtype, max_model_len=max_len,
@@ -268,6 +286,32 @@ class EngineArgs:
             batch_invariant=self.batch_invariant,
             speculative=speculative,
         )
+
+    def _draft_model(self, model: str, target: ModelArchConfig, max_len: int, platform: str) -> ModelConfig:
+        """speculative_config.model resolved as the draft of `target`: its tokens must be the
+        target's, its context as long, its heads as divisible, and its attention no wider than
+        the target's first KV cache group (whose block tables it reads: models/kv_layout.py)."""
+        try:
+            path, fmt, hf_config, arch = _resolve_model(model, self.load_format, None, self.download_dir)
+        except ValueError as e:
+            raise ValueError(f"speculative_config.model: {e}") from e
+        _check(arch.vocab_size == target.vocab_size,
+               f"speculative_config.model: the draft's vocabulary has {arch.vocab_size} tokens and the target's "
+               f"{target.vocab_size}: a draft model shares the target's tokenizer")
+        _check(arch.max_position_embeddings >= max_len,
+               f"speculative_config.model: the draft's max_position_embeddings ({arch.max_position_embeddings}) "
+               f"is shorter than max_model_len ({max_len})")
+        tp = self.tensor_parallel_size
+        _check(arch.num_heads % tp == 0 and (arch.num_kv_heads % tp == 0 or tp % arch.num_kv_heads == 0),
+               f"speculative_config.model: tensor_parallel_size={tp} must divide the draft's attention heads "
+               f"({arch.num_heads}), and divide or be a multiple of its KV heads ({arch.num_kv_heads})")
+        window = model_kv_layout(target).groups[0].sliding_window
+        windows = [arch.layer_sliding_window(i) for i in range(arch.num_layers)]
+        _check(window is None or all(w is not None and w <= window for w in windows),
+               f"speculative_config.model: the draft attends beyond the target's sliding window ({window})")
+        return ModelConfig(path=path, format=fmt, hf_config=hf_config, arch=arch,
+                           dtype=resolve_dtype(self.dtype, hf_config, platform=platform), max_model_len=max_len,
+                           load_format=self.load_format, skip_tokenizer_init=True, max_logprobs=0)
 
 
 def _check(ok: bool, message: str) -> None:

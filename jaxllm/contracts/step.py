@@ -77,3 +77,6 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Per scheduled request, its prompt positions' logprobs this step (or None); None if no request asked.
     prompt_logprobs: list[LogprobsArrays | None] | None = None
     failed: dict[str, str] = {}  # request id -> why its host work in the runner failed: it ends alone
+    # A draft model's guesses of the tokens after each request's last one (none for a request that
+    # took no token), for its next step; None without a draft model.
+    draft_token_ids: list[list[int]] | None = None

@@ -43,15 +43,18 @@ class KVCacheManager:
         return self.coordinator.find_longest_cache_hit(hashes, request.num_tokens - 1)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, num_computed_tokens: int = 0,
-                       computed_blocks: list[Blocks] | None = None) -> list[list[int]] | None:
+                       computed_blocks: list[Blocks] | None = None,
+                       num_lookahead_tokens: int = 0) -> list[list[int]] | None:
         """Make room for `num_new_tokens` more tokens of `request`, after the prefix hit
-        (`computed_blocks`, `num_computed_tokens` tokens) of a request being admitted.
-        Returns, per group, the block ids this adds to its block table (0 where the group
-        holds no block), or None if the pool is short (and then takes nothing)."""
+        (`computed_blocks`, `num_computed_tokens` tokens) of a request being admitted, and for
+        `num_lookahead_tokens` after them (a draft model's KV). Returns, per group, the block
+        ids this adds to its block table (0 where the group holds no block), or None if the
+        pool is short (and then takes nothing)."""
         request_id = request.request_id
-        num_tokens = request.num_computed_tokens + num_computed_tokens + num_new_tokens
+        num_computed = request.num_computed_tokens + num_computed_tokens + num_new_tokens
+        num_tokens = num_computed + num_lookahead_tokens
         # Blocks whose tokens are all known can be cached (an in-flight token is not known yet).
-        num_full_blocks = min(num_tokens, request.num_tokens) // self.block_size if self.enable_caching else 0
+        num_full_blocks = min(num_computed, request.num_tokens) // self.block_size if self.enable_caching else 0
         if (self._fast_path and computed_blocks is None and num_tokens <= self._num_slots.get(request_id, 0)
                 and num_full_blocks <= self._num_full_blocks.get(request_id, 0)):
             return self._nothing_new

@@ -23,7 +23,9 @@ length; their KV slots are the request's like any others'. When the step lands, 
 request takes the drafts the model agreed with and the token after them, one by one
 until a stop, and `num_computed_tokens` falls back to what was accepted: the KV slots
 of rejected drafts are written again by the next step. Requests under the core's token
-masks get no drafts. Speculation runs with synchronous scheduling (config.py).
+masks get no drafts. Speculation runs with synchronous scheduling (config.py). A draft
+model's drafts come with the step's output (the runner makes them on the device), and
+its KV is written past the step's tokens: each request holds that many slots more.
 """
 import collections
 import logging
@@ -46,6 +48,7 @@ class Scheduler:
         self.kv = kv_cache_manager
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
+        self.num_lookahead_tokens = proposer.num_lookahead_tokens if proposer else 0
         # Since the last stats, and since start-up.
         self.spec_stats = SpecDecodingStats.empty(num_speculative_tokens) if proposer else None
         self.spec_totals = SpecDecodingStats.empty(num_speculative_tokens) if proposer else None
@@ -87,7 +90,7 @@ class Scheduler:
                 continue
             num_new = min(self._num_pending_tokens(request), budget)
             drafts = self._drafts(request, budget) if num_new == 1 and self.proposer else []
-            while (new_blocks := self.kv.allocate_slots(request, num_new + len(drafts))) is None:
+            while (new_blocks := self._allocate(request, num_new + len(drafts))) is None:
                 if drafts:  # short of blocks: the next token alone first
                     drafts = []
                     continue
@@ -108,7 +111,7 @@ class Scheduler:
             request = self.waiting[0]
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             num_new = min(self._num_pending_tokens(request) - num_cached, budget)
-            new_blocks = self.kv.allocate_slots(request, num_new, num_cached, computed_blocks)
+            new_blocks = self._allocate(request, num_new, num_cached, computed_blocks)
             if new_blocks is None:
                 break
             self.waiting.popleft()
@@ -137,6 +140,12 @@ class Scheduler:
         preempted_ids, self._preempted_req_ids = self._preempted_req_ids, []
         return SchedulerOutput(out, self.config.max_num_batched_tokens - budget, new_requests, finished,
                                preempted_ids, preempted, self._num_steps)
+
+    def _allocate(self, request: Request, num_new: int, num_cached: int = 0, computed_blocks=None):
+        """KVCacheManager.allocate_slots, with the proposer's lookahead slots within the model length."""
+        end = request.num_computed_tokens + num_cached + num_new
+        lookahead = min(self.num_lookahead_tokens, self.config.max_model_len - end)
+        return self.kv.allocate_slots(request, num_new, num_cached, computed_blocks, max(lookahead, 0))
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """The proposer's drafts for a decoding request whose tokens are all known: never more
@@ -216,6 +225,8 @@ class Scheduler:
             if sched.draft_token_ids:
                 self._count_drafts(sched, request, len(token_ids) - 1)
             row, logprob_row = logprob_row, logprob_row + len(token_ids)
+            if runner_output.draft_token_ids is not None and self.proposer and not request.is_finished:
+                self.proposer.take(request.request_id, runner_output.draft_token_ids[i])
             error = failed.get(request.request_id)
             if error is None:
                 try:

@@ -10,6 +10,8 @@ from jaxllm.request import Request
 
 
 class NgramProposer:
+    num_lookahead_tokens = 0  # KV slots past a step's tokens that the proposer writes
+
     def __init__(self, config: SpeculativeConfig):
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self._tokens: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (its tokens, how many are set)

@@ -37,6 +37,7 @@ class StepBatch:
     logits_indices: jax.Array  # [L] int32: the tokens whose logits are sampled: each request's last, and its drafts'
     attention: AttentionMetadata
     sampling: jax.Array        # [L, NUM_SAMPLING_WORDS] int32: the sampler's words (sampler.SAMPLING_COLUMNS)
+    first_rows: jax.Array      # [R] int32: each request's first row of logits if it samples, else -1 (a draft model's)
 
 
 class BatchLayout:
@@ -49,7 +50,7 @@ class BatchLayout:
         shapes = {
             "input_ids": (T,), "prev_rows": (T,), "positions": (T,), "slot_mapping": (G, T),
             "logits_indices": (L,), "query_start_loc": (R + 1,), "seq_lens": (R,), "num_seqs": (1,),
-            "sampling": (L, NUM_SAMPLING_WORDS), "block_tables": (G, R, max_blocks_per_seq),
+            "sampling": (L, NUM_SAMPLING_WORDS), "block_tables": (G, R, max_blocks_per_seq), "first_rows": (R,),
         }
         self.num_tokens, self.num_reqs, self.num_rows = T, R, L
         self.fields: dict[str, tuple[int, tuple[int, ...]]] = {}
@@ -77,7 +78,7 @@ class BatchLayout:
             attention=AttentionMetadata(slot_mapping=field("slot_mapping"), query_start_loc=field("query_start_loc"),
                                         seq_lens=field("seq_lens"), block_tables=field("block_tables"),
                                         num_seqs=field("num_seqs")),
-            sampling=field("sampling"))
+            sampling=field("sampling"), first_rows=field("first_rows"))
 
 
 class RequestRows:
@@ -197,6 +198,7 @@ def fill_padding(v: dict[str, np.ndarray]) -> None:
         view[...] = 0
     v["slot_mapping"][...] = -1
     v["prev_rows"][:] = -1
+    v["first_rows"][:] = -1
 
 
 def pack(sched: SchedulerOutput, rows: np.ndarray, state: RequestRows, v: dict[str, np.ndarray],
@@ -263,6 +265,8 @@ def pack(sched: SchedulerOutput, rows: np.ndarray, state: RequestRows, v: dict[s
     sampling[:num_rows, _DRAFT] = row_drafts
     sampling[:num_rows, _SEGMENT_START] = segment_starts
     sampling[num_rows:] = 0  # padding rows: greedy, no filter, no processors
+    v["first_rows"][:n] = np.where(samples, np.arange(n) if first_rows is None else first_rows, -1)
+    v["first_rows"][n:] = -1
 
     # Token ids: from the host, except a last token still on the device.
     prev = v["prev_rows"]

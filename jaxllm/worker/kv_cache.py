@@ -1,7 +1,9 @@
 """The paged KV cache on the mesh: how many blocks the memory budget holds, and the caches
 themselves, per KV tensor (K, V) [num_blocks, block_size, kv_heads, head_dim], sharded over
 KV heads. A block id means one block in one layer of each KV cache group
-(models/kv_layout.py)."""
+(models/kv_layout.py), and in each of a draft model's KV tensors (worker/draft_model.py)."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,9 +20,14 @@ _CPU_KV_CACHE_BYTES = 512 << 20  # CPU devices report no memory: cap the cache a
 
 
 class KVCache:
-    def __init__(self, config: Config, arch: ModelArchConfig, layout: KVCacheLayout, mesh: jax.sharding.Mesh):
-        """Sizes the cache from the memory left once the weights are on the devices."""
+    def __init__(self, config: Config, arch: ModelArchConfig, layout: KVCacheLayout, mesh: jax.sharding.Mesh,
+                 draft: tuple[ModelArchConfig, KVCacheLayout] | None = None):
+        """Sizes the cache from the memory left once the weights are on the devices. draft: a draft
+        model's architecture and layout, whose KV tensors (`draft_caches`) take the same block ids."""
         self.config, self.arch, self.layout, self.mesh = config, arch, layout, mesh
+        self._models = [(arch, layout)] + ([draft] if draft else [])
+        # Blocks per block id in each model's tensors: the draft's groups each take one (draft_model.py).
+        self._blocks_per_id = [1] + ([len(draft[1].groups)] if draft else [])
         self.block_size = config.cache.block_size
         self.num_blocks = self._num_blocks()
         if self.num_blocks < self.blocks_per_request():
@@ -29,16 +36,19 @@ class KVCache:
                 f"({config.model.max_model_len}) tokens takes ({self.blocks_per_request()}): raise "
                 "gpu_memory_utilization or num_gpu_blocks_override, or lower max_model_len")
         self.caches: list[tuple[jax.Array, jax.Array]] | None = None
-        shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        self.draft_caches: list[tuple[jax.Array, jax.Array]] | None = None
         # Compiled once and kept: a cache made again (after a failed step, a wake-up) compiles nothing.
-        self._zeros = jax.jit(lambda: jnp.zeros(shape, config.cache.cache_dtype),
-                              out_shardings=kv_cache_sharding(mesh)).lower().compile()
+        self._zeros = [jax.jit(functools.partial(jnp.zeros, (self.num_blocks * blocks, self.block_size, a.num_kv_heads,
+                                                             a.head_dim), config.cache.cache_dtype),
+                               out_shardings=kv_cache_sharding(mesh)).lower().compile()
+                       for (a, _), blocks in zip(self._models, self._blocks_per_id)]
 
     @property
     def bytes_per_block(self) -> int:
-        """A block id holds one block in each KV tensor (a layer of each group)."""
+        """A block id holds one block in each KV tensor (a layer of each group), the draft's too."""
         itemsize = jnp.dtype(self.config.cache.cache_dtype).itemsize
-        return 2 * self.layout.num_tensors * self.block_size * self.arch.num_kv_heads * self.arch.head_dim * itemsize
+        return sum(2 * layout.num_tensors * blocks * self.block_size * arch.num_kv_heads * arch.head_dim * itemsize
+                   for (arch, layout), blocks in zip(self._models, self._blocks_per_id))
 
     @property
     def num_tokens(self) -> int:
@@ -86,11 +96,13 @@ class KVCache:
     def allocate(self) -> None:
         """Zeroed caches on the mesh (a block's old contents never matter: a step writes a
         slot before any step reads it)."""
-        self.caches = jax.block_until_ready([(self._zeros(), self._zeros()) for _ in range(self.layout.num_tensors)])
+        self.caches, *draft = jax.block_until_ready([[(zeros(), zeros()) for _ in range(layout.num_tensors)]
+                                                     for zeros, (_, layout) in zip(self._zeros, self._models)])
+        self.draft_caches = draft[0] if draft else None
 
     def delete(self) -> None:
         """Free the caches' memory now (those a failed step consumed are gone already)."""
-        for array in jax.tree.leaves(self.caches or []):
+        for array in jax.tree.leaves([self.caches or [], self.draft_caches or []]):
             if not array.is_deleted():
                 array.delete()
-        self.caches = None
+        self.caches = self.draft_caches = None

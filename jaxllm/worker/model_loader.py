@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 import jax
 from flax import nnx
 
-from jaxllm.config import Config
+from jaxllm.config import Config, ModelConfig
 from jaxllm.models import params as memory_params
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.loader import (ParamPath, abstract_params, checkpoint_params, create_model, iter_weights,
@@ -63,12 +63,12 @@ class ModelWeights:
                 array.delete()
 
 
-def load_weights(config: Config, arch: ModelArchConfig, mesh: jax.sharding.Mesh, repeat: int,
+def load_weights(mc: ModelConfig, arch: ModelArchConfig, mesh: jax.sharding.Mesh, repeat: int, seed: int = 0,
                  show_progress: bool = False, params: Mapping | None = None) -> ModelWeights:
     """The model's weights on `mesh`, from `params` in memory if given, else from the model's
-    checkpoint. `arch` is what runs (worker/kv_heads.py: its KV heads repeated `repeat` times
-    when tensor parallelism has more devices than KV heads)."""
-    mc = config.model
+    checkpoint (random from `seed` with load_format "dummy"). `arch` is what runs
+    (worker/kv_heads.py: its KV heads repeated `repeat` times when tensor parallelism has more
+    devices than KV heads)."""
     if params is not None:
         _, abstract = abstract_params(arch, mc.dtype)
         layout = memory_params.check(params, abstract, mc.arch, mesh)
@@ -84,7 +84,7 @@ def load_weights(config: Config, arch: ModelArchConfig, mesh: jax.sharding.Mesh,
         weights = None
         if mc.load_format != "dummy":
             weights = kv_heads.replicate_kv_weights(iter_weights(mc.path, mc.format), mc.arch.head_dim, repeat)
-        model = create_model(arch, dtype=mc.dtype, mesh=mesh, weights=weights, seed=config.seed,
+        model = create_model(arch, dtype=mc.dtype, mesh=mesh, weights=weights, seed=seed,
                              show_progress=show_progress)
     quantize_model(model, mc.quantization, mesh)
     return ModelWeights.of(model)

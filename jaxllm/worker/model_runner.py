@@ -23,7 +23,9 @@ last token, each sampled as if the tokens before it had come one by one (same ke
 processors). It takes the run of drafts its samples agree with, and the sample after that
 run (StepOutput.get_output). With drafts that are one guess each (n-gram), that is exact
 rejection sampling: a draft is kept with the probability the model gives it, and the token
-sampled where one is not is drawn from the model's distribution without it.
+sampled where one is not is drawn from the model's distribution without it. A draft model
+(worker/draft_model.py) makes the next step's drafts on the device, in an executable of its
+own after the sampling, from the tokens each request took.
 """
 import itertools
 import logging
@@ -44,7 +46,8 @@ from jaxllm.sample.sampler import SampleMode
 from jaxllm.sharding import make_mesh, replicated
 from jaxllm.utils import cdiv
 from jaxllm.worker import input_batch as batching, kv_heads, model_loader
-from jaxllm.worker.executables import FORWARD, LOGPROBS, PROMPT_LOGPROBS, SAMPLER, ExecutableKey, Executables
+from jaxllm.worker.draft_model import DraftModel
+from jaxllm.worker.executables import DRAFT, FORWARD, LOGPROBS, PROMPT_LOGPROBS, SAMPLER, ExecutableKey, Executables
 from jaxllm.worker.kv_cache import KVCache
 from jaxllm.worker.model_loader import load_weights
 from jaxllm.worker.processor_state import ProcessorRows
@@ -64,6 +67,7 @@ class _Forward(NamedTuple):
     logits: jax.Array  # [L, vocab] float32
     words: jax.Array   # [L, NUM_SAMPLING_WORDS] int32: the sampler's inputs
     hidden: jax.Array  # [T, hidden_size]: for prompt logprobs
+    buffer: np.ndarray  # the step's packed inputs (a draft model reads them too)
 
 
 class _Step(NamedTuple):
@@ -94,13 +98,24 @@ class ModelRunner:
         start = time.perf_counter()
         self._repeat = kv_heads.kv_head_repeat(mc.arch, config.parallel.tensor_parallel_size)
         self.arch = kv_heads.replicated_arch(mc.arch, self._repeat)  # what runs: KV heads repeated to one per device
-        self.weights = load_weights(config, self.arch, self.mesh, self._repeat, show_progress, params)
+        self.weights = load_weights(mc, self.arch, self.mesh, self._repeat, config.seed, show_progress, params)
         self._from_memory = params is not None  # no checkpoint to wake sleeping weights from
         self._param_specs: model_loader.ParamSpecs | None = None  # what update_weights takes: made at the first
+        self.kv_layout = model_kv_layout(self.arch)  # the KV cache groups: one block table each
+        num_groups = len(self.kv_layout.groups)
+        self.token_buckets = batching.token_buckets(sc.max_num_batched_tokens)
+        num_spec = config.num_speculative_tokens
+        layouts = {t: batching.BatchLayout(t, batching.request_bucket(t, sc.max_num_seqs), self.max_blocks_per_seq,
+                                           num_groups, batching.logit_rows(t, sc.max_num_seqs, num_spec))
+                   for t in self.token_buckets}
+        self.layouts = layouts
+        attn_fn = get_attention_fn(config.attention_backend, self.mesh, config.batch_invariant)
+        has_draft = config.speculative is not None and config.speculative.draft is not None
+        self.draft = DraftModel(config, self.mesh, attn_fn, layouts) if has_draft else None
         self.startup_s = {"weights": time.perf_counter() - start}  # then "kv_cache", "compile" (warm_up)
         self.compile_split = ""  # what the compile phase spent its time on (warm_up)
-        self.kv_layout = model_kv_layout(self.arch)  # the KV cache groups: one block table each
-        self.kv_cache = KVCache(config, self.arch, self.kv_layout, self.mesh)
+        self.kv_cache = KVCache(config, self.arch, self.kv_layout, self.mesh,
+                                (self.draft.arch, self.draft.kv_layout) if self.draft else None)
         cache_dtype = jnp.dtype(config.cache.cache_dtype)
         if cache_dtype.itemsize == 1:  # as vLLM warns, for the same reason
             logger.warning("the %s KV cache stores K and V with scale 1.0 (a checkpoint's k_scale / v_scale are "
@@ -109,14 +124,7 @@ class ModelRunner:
         self.kv_cache.allocate()
         self.startup_s["kv_cache"] = time.perf_counter() - start
 
-        num_groups = len(self.kv_layout.groups)
-        self.token_buckets = batching.token_buckets(sc.max_num_batched_tokens)
         self.request_rows = batching.RequestRows(self.max_blocks_per_seq, sc.max_num_seqs, num_groups)
-        num_spec = config.num_speculative_tokens
-        layouts = {t: batching.BatchLayout(t, batching.request_bucket(t, sc.max_num_seqs), self.max_blocks_per_seq,
-                                           num_groups, batching.logit_rows(t, sc.max_num_seqs, num_spec))
-                   for t in self.token_buckets}
-        self.layouts = layouts
         # The sampled ids' array: as long as the widest bucket's rows of logits (max_num_seqs without drafts).
         self.num_sampled = layouts[self.token_buckets[-1]].num_rows
         self._host_buffers = {t: [(b, layout.host_views(b)) for b in (np.zeros(layout.size, np.int32),
@@ -132,8 +140,7 @@ class ModelRunner:
         # A step computes the top K of the bucket that holds its requests' most: a top-k of 8
         # costs a fifth of one of 20 at [256, 128k] on an H200 (above 16, XLA sorts the rows).
         self.logprob_buckets = sorted({0, min(8, self.num_logprobs), self.num_logprobs})
-        self.fns = StepFunctions(self.weights.graphdef, self.weights.treedef, get_attention_fn(
-            config.attention_backend, self.mesh, config.batch_invariant), layouts, self.num_sampled, self.mesh,
+        self.fns = StepFunctions(self.weights.graphdef, self.weights.treedef, attn_fn, layouts, self.num_sampled, self.mesh,
             self.kv_layout.num_tensors, user_processors, self.num_logprobs, config.batch_invariant, num_spec)
         self.processor_rows = ProcessorRows(config, user_processors, self.fns.write_rows,
                                             self.fns.processor_state_sharding)
@@ -198,6 +205,8 @@ class ModelRunner:
         self._waiting = None
         if level == 2:
             self.weights.delete()
+            if self.draft:
+                self.draft.weights.delete()
 
     def wake_up(self, tags: list[str]) -> None:
         """Make again what sleep freed: "weights" (from the checkpoint; an engine given its params
@@ -207,7 +216,9 @@ class ModelRunner:
             if self._from_memory:
                 raise ValueError("this engine's weights came from memory and slept at level 2: pass them "
                                  "to update_weights, which wakes them")
-            self.weights = load_weights(self.config, self.arch, self.mesh, self._repeat)
+            self.weights = load_weights(self.config.model, self.arch, self.mesh, self._repeat, self.config.seed)
+        if "weights" in tags and self.draft and self.draft.weights.deleted:
+            self.draft.reload()
         if "kv_cache" in tags and self.kv_cache.caches is None:
             self.kv_cache.allocate()
             self.processor_rows.reset()
@@ -221,6 +232,8 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Free the device memory now (weights and KV cache), not when a collector finds it."""
         self.weights.delete()
+        if self.draft:
+            self.draft.weights.delete()
         self.kv_cache.delete()
         self.processor_rows.delete()
         self._prev_sampled.delete()
@@ -273,10 +286,13 @@ class ModelRunner:
     def _sample_step(self, step: _Step, bitmask: np.ndarray | None) -> StepOutput:
         sampled, logprobs, prompt_logprobs = self._sample(step.forward, step.mode, step.processed, step.num_logprobs,
                                                           bitmask, step.prompt_inputs, step.rows)
+        drafts = self._propose(step.forward, sampled)
         for array in (sampled, *(logprobs or ()), *(a for p in prompt_logprobs for a in p)):
             array.copy_to_host_async()
+        if drafts is not None:
+            drafts.copy_to_host_async()
         return StepOutput(sampled, step.sched.scheduled, step.first_rows, logprobs, prompt_logprobs,
-                          step.prompt_segments, step.failed)
+                          step.prompt_segments, step.failed, drafts)
 
     def _token_bucket(self, num_tokens: int) -> int:
         return next(b for b in self.token_buckets if b >= num_tokens)
@@ -292,7 +308,18 @@ class ModelRunner:
         with TraceAnnotation("dispatch"):
             greedy, logits, words, hidden, self.kv_cache.caches = forward(
                 self.weights.params, self.kv_cache.caches, self._prev_sampled, buffer)
-        return _Forward(token_bucket, greedy, logits, words, hidden)
+        return _Forward(token_bucket, greedy, logits, words, hidden, buffer)
+
+    def _propose(self, fwd: _Forward, sampled: jax.Array) -> jax.Array | None:
+        """With a draft model, its drafts [R, k] for after the tokens the step's requests take."""
+        if self.draft is None:
+            return None
+        propose = self.executables.get(ExecutableKey(DRAFT, fwd.token_bucket),
+                                       lambda: self._lower_draft(fwd.token_bucket))
+        with TraceAnnotation("dispatch"):
+            drafts, self.kv_cache.draft_caches = propose(self.draft.weights.params, self.kv_cache.draft_caches,
+                                                         fwd.buffer, sampled)
+        return drafts
 
     def _sample(self, fwd: _Forward, mode: SampleMode, processed: bool = False, num_logprobs: int | None = None,
                 bitmask: np.ndarray | None = None, prompt_inputs=(), user_rows: np.ndarray | None = None
@@ -335,13 +362,21 @@ class ModelRunner:
 
     def _dispatch(self, token_bucket: int, buffer: np.ndarray, mode: SampleMode, processed: bool = False,
                   num_logprobs: int | None = None, prompt_inputs=()):
-        """A whole step from a packed buffer, with no token masks (warm-up, a benchmark's replay)."""
-        return self._sample(self._forward(token_bucket, buffer), mode, processed, num_logprobs, None, prompt_inputs)
+        """A whole step from a packed buffer, with no token masks (warm-up, a benchmark's replay),
+        and a draft model's drafts after it."""
+        fwd = self._forward(token_bucket, buffer)
+        sampled = self._sample(fwd, mode, processed, num_logprobs, None, prompt_inputs)
+        return sampled, self._propose(fwd, sampled[0])
 
     def _lower_forward(self, token_bucket: int) -> jax.stages.Lowered:
         buffer = self._host_buffers[token_bucket][0][0]
         return self.fns.forward.lower(self.weights.params, self.kv_cache.caches, self._prev_sampled, buffer,
                                       token_bucket)
+
+    def _lower_draft(self, token_bucket: int) -> jax.stages.Lowered:
+        buffer = self._host_buffers[token_bucket][0][0]
+        return self.draft.propose.lower(self.draft.weights.params, self.kv_cache.draft_caches, buffer,
+                                        self._prev_sampled, token_bucket)
 
     def _all_allowed_bitmask(self, num_reqs: int) -> jax.Array:
         if num_reqs not in self._all_allowed:
@@ -409,6 +444,8 @@ class ModelRunner:
         keys, row_buckets = [], set()
         for token_bucket in self.token_buckets:
             keys += [ExecutableKey(FORWARD, token_bucket), ExecutableKey(PROMPT_LOGPROBS, token_bucket)]
+            if self.draft:
+                keys.append(ExecutableKey(DRAFT, token_bucket))
             num_rows = self.layouts[token_bucket].num_rows
             if num_rows in row_buckets:
                 continue
@@ -425,6 +462,8 @@ class ModelRunner:
         token bucket (for the others than a forward)."""
         if key.kind == FORWARD:
             return self._lower_forward(key.bucket)
+        if key.kind == DRAFT:
+            return self._lower_draft(key.bucket)
         sampled, logits, words, hidden, _ = forward_info
         if key.kind == PROMPT_LOGPROBS:
             chunk = jax.ShapeDtypeStruct((self._prompt_logprobs_chunk(key.bucket),), jnp.int32)
@@ -442,9 +481,10 @@ class ModelRunner:
         with users' logits processors (their code is not in the key) or over several hosts."""
         if self.processor_rows.users or self.config.parallel.num_hosts > 1:
             return None
-        params = [(p.shape, p.dtype, p.sharding) for p in self.weights.params]
-        caches = [(k.shape, k.dtype, k.sharding) for k, _ in self.kv_cache.caches]
-        key = "\n".join(map(repr, (self.config, self.weights.treedef, params, caches,  # the buckets follow the config
+        weights = [self.weights] + ([self.draft.weights] if self.draft else [])
+        params = [(w.treedef, [(p.shape, p.dtype, p.sharding) for p in w.params]) for w in weights]
+        caches = [(k.shape, k.dtype, k.sharding) for k, _ in self.kv_cache.caches + (self.kv_cache.draft_caches or [])]
+        key = "\n".join(map(repr, (self.config, params, caches,  # the buckets follow the config
                                     compilation.source_digest())))
         return compilation.ExecutableStore.maybe(key, list(self.mesh.devices.flat))
 
@@ -467,6 +507,7 @@ class ModelRunner:
         if self.compile_split:
             startup += f" ({self.compile_split})"
         dtype = jnp.dtype(self.config.cache.cache_dtype).name
-        return (f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens "
+        draft = f" (the draft model's too: {self.draft.model_config.path})" if self.draft else ""
+        return (f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens{draft} "
                 f"({self.kv_cache.num_tokens} tokens, {gib:.2f} GiB, {dtype}); token buckets {self.token_buckets}; "
                 f"attention backend {self.config.attention_backend}; start-up: {startup}")

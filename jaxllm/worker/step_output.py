@@ -27,6 +27,7 @@ class StepOutput:
     prompt_logprobs: list[Logprobs] = dataclasses.field(default_factory=list)  # chunks of [C] positions
     prompt_segments: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (request index, positions)
     failed: dict[str, str] = dataclasses.field(default_factory=dict)  # request id -> why its host work failed
+    drafts: jax.Array | None = None  # [R, k] int32: a draft model's drafts for after each request's tokens
 
     @property
     def num_reqs(self) -> int:
@@ -41,7 +42,11 @@ class StepOutput:
         else:
             taken = [self._accepted(s, samples, int(first)) if s.samples else []
                      for s, first in zip(self.scheduled, self.first_rows)]
-        return ModelRunnerOutput(taken, self._host_logprobs(taken), self._host_prompt_logprobs(), self.failed)
+        drafts = None
+        if self.drafts is not None:
+            rows = np.asarray(self.drafts)
+            drafts = [rows[i].tolist() if s.samples else [] for i, s in enumerate(self.scheduled)]
+        return ModelRunnerOutput(taken, self._host_logprobs(taken), self._host_prompt_logprobs(), self.failed, drafts)
 
     @staticmethod
     def _accepted(s: ScheduledRequest, samples: np.ndarray, first: int) -> list[int]:

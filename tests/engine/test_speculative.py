@@ -147,16 +147,22 @@ def test_sampling_with_drafts_wrong_half_the_time_keeps_the_distribution(llm):
 
 
 def test_no_compilation_and_every_block_back_after_200_requests_with_aborts(llm):
-    engine = llm.llm_engine
-    scheduler(llm).proposer = NgramProposer(engine.config.speculative)
-    rng = np.random.default_rng(2)
+    scheduler(llm).proposer = NgramProposer(llm.llm_engine.config.speculative)
+
+    def repeating(rng):
+        pattern = rng.integers(3, 250, int(rng.integers(1, 5))).tolist()
+        return (pattern * 20)[:int(rng.integers(2, 60))]
+    check_200_requests_with_aborts(llm.llm_engine, np.random.default_rng(2), repeating)
+
+
+def check_200_requests_with_aborts(engine, rng, prompt) -> None:
+    """200 requests of prompts `prompt(rng)`, greedy or sampled, a twentieth of the outputs not
+    finished aborting theirs: nothing compiles, every block is back, and drafts were taken."""
     before = compilation.num_compilations()
     aborted = set()
     for i in range(200):
-        pattern = rng.integers(3, 250, int(rng.integers(1, 5))).tolist()
-        prompt = {"prompt_token_ids": (pattern * 20)[:int(rng.integers(2, 60))]}
-        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=float(rng.choice([0.0, 0.8])), seed=i,
-                                                          max_tokens=int(rng.integers(1, 40)), ignore_eos=True))
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt(rng)}, SamplingParams(
+            temperature=float(rng.choice([0.0, 0.8])), seed=i, max_tokens=int(rng.integers(1, 40)), ignore_eos=True))
     finished = 0
     while engine.has_unfinished_requests():
         for out in engine.step():

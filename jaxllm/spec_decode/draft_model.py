@@ -1,0 +1,21 @@
+"""The core's side of a draft model: the drafts the runner made for each request at the end of
+its last step (ModelRunnerOutput.draft_token_ids), kept until the request is scheduled again.
+The runner writes the draft's KV for the positions after the tokens a step takes, so the
+scheduler reserves that many slots more per request (`num_lookahead_tokens`)."""
+from jaxllm.request import Request
+
+
+class RunnerDrafts:
+    def __init__(self, num_speculative_tokens: int):
+        self.num_lookahead_tokens = num_speculative_tokens
+        self._drafts: dict[str, list[int]] = {}  # request id -> the drafts for after its last token
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        return self._drafts.get(request.request_id, [])[:max(max_tokens, 0)]
+
+    def take(self, request_id: str, drafts: list[int]) -> None:
+        """The drafts the runner made for after the request's last token (replacing older ones)."""
+        self._drafts[request_id] = drafts
+
+    def forget(self, request_id: str) -> None:
+        self._drafts.pop(request_id, None)

@@ -1,0 +1,116 @@
+"""A draft model for speculative decoding (speculative_config method "draft_model"): a smaller
+model with the target's tokenizer, on the same mesh, whose KV tensors share the target's
+block ids: it reads the block tables of the target's first KV cache group (config.py checks
+that its attention fits them), and its own KV cache groups, which share tensors, each take
+the same block ids in a range of their own (group g's block b is b + g * num_blocks).
+After each step's sampling, one executable per token bucket:
+
+1. the draft runs over the step's tokens as the target did, for its KV (a rejected draft's
+   slots too: the next step writes them again, as the target's);
+2. each sampling request's accepted run is found on the device, by the comparison
+   StepOutput.get_output makes on the host, and so the token sampled after it;
+3. from that token, k steps of one token per request (a lax.scan), each the argmax of the
+   draft's logits, each writing its KV one position further (the scheduler holds k slots
+   per request past its step's tokens for them).
+
+The drafts come back with the step's output and are scheduled with the request's next
+token. Each is one guess, which verification keeps with the probability the target gives
+it (model_runner.py): exact for any draft model.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.config import Config
+from jaxllm.kernels.attention import AttentionMetadata
+from jaxllm.models.kv_layout import model_kv_layout
+from jaxllm.sample.sampler import COLUMN
+from jaxllm.sharding import kv_cache_sharding, replicated
+from jaxllm.worker import input_batch as batching, kv_heads
+from jaxllm.worker.model_loader import load_weights
+
+_POSITION, _DRAFT = COLUMN["position"], COLUMN["draft_token"]
+
+
+class DraftModel:
+    """The draft's weights and its jitted proposer (`propose`)."""
+
+    def __init__(self, config: Config, mesh: jax.sharding.Mesh, attn_fn, layouts: dict[int, batching.BatchLayout]):
+        mc = config.speculative.draft
+        self.model_config = mc
+        self._repeat = kv_heads.kv_head_repeat(mc.arch, config.parallel.tensor_parallel_size)
+        self.arch = kv_heads.replicated_arch(mc.arch, self._repeat)  # what runs (worker/kv_heads.py)
+        self.kv_layout = model_kv_layout(self.arch)
+        self._mesh, self._seed = mesh, config.seed
+        self.weights = load_weights(mc, self.arch, mesh, self._repeat, config.seed)
+        kv = kv_cache_sharding(mesh)
+        fn = make_propose_fn(self.weights.graphdef, self.weights.treedef, attn_fn, layouts,
+                             config.num_speculative_tokens, config.cache.block_size, mc.max_model_len,
+                             len(self.kv_layout.groups))
+        self.propose = jax.jit(fn, donate_argnums=(1,), static_argnums=(4,),
+                               out_shardings=(replicated(mesh), [(kv, kv)] * self.kv_layout.num_tensors))
+
+    def reload(self) -> None:
+        """The weights again from the checkpoint, after a sleep that freed them."""
+        self.weights = load_weights(self.model_config, self.arch, self._mesh, self._repeat, self._seed)
+
+
+def make_propose_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout],
+                    num_drafts: int, block_size: int, max_model_len: int, num_groups: int):
+    """The draft executable's function (a closure: the runner is not kept alive by it)."""
+    def propose(params, kv_caches, buffer, sampled, token_bucket: int):
+        """params: the draft's flat weights; kv_caches: its KV tensors; buffer: the step's inputs
+        (`token_bucket`'s BatchLayout; every token id in it: speculation schedules synchronously);
+        sampled [num_sampled] int32: the step's samples, a row per row of logits. Returns (the drafts
+        [R, num_drafts] int32 of each request that sampled, for after the token it took last, kv_caches)."""
+        batch = layouts[token_bucket].unpack(buffer)
+        model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, params))
+        blocks_per_group = kv_caches[0][0].shape[0] // num_groups
+        md = batch.attention
+        _, kv_caches = model(batch.input_ids, batch.positions, kv_caches,
+                             _groups(md, md.slot_mapping[0], md.block_tables[0], num_groups, blocks_per_group, block_size), attn_fn)
+        token, position = _next_tokens(batch, sampled, num_drafts)
+        active = batch.first_rows >= 0
+        table = batch.attention.block_tables[0]  # [R, max_blocks_per_seq]
+        num_reqs = table.shape[0]
+
+        def draft_step(carry, _):
+            token, position, kv_caches = carry
+            writes = active & (position < max_model_len)
+            block = table[jnp.arange(num_reqs), jnp.minimum(position // block_size, table.shape[1] - 1)]
+            # A request that does not sample attends to one slot it never writes (the result is dropped).
+            md = AttentionMetadata(slot_mapping=jnp.where(writes, block * block_size + position % block_size, -1),
+                                   query_start_loc=jnp.arange(num_reqs + 1, dtype=jnp.int32),
+                                   seq_lens=jnp.where(writes, position + 1, 1), block_tables=None,
+                                   num_seqs=jnp.full((1,), num_reqs, jnp.int32))
+            hidden, kv_caches = model(token, jnp.where(writes, position, 0), kv_caches,
+                                      _groups(md, md.slot_mapping, table, num_groups, blocks_per_group, block_size), attn_fn)
+            token = jnp.argmax(model.compute_logits(hidden), axis=-1).astype(jnp.int32)
+            return (token, position + 1, kv_caches), token
+
+        (_, _, kv_caches), drafts = jax.lax.scan(draft_step, (token, position, kv_caches), length=num_drafts)
+        return drafts.T, kv_caches
+    return propose
+
+
+def _next_tokens(batch: batching.StepBatch, sampled: jax.Array, num_drafts: int) -> tuple[jax.Array, jax.Array]:
+    """Per request, the token it took last this step and that token's position: the sample
+    after the run of its drafts that agree with the samples before them."""
+    num_rows = batch.sampling.shape[0]
+    rows = jnp.clip(batch.first_rows[:, None] + jnp.arange(num_drafts + 1), 0, num_rows - 1)  # [R, 1 + k]
+    drafts = batch.sampling[rows, _DRAFT]  # -1 at a request's last row: the run ends there at the latest
+    accepted = jnp.sum(jnp.cumprod((sampled[rows] == drafts).astype(jnp.int32), axis=1), axis=1)
+    last = jnp.clip(batch.first_rows + accepted, 0, num_rows - 1)
+    return sampled[last], batch.sampling[last, _POSITION]
+
+
+def _groups(md: AttentionMetadata, slot_mapping: jax.Array, block_tables: jax.Array, num_groups: int,
+            blocks_per_group: int, block_size: int) -> AttentionMetadata:
+    """`md` with the draft's groups on one group's slots [T] and block tables [R, B], group g's
+    moved to its own range of blocks."""
+    offsets = jnp.arange(num_groups, dtype=jnp.int32)[:, None] * blocks_per_group
+    return dataclasses.replace(
+        md, block_tables=block_tables[None] + offsets[:, :, None],
+        slot_mapping=jnp.where(slot_mapping[None] >= 0, slot_mapping[None] + offsets * block_size, -1))
