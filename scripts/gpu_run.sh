@@ -52,6 +52,8 @@
 #   spec        bench step on the 8B shape at batch 1, 8 and 64 with 0, 1, 2, 4 and 7 draft tokens per
 #               request (the cost of verifying them); then bench spec, n-gram drafts end to end on
 #               the embedded SmolLM2 (SMOLLM2_GGUF=PATH: that .gguf file) at batch 1 and 16
+#   draft       the draft model's tests on the GPU, then bench step on the 8B shape at batch 1, 8 and 64,
+#               without drafts and with a dummy Llama-3.2-1B drafting k = DRAFT_TOKENS (default "2 4")
 #   kv-dtype    bench kv-dtype: decode attention over bf16 and e4m3 caches
 #   sampler     bench sampler: the sampler's pieces at [256, 128256]
 #   multi-gpu   on 2-8 GPUs, each configuration of MULTI (default "tp1 tp2"): NAME[:MODES], NAME
@@ -83,7 +85,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 ALL_PARTS=" smoke step tput tput1000 tput2048 qwen startup fp8 prefix prefill serve sampling hf-compare kernels"
-ALL_PARTS+=" check hybrid weights spec kv-dtype sampler multi-gpu "
+ALL_PARTS+=" check hybrid weights spec draft kv-dtype sampler multi-gpu "
 [ ${#PARTS[@]} -gt 0 ] || { echo "name at least one part" >&2; usage 2 >&2; }
 expanded=()
 for part in "${PARTS[@]}"; do
@@ -252,6 +254,19 @@ part_spec() {
     --gpu-memory-utilization 0.5 "${shape[@]}" --output-json "$D/step_drafts.json" 2>&1 | quiet 20
   step 150 "bench spec, SmolLM2" "${JAXLLM[@]}" bench spec ${SMOLLM2_GGUF:+--model "$SMOLLM2_GGUF"} --max-model-len 2048 \
     "${e2e[@]}" --output-json "$D/spec.json" 2>&1 | quiet 8
+}
+
+part_draft() {
+  local shape=(--batch-sizes 1,8,64 --input-len 128 --output-len 64) draft=llama-3.2-1b len=2048 k
+  [ $TINY = 1 ] && shape=(--batch-sizes 1,8 --input-len 16 --output-len 16) draft=$MODEL8 len=512
+  step 90 "draft model tests" timeout 240 "$PY" -m pytest -q tests/engine/test_draft_model.py 2>&1 | quiet 5
+  step 90 "bench step, no drafts" "${JAXLLM[@]}" bench step "${M8[@]}" --max-model-len $len \
+    --gpu-memory-utilization 0.5 "${shape[@]}" --output-json "$D/step_plain.json" 2>&1 | quiet 8
+  for k in ${DRAFT_TOKENS:-2 4}; do
+    step 150 "bench step, draft model, k=$k" "${JAXLLM[@]}" bench step "${M8[@]}" --max-model-len $len \
+      --gpu-memory-utilization 0.5 "${shape[@]}" --output-json "$D/step_draft$k.json" --speculative-config \
+      "{\"method\": \"draft_model\", \"model\": \"$draft\", \"num_speculative_tokens\": $k}" 2>&1 | quiet 8
+  done
 }
 
 part_fp8() {

@@ -14,7 +14,8 @@ each batch's requests JSON-constrained, which needs a tokenizer: `--tokenizer` f
 dummy model). `--draft-tokens 0,1,4` times the verification of speculative decoding: each
 batch again with every decoding request scheduled with k random draft tokens (rejected, so
 a step still gives one token each), on one engine that speculates up to the most k (in
-this process), k = 0 its plain decode step. Exits 1 when a request got the wrong number
+this process), k = 0 its plain decode step. With `--speculative-config` naming a draft model,
+the replayed step is the verification of its k drafts and the draft's k steps after it. Exits 1 when a request got the wrong number
 of tokens or anything compiled after warm-up.
 """
 import dataclasses
@@ -141,7 +142,7 @@ def run_step_bench(engine_args, batch_sizes: list[int], input_len: int, output_l
         step_ms = 1e3 * float(np.median(intervals)) if intervals else float("nan")
         device_ms = 1e3 * engine.engine_core.call_utility("time_widest_step", 20)
         rows.append({
-            "batch": batch, "draft_tokens": k, "input_len": input_len, "output_len": output_len,
+            "batch": batch, "draft_tokens": k or engine.config.num_speculative_tokens, "input_len": input_len, "output_len": output_len,
             "decode_step_ms": round(step_ms, 3), "device_step_ms": round(device_ms, 3),
             "decode_tok_s": round(batch / step_ms * 1e3, 1),
             "wall_s": round(wall_s, 3),
@@ -154,7 +155,8 @@ def run_step_bench(engine_args, batch_sizes: list[int], input_len: int, output_l
                 rows[-1]["profile"] = summarize_trace(latest_trace(trace_dir))
             except ValueError as e:  # a trace the profiler cut short: the timings still stand
                 rows[-1]["profile_error"] = str(e)
-    result = {"model": engine.config.model.path, "dtype": str(np.dtype(engine.config.model.dtype)),
+    draft = engine.config.speculative and engine.config.speculative.draft
+    result = {"model": engine.config.model.path, "draft_model": draft.path if draft else None, "dtype": str(np.dtype(engine.config.model.dtype)),
               "sampling": sampling, "structured_requests": structured_requests,
               "attention_backend": engine.config.attention_backend,
               "async_scheduling": engine.config.scheduler.async_scheduling,
@@ -165,7 +167,8 @@ def run_step_bench(engine_args, batch_sizes: list[int], input_len: int, output_l
 
 
 def print_table(res: dict) -> None:
-    print(f"\n{res['model']} ({res['dtype']}, attention={res['attention_backend']}, "
+    drafted = f", drafted by {res['draft_model']}" if res.get("draft_model") else ""
+    print(f"\n{res['model']}{drafted} ({res['dtype']}, attention={res['attention_backend']}, "
           f"async_scheduling={res['async_scheduling']}, sampling={res['sampling']}, "
           f"structured_requests={res['structured_requests']}), startup {res['startup_s']} s, "
           f"compiles after warm-up: {res['compiles_after_warm_up']}")

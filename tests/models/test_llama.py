@@ -261,13 +261,14 @@ def test_dummy_weights_have_shapes_dtypes_shardings():
     assert bool(jnp.all(params[("norm", "weight")][...] == 1))
 
 
-@pytest.mark.parametrize("name", ["llama-3.1-8b", "llama-3.1-70b", "qwen3-0.6b", "qwen3-8b"])
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "llama-3.1-70b", "llama-3.2-1b", "qwen3-0.6b", "qwen3-8b"])
 def test_bundled_configs_parse(name):
     d = json.loads(importlib.resources.files("jaxllm.models.configs").joinpath(f"{name}.json").read_text())
     config = ModelArchConfig.from_hf_config(d)
-    assert config.head_dim == 128 and config.num_kv_heads == 8
+    assert config.head_dim == (64 if name == "llama-3.2-1b" else 128) and config.num_kv_heads == 8
     if name.startswith("llama"):
         assert config.rope_scaling["rope_type"] == "llama3" and config.rope_theta == 500000.0
+        assert config.tie_word_embeddings == (name == "llama-3.2-1b")
     else:
         assert config.qk_norm and config.tie_word_embeddings == (name == "qwen3-0.6b")
         assert config.sliding_window is None
