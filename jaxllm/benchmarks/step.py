@@ -14,9 +14,10 @@ each batch's requests JSON-constrained, which needs a tokenizer: `--tokenizer` f
 dummy model). `--draft-tokens 0,1,4` times the verification of speculative decoding: each
 batch again with every decoding request scheduled with k random draft tokens (rejected, so
 a step still gives one token each), on one engine that speculates up to the most k (in
-this process), k = 0 its plain decode step. With `--speculative-config` naming a draft model,
-the replayed step is the verification of its k drafts and the draft's k steps after it. Exits 1 when a request got the wrong number
-of tokens or anything compiled after warm-up.
+this process), k = 0 its plain decode step. With `--speculative-config` naming a draft model
+(and no `--draft-tokens`), the replayed step is the verification of its k drafts and the
+draft's k steps after it. Exits 1 when a request got the wrong number of tokens or anything
+compiled after warm-up.
 """
 import dataclasses
 import itertools
@@ -142,7 +143,8 @@ def run_step_bench(engine_args, batch_sizes: list[int], input_len: int, output_l
         step_ms = 1e3 * float(np.median(intervals)) if intervals else float("nan")
         device_ms = 1e3 * engine.engine_core.call_utility("time_widest_step", 20)
         rows.append({
-            "batch": batch, "draft_tokens": k or engine.config.num_speculative_tokens, "input_len": input_len, "output_len": output_len,
+            "batch": batch, "draft_tokens": k if max(draft_tokens) else engine.config.num_speculative_tokens,
+            "input_len": input_len, "output_len": output_len,
             "decode_step_ms": round(step_ms, 3), "device_step_ms": round(device_ms, 3),
             "decode_tok_s": round(batch / step_ms * 1e3, 1),
             "wall_s": round(wall_s, 3),
@@ -156,7 +158,8 @@ def run_step_bench(engine_args, batch_sizes: list[int], input_len: int, output_l
             except ValueError as e:  # a trace the profiler cut short: the timings still stand
                 rows[-1]["profile_error"] = str(e)
     draft = engine.config.speculative and engine.config.speculative.draft
-    result = {"model": engine.config.model.path, "draft_model": draft.path if draft else None, "dtype": str(np.dtype(engine.config.model.dtype)),
+    result = {"model": engine.config.model.path, "draft_model": draft.path if draft else None,
+              "dtype": str(np.dtype(engine.config.model.dtype)),
               "sampling": sampling, "structured_requests": structured_requests,
               "attention_backend": engine.config.attention_backend,
               "async_scheduling": engine.config.scheduler.async_scheduling,
@@ -197,6 +200,8 @@ def main(ns, engine_args) -> int:
     engine_args = dataclasses.replace(engine_args, max_num_seqs=max(engine_args.max_num_seqs or 1, *batch_sizes))
     if ns.structured_requests and ns.sampling != "all":
         raise ValueError("--structured-requests needs --sampling all")
+    if ns.draft_tokens != "0" and engine_args.speculative_config:
+        raise ValueError("--draft-tokens times random drafts; with --speculative-config the step is its method's")
     result = run_step_bench(engine_args, batch_sizes, ns.input_len, ns.output_len, profile_dir=ns.profile_dir,
                             sampling=ns.sampling, structured_requests=ns.structured_requests,
                             draft_tokens=tuple(int(k) for k in ns.draft_tokens.split(",")))

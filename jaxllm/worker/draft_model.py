@@ -90,7 +90,9 @@ def make_propose_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batchi
             token = jnp.argmax(model.compute_logits(hidden), axis=-1).astype(jnp.int32)
             return (token, position + 1, kv_caches), token
 
-        (_, _, kv_caches), drafts = jax.lax.scan(draft_step, (token, position, kv_caches), length=num_drafts)
+        # Unrolled: the k steps are one straight program, which XLA schedules across steps.
+        (_, _, kv_caches), drafts = jax.lax.scan(draft_step, (token, position, kv_caches), length=num_drafts,
+                                                 unroll=True)
         return drafts.T, kv_caches
     return propose
 

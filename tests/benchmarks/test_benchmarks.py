@@ -236,3 +236,10 @@ def test_bench_step_times_each_batch_with_k_draft_tokens(tmp_path):
     assert [(r["batch"], r["draft_tokens"]) for r in result["rows"]] == [(1, 0), (1, 2), (4, 0), (4, 2)]
     assert all(r["all_lengths_ok"] and r["device_step_ms"] > 0 for r in result["rows"])
     assert result["compiles_after_warm_up"] == 0
+
+
+def test_bench_step_random_drafts_beside_a_speculative_config_is_a_one_line_error(capsys):
+    assert main(["bench", "step", *ENGINE_FLAGS, "--draft-tokens", "0,2",
+                 "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']) == 2
+    assert capsys.readouterr().err.endswith(
+        "jaxllm: error: --draft-tokens times random drafts; with --speculative-config the step is its method's\n")
