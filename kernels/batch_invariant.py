@@ -9,8 +9,8 @@ GEMMs' split and tile choices do the same). Here each output element is reduced 
 order whatever the batch:
 
 - matmul(x, w): a Pallas kernel over [BM, BN] output tiles, K walked in BK chunks with a
-  float32 accumulator and never split; BK depends only on the weight's shape, the tiles on
-  the number of rows (they do not change the order of summation).
+  float32 accumulator and never split; BK depends only on the weight's shape, the tiles
+  (`tiles`) on the number of rows (they do not change the order of summation).
 - rms_normalize(x, eps): a Pallas kernel over row blocks ([BR, D] on CPU, one row on a GPU).
 - log_softmax(x): in blocks of BR rows.
 - attention: the reference in blocks of BR tokens (CPU), or the Pallas kernel in one launch shape
@@ -22,6 +22,7 @@ its executables inside `tracing()`).
 """
 import contextlib
 import contextvars
+import dataclasses
 import functools
 
 import jax
@@ -58,22 +59,44 @@ def _divisor(n: int, choices=(64, 32, 16, 8)) -> int:
     return next((c for c in choices if n % c == 0), 1)
 
 
-BLOCK_K = 64  # with no split of K, the one thing that fixes each element's order of summation
+BLOCK_K = 64  # K is walked in BK chunks, never split: each element's sum runs in one order
 
 
-def _tiles(m: int, n: int) -> tuple[int, int, int, int]:
-    """(BM, BN, num_warps, num_stages) for an [m, K] @ [K, n] matmul. Only BK and the absence of
-    a split fix an element's order of summation: on the H200 the bits are the same for BM 64 or
-    128 and BN 32 to 256 (measured with bf16 on the 8B shape's four GEMMs), so the tiles may
-    follow m. A few rows stream the weight in 64-wide stripes (N / 64 programs keep the SMs
-    reading); many rows take wide tiles to reuse what they load."""
+@dataclasses.dataclass(frozen=True)
+class MatmulTiles:
+    """One launch of the matmul: [block_m, block_n] output tiles, num_warps and num_stages
+    (the software pipeline's depth). The tiles do not change an element's order of summation
+    as long as each runs on wgmma (64 rows or more): on the H200, float32 results are the same
+    bits for block_m 64 to 256, block_n 16 to 256, 4 or 8 warps and 3 to 6 stages (and for Mosaic
+    GPU's wgmma matmul) at the 8B shape's GEMMs; only a split of K changes them (XLA's dot splits K
+    at 256 rows or fewer). Tiles of 16 rows (mma.sync) agreed on random data but moved a logprob by
+    one ulp in the engine's check of a request alone and among 255 others, so `tiles` keeps 64."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 8 or value & (value - 1):
+                raise ValueError(f"MatmulTiles.{name} must be a power of two >= 8, got {value}")
+        if self.num_warps not in (2, 4, 8) or not 1 <= self.num_stages <= 8:
+            raise ValueError(f"MatmulTiles: num_warps in 2, 4, 8 and num_stages in 1..8, got {self}")
+
+
+def tiles(m: int, n: int) -> MatmulTiles:
+    """The tiles of an [m, K] @ [K, n] matmul, measured best on the H200 at the 8B's shapes (jaxllm
+    bench invariant-matmul): up to 64 rows the weight streams once, in narrow stripes so that
+    N = 4096 still gives 128 programs; wider tiles as the rows grow and the matmul turns compute-bound.
+    Never fewer than 64 rows a tile (MatmulTiles says why)."""
     if _interpret():
-        return 16, _divisor(n), 4, 3
-    if m <= 128:
-        return 64, _divisor(n), 4, 4
-    if m <= 512:
-        return 128, _divisor(n, (128, 64, 32, 16, 8)), 8, 3
-    return 128, _divisor(n, (256, 128, 64, 32, 16, 8)), 8, 3
+        return MatmulTiles(16, _divisor(n), 4, 3)
+    if m <= 64:
+        return MatmulTiles(64, _divisor(n, (32, 16, 8) if n <= 4096 else (64, 32, 16, 8)), 4, 6)
+    if m <= 256 and n <= 8192:
+        return MatmulTiles(64, _divisor(n, (128, 64, 32, 16, 8)), 4, 6)
+    return MatmulTiles(128, _divisor(n, (256, 128, 64, 32, 16, 8)), 8, 3)
 
 
 def _pad_rows(x, multiple: int):
@@ -93,19 +116,19 @@ def _matmul_kernel(x_ref, w_ref, o_ref, *, block_k: int, num_k: int):
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _matmul_fwd_impl(x, w, out_dtype):
+def pallas_matmul(x, w, t: MatmulTiles, out_dtype):
+    """x [M, K] @ w [K, N] -> [M, N] in out_dtype, launched with the tiles t (matmul picks them)."""
     m, k = x.shape
     n = w.shape[1]
-    bm, bn, num_warps, num_stages = _tiles(m, n)
     bk = _divisor(k, (BLOCK_K, 32, 16, 8))
-    xp = _pad_rows(x, bm)
+    xp = _pad_rows(x, t.block_m)
     out = pl.pallas_call(
         functools.partial(_matmul_kernel, block_k=bk, num_k=k // bk),
         out_shape=jax.ShapeDtypeStruct((xp.shape[0], n), out_dtype),
-        grid=(xp.shape[0] // bm, n // bn),
-        in_specs=[pl.BlockSpec((bm, k), lambda i, j: (i, 0)), pl.BlockSpec((k, bn), lambda i, j: (0, j))],
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        grid=(xp.shape[0] // t.block_m, n // t.block_n),
+        in_specs=[pl.BlockSpec((t.block_m, k), lambda i, j: (i, 0)), pl.BlockSpec((k, t.block_n), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((t.block_m, t.block_n), lambda i, j: (i, j)),
+        compiler_params=plgpu.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=_interpret(),
     )(xp, w)
     return out[:m]
@@ -115,7 +138,7 @@ def _matmul_fwd_impl(x, w, out_dtype):
 def matmul(x, w, out_dtype=None):
     """x [M, K] @ w [K, N] -> [M, N] in out_dtype (default x's), each element summed over K in
     the same order whatever M is."""
-    return _matmul_fwd_impl(x, w, out_dtype or x.dtype)
+    return pallas_matmul(x, w, tiles(x.shape[0], w.shape[1]), out_dtype or x.dtype)
 
 
 def _matmul_fwd(x, w, out_dtype):

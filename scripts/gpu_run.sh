@@ -47,8 +47,11 @@
 #   check       the gpu-marked kernel tests alone (CHECK=WORD: those whose name has it)
 #   hybrid      the gpu-marked check of the hybrid KV cache and prefix hits through each backend
 #   weights     bench weights on the 8B shape at half the device's memory (the trainer's half
-#               stays free), in the default mode and with --batch-invariant; then bench step at
-#               batch 1, 64, 256 and bench throughput 128/128 with --batch-invariant (its cost)
+#               stays free), in the default mode and with --batch-invariant
+#   invariant   the batch-invariant mode's cost: bench invariant-matmul (its matmul against XLA's dot,
+#               and its bits across row counts), then on the 8B shape bench step at batch 1, 64, 256 and
+#               bench throughput 128/128 with and without --batch-invariant, and bench weights
+#               --batch-invariant (a request alone and among 255 others, bit for bit)
 #   spec        bench step on the 8B shape at batch 1, 8 and 64 with 0, 1, 2, 4 and 7 draft tokens per
 #               request (the cost of verifying them); then bench spec, n-gram drafts end to end on
 #               the embedded SmolLM2 (SMOLLM2_GGUF=PATH: that .gguf file) at batch 1 and 16
@@ -85,7 +88,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 ALL_PARTS=" smoke step tput tput1000 tput2048 qwen startup fp8 prefix prefill serve sampling hf-compare kernels"
-ALL_PARTS+=" check hybrid weights spec draft kv-dtype sampler multi-gpu "
+ALL_PARTS+=" check hybrid weights invariant spec draft kv-dtype sampler multi-gpu "
 [ ${#PARTS[@]} -gt 0 ] || { echo "name at least one part" >&2; usage 2 >&2; }
 expanded=()
 for part in "${PARTS[@]}"; do
@@ -234,17 +237,29 @@ part_startup() {
 }
 
 part_weights() {
-  local engine=(--max-model-len 2048 --gpu-memory-utilization 0.5) others=255 prompts=1000 mode
-  [ $TINY = 1 ] && engine=(--max-model-len 512) others=15 prompts=64
+  local engine=(--max-model-len 2048 --gpu-memory-utilization 0.5) others=255 mode
+  [ $TINY = 1 ] && engine=(--max-model-len 512) others=15
   for mode in no-batch-invariant batch-invariant; do
     step 120 "bench weights, --$mode" "${JAXLLM[@]}" bench weights "${M8[@]}" "${engine[@]}" --$mode \
       --num-others "$others" --output-json "$D/weights_$mode.json" 2>&1 | quiet 16
   done
-  step 120 "bench step, --batch-invariant" "${JAXLLM[@]}" bench step "${M8[@]}" "${engine[@]}" --batch-invariant \
-    --batch-sizes 1,64,256 --input-len 128 --output-len 128 --output-json "$D/step_bi.json" 2>&1 | quiet 8
-  step 120 "throughput 128/128, --batch-invariant" "${JAXLLM[@]}" bench throughput "${M8[@]}" "${engine[@]}" \
-    --batch-invariant --input-len 128 --output-len 128 --num-prompts "$prompts" --output-json "$D/throughput_bi.json" \
-    2>&1 | quiet 6
+}
+
+part_invariant() {
+  local engine=(--max-model-len 2048 --gpu-memory-utilization 0.5) prompts=1000 mm=() mode
+  [ $TINY = 1 ] && engine=(--max-model-len 512) prompts=64 mm=(--shapes 64x128 --rows 2,16)
+  step 120 "bench invariant-matmul" "${JAXLLM[@]}" bench invariant-matmul "${mm[@]}" \
+    --output-json "$D/invariant_matmul.json" 2>&1 | quiet 26
+  for mode in batch-invariant no-batch-invariant; do
+    step 120 "bench step, --$mode" "${JAXLLM[@]}" bench step "${M8[@]}" "${engine[@]}" --$mode \
+      --batch-sizes 1,64,256 --input-len 128 --output-len 128 --output-json "$D/step_$mode.json" 2>&1 | quiet 8
+  done
+  for mode in batch-invariant no-batch-invariant; do
+    step 60 "throughput 128/128, --$mode" "${JAXLLM[@]}" bench throughput "${M8[@]}" "${engine[@]}" --$mode \
+      --input-len 128 --output-len 128 --num-prompts "$prompts" --output-json "$D/throughput_$mode.json" 2>&1 | quiet 6
+  done
+  step 100 "bench weights, --batch-invariant" "${JAXLLM[@]}" bench weights "${M8[@]}" "${engine[@]}" \
+    --batch-invariant --num-others 255 --output-json "$D/weights_bi.json" 2>&1 | quiet 16
 }
 
 part_spec() {

@@ -100,3 +100,30 @@ def test_kv_dtype_takes_only_its_output_flag(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "kv-dtype", "--model", "llama-3.1-8b"])
     assert "unrecognized arguments: --model llama-3.1-8b" in capsys.readouterr().err
+
+
+def test_invariant_matmul_times_the_picked_and_swept_tiles_against_xla_and_checks_their_bits(capsys, tmp_path):
+    result, printed = run(capsys, tmp_path, ["bench", "invariant-matmul", "--shapes", "64x32", "--rows", "2,20",
+                                             "--tiles", "32x16:4:3", "--repeats", "1"])
+    rows = result["rows"]
+    assert [(r["m"], r["launch"], r["tiles"]) for r in rows] == [
+        (m, launch, tiles) for m in (2, 20) for launch, tiles in (("picked", "16x32:4:3"), ("sweep", "32x16:4:3"))]
+    assert all(r["same_bits"] and r["ms"] > 0 and r["xla_ms"] > 0 for r in rows)
+    assert printed[-len(rows) - 1].split()[:3] == ["K", "x", "N"]
+
+
+def test_an_invariant_matmul_launch_whose_bits_differ_exits_1(capsys, tmp_path, monkeypatch):
+    from jaxllm.kernels import batch_invariant
+    plain = batch_invariant.pallas_matmul
+    monkeypatch.setattr(batch_invariant, "pallas_matmul", lambda x, w, t, out_dtype: plain(x, w, t, out_dtype) * (
+        1 + 1e-6 * (x.shape[0] == 2)))  # rows of a 2-row call off by a rounding
+    result, printed = run(capsys, tmp_path, ["bench", "invariant-matmul", "--shapes", "64x32", "--rows", "2,20",
+                                             "--repeats", "1"], status=1)
+    assert [r["same_bits"] for r in result["rows"]] == [False, True]
+    assert printed[-1] == "bits differ: 64x32 M=2 tiles 16x32:4:3"
+
+
+def test_a_bad_tile_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "invariant-matmul", "--tiles", "16x24:4:3"])
+    assert "MatmulTiles.block_n must be a power of two >= 8, got 24" in capsys.readouterr().err

@@ -48,3 +48,20 @@ def test_the_invariant_attentions_match_the_reference(attention):
     want = np.asarray(reference.ragged_paged_attention(*batch.args, **kwargs))[:batch.num_real_tokens]
     got = np.asarray(getattr(batch_invariant, attention)(*batch.args, **kwargs))[:batch.num_real_tokens]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_gpu_tiles_keep_64_rows_a_tile_and_divide_every_weight(monkeypatch):
+    """16-row tiles (mma.sync) moved a logprob by one ulp on an H200 where wgmma's 64 rows kept the bits."""
+    monkeypatch.setattr(batch_invariant, "_interpret", lambda: False)
+    for n in (4096, 6144, 28672, 128256, 1000):
+        for m in (16, 32, 64, 128, 256, 512, 8192):
+            t = batch_invariant.tiles(m, n)
+            assert t.block_m >= 64 and n % t.block_n == 0, (m, n, t)
+
+
+@pytest.mark.parametrize("fields, message", [((64, 24, 4, 3), "block_n must be a power of two"),
+                                             ((4, 64, 4, 3), "block_m must be a power of two >= 8"),
+                                             ((64, 64, 3, 3), "num_warps in 2, 4, 8")])
+def test_bad_matmul_tiles_name_their_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        batch_invariant.MatmulTiles(*fields)
