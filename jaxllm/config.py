@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jaxllm.device_facts import DeviceFacts, device_facts
 from jaxllm.models.config import QUANTIZATIONS, ModelArchConfig
+from jaxllm.models.eagle_config import EAGLE_ARCHITECTURES, EAGLE_TARGETS, EagleArchConfig
 from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.typecheck import check_field_types
 
@@ -69,7 +70,8 @@ class ParallelConfig:
     device_ids: tuple[int, ...] | None = None  # the devices of a caller's mesh (LLM(mesh=...)); None: the first
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")  # "eagle" and "eagle3" are not built yet
+EAGLE_METHODS = EAGLE_ARCHITECTURES  # "eagle", "eagle3": the method names its head's architecture
+SPECULATIVE_METHODS = ("ngram", "draft_model", *EAGLE_METHODS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,35 +79,37 @@ class SpeculativeConfig:
     """EngineArgs.speculative_config resolved (vLLM's keys): each decoding request's next
     `num_speculative_tokens` tokens are guessed and the model checks them all in one step."""
     # "ngram": the tokens after the latest earlier copy of the text's last n-gram (spec_decode/ngram.py);
-    # "draft_model": a smaller model's greedy tokens (worker/draft_model.py)
+    # "draft_model": a smaller model's greedy tokens (worker/draft_model.py);
+    # "eagle", "eagle3": an EAGLE head's greedy tokens, from the target's hidden states (worker/eagle.py)
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 0  # ngram: the n-gram's length is the longest in [min, max] that occurs before
     prompt_lookup_max: int = 0
-    model: str | None = None  # draft_model: the draft's name, as EngineArgs.model takes it
-    draft: ModelConfig | None = None  # draft_model: the draft resolved (EngineArgs.create_config)
+    model: str | None = None  # the draft model or EAGLE head, as EngineArgs.model takes it (an HF folder for a head)
+    draft: ModelConfig | None = None  # `model` resolved beside the target (EngineArgs.create_config)
 
     @classmethod
     def from_dict(cls, spec: dict) -> "SpeculativeConfig":
         """Checked, each bad key named: "speculative_config.num_speculative_tokens must be ...".
-        The draft model is resolved later, beside the target (EngineArgs.create_config)."""
+        The draft model or head is resolved later, beside the target (EngineArgs.create_config)."""
         known = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
         unknown = sorted(set(spec) - set(known))
         _check(not unknown, f"speculative_config has unknown keys {unknown} (known: {list(known)})")
         model = spec.get("model")
         _check(model is None or isinstance(model, str), f"speculative_config.model must be a str, got {model!r}")
         method = spec.get("method") or ("draft_model" if model else None)  # vLLM's: a model alone is a draft model
-        _check(method in SPECULATIVE_METHODS, f"speculative_config.method must be one of {SPECULATIVE_METHODS} "
-               f"(EAGLE is not built yet), got {method!r}")
+        _check(method in SPECULATIVE_METHODS, f"speculative_config.method must be one of {SPECULATIVE_METHODS}, "
+               f"got {method!r}")
         k = spec.get("num_speculative_tokens")
         _check(_is_int(k) and k >= 1, f"speculative_config.num_speculative_tokens must be an int >= 1, got {k!r}")
         low, high = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
-        if method == "draft_model":
-            _check(model is not None, "speculative_config.model must name the draft model with method 'draft_model'")
+        if method != "ngram":
+            what = "draft model" if method == "draft_model" else "EAGLE head"
+            _check(model is not None, f"speculative_config.model must name the {what} with method {method!r}")
             for name in ("prompt_lookup_min", "prompt_lookup_max"):
-                _check(spec.get(name) is None, f"speculative_config.{name} is for method 'ngram', not 'draft_model'")
+                _check(spec.get(name) is None, f"speculative_config.{name} is for method 'ngram', not {method!r}")
             return cls(method, k, model=model)
-        _check(model is None, "speculative_config.model is for method 'draft_model', not 'ngram'")
+        _check(model is None, "speculative_config.model is for a draft model or an EAGLE head, not 'ngram'")
         for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
             _check(value is None or (_is_int(value) and value >= 1),
                    f"speculative_config.{name} must be an int >= 1, got {value!r}")
@@ -185,6 +189,7 @@ class EngineArgs:
     batch_invariant: bool = False
     # vLLM's: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": .., "prompt_lookup_max": ..}
     # or {"method": "draft_model", "model": <a smaller model with the same tokenizer>, "num_speculative_tokens": k}
+    # or {"method": "eagle" | "eagle3", "model": <an EAGLE head's HF folder>, "num_speculative_tokens": k}
     speculative_config: dict[str, typing.Any] | None = None
 
     def create_config(self, devices: DeviceFacts | None = None) -> Config:
@@ -269,6 +274,9 @@ class EngineArgs:
         if speculative is not None and speculative.method == "draft_model":
             speculative = dataclasses.replace(speculative, draft=self._draft_model(speculative.model, arch, max_len,
                                                                                    devices.platform))
+        elif speculative is not None and speculative.method in EAGLE_METHODS:
+            speculative = dataclasses.replace(speculative, draft=self._eagle_head(speculative.method, speculative.model,
+                                                                                  arch, max_len, dtype))
         return Config(
             model=ModelConfig(path=path, format=fmt, hf_config=hf_config, arch=arch,
                               dtype=dtype, max_model_len=max_len,
@@ -301,17 +309,42 @@ class EngineArgs:
         _check(arch.max_position_embeddings >= max_len,
                f"speculative_config.model: the draft's max_position_embeddings ({arch.max_position_embeddings}) "
                f"is shorter than max_model_len ({max_len})")
+        self._check_draft_attention("draft", arch, target)
+        return ModelConfig(path=path, format=fmt, hf_config=hf_config, arch=arch,
+                           dtype=resolve_dtype(self.dtype, hf_config, platform=platform), max_model_len=max_len,
+                           load_format=self.load_format, skip_tokenizer_init=True, max_logprobs=0)
+
+    def _eagle_head(self, method: str, model: str, target: ModelArchConfig, max_len: int, dtype) -> ModelConfig:
+        """speculative_config.model resolved as an EAGLE head of `target` (models/eagle.py): an HF
+        folder whose config and tensors fit the target's hidden states, vocabulary and layers. It
+        runs in the target's dtype, at any position (RoPE does not end at its max_position_embeddings)."""
+        _check(target.architecture in EAGLE_TARGETS, f"speculative_config.method {method!r} runs on the "
+               f"Llama-family targets {EAGLE_TARGETS}, not on {target.architecture!r}")
+        try:
+            path, fmt, hf_config, _ = _locate_model(model, self.load_format, None, self.download_dir)
+            _check(fmt == "hf", f"an EAGLE head is an HF folder (config.json and safetensors), got {path!r}")
+            names = None if self.load_format == "dummy" else _tensor_names(path)
+        except (ValueError, FileNotFoundError) as e:
+            raise ValueError(f"speculative_config.model: {e}") from e
+        try:
+            arch = EagleArchConfig.of_head(hf_config, method, target, names)
+        except ValueError as e:
+            raise ValueError(f"speculative_config.model: {path}: {e}") from e
+        self._check_draft_attention("head", arch, target)
+        return ModelConfig(path=path, format=fmt, hf_config=hf_config, arch=arch, dtype=dtype, max_model_len=max_len,
+                           load_format=self.load_format, skip_tokenizer_init=True, max_logprobs=0)
+
+    def _check_draft_attention(self, what: str, arch: ModelArchConfig, target: ModelArchConfig) -> None:
+        """A draft model's or head's attention splits over the devices, and reaches no further back than
+        the target's first KV cache group (whose block tables it reads: models/kv_layout.py)."""
         tp = self.tensor_parallel_size
         _check(arch.num_heads % tp == 0 and (arch.num_kv_heads % tp == 0 or tp % arch.num_kv_heads == 0),
-               f"speculative_config.model: tensor_parallel_size={tp} must divide the draft's attention heads "
+               f"speculative_config.model: tensor_parallel_size={tp} must divide the {what}'s attention heads "
                f"({arch.num_heads}), and divide or be a multiple of its KV heads ({arch.num_kv_heads})")
         window = model_kv_layout(target).groups[0].sliding_window
         windows = [arch.layer_sliding_window(i) for i in range(arch.num_layers)]
         _check(window is None or all(w is not None and w <= window for w in windows),
-               f"speculative_config.model: the draft attends beyond the target's sliding window ({window})")
-        return ModelConfig(path=path, format=fmt, hf_config=hf_config, arch=arch,
-                           dtype=resolve_dtype(self.dtype, hf_config, platform=platform), max_model_len=max_len,
-                           load_format=self.load_format, skip_tokenizer_init=True, max_logprobs=0)
+               f"speculative_config.model: the {what} attends beyond the target's sliding window ({window})")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -323,6 +356,16 @@ def _resolve_model(model: str | None, load_format: str, revision: str | None = N
                    download_dir: str | None = None) -> tuple[str, str, dict, ModelArchConfig]:
     """(path, format, HF-style config dict, architecture); a file that cannot be read or
     parsed raises a ValueError naming it. A hub id resolves to its snapshot's folder."""
+    path, fmt, hf_config, source = _locate_model(model, load_format, revision, download_dir)
+    try:
+        return path, fmt, hf_config, ModelArchConfig.from_hf_config(hf_config)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from e
+
+
+def _locate_model(model: str | None, load_format: str, revision: str | None = None,
+                  download_dir: str | None = None) -> tuple[str, str, dict, str]:
+    """(path, format, HF-style config dict, where that config came from), the config not parsed."""
     from jaxllm import model_hub
     from jaxllm.models import gguf
     from jaxllm.models.orbax_checkpoint import is_orbax_checkpoint
@@ -351,10 +394,13 @@ def _resolve_model(model: str | None, load_format: str, revision: str | None = N
         raise ValueError(f"model {model!r} not found: pass an HF folder with config.json, a .gguf file, "
                          f"an orbax folder from `jaxllm convert`, a Hugging Face hub id, "
                          f"or with load_format='dummy' one of {bundled_model_configs()}")
-    try:
-        return model, fmt, hf_config, ModelArchConfig.from_hf_config(hf_config)
-    except ValueError as e:
-        raise ValueError(f"{source}: {e}") from e
+    return model, fmt, hf_config, source
+
+
+def _tensor_names(path: str) -> set[str]:
+    """The names of an HF folder's safetensors tensors (their headers only are read)."""
+    from jaxllm.models.hf_checkpoint import iter_hf_weights
+    return {name for name, _ in iter_hf_weights(path)}
 
 
 def _resolve_tokenizer(tokenizer: str | None, revision: str | None, download_dir: str | None) -> str | None:

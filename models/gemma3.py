@@ -24,7 +24,7 @@ from flax import nnx
 from jaxllm.kernels.attention import AttentionMetadata
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.kv_layout import model_kv_layout
-from jaxllm.models.llama import MLP, Attention, LlamaForCausalLM, _param, rms_normalize, rope_inv_freq
+from jaxllm.models.llama import MLP, Attention, LlamaForCausalLM, _param, rms_normalize, rope_cos_sin
 
 
 class GemmaRMSNorm(nnx.Module):
@@ -117,6 +117,4 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
 def _cos_sin(config: ModelArchConfig, theta: float, scaling: dict | None, positions):
     """cos, sin [num_tokens, head_dim // 2] fp32 of one rope."""
-    inv_freq = rope_inv_freq(dataclasses.replace(config, rope_theta=theta, rope_scaling=scaling))
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    return jnp.cos(angles), jnp.sin(angles)
+    return rope_cos_sin(dataclasses.replace(config, rope_theta=theta, rope_scaling=scaling), positions)

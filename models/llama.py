@@ -97,6 +97,12 @@ def rope_inv_freq(config: ModelArchConfig) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
+def rope_cos_sin(config: ModelArchConfig, positions):
+    """cos, sin [num_tokens, head_dim // 2] fp32 of positions [num_tokens] int32."""
+    angles = positions.astype(jnp.float32)[:, None] * rope_inv_freq(config)[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
 def apply_rope(x, cos, sin):
     """Rotate-half (GPT-NeoX / HF) RoPE. x [num_tokens, heads, head_dim]; cos, sin
     [num_tokens, head_dim // 2] fp32."""
@@ -107,7 +113,8 @@ def apply_rope(x, cos, sin):
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: ModelArchConfig, layer: int, *, dtype, rngs):
+    def __init__(self, config: ModelArchConfig, layer: int, *, dtype, rngs, in_dim: int | None = None):
+        """in_dim: the width q, k and v are computed from (default hidden_size; an EAGLE-3 head's is 2x)."""
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.sliding_window = c.layer_sliding_window(layer)
@@ -115,7 +122,7 @@ class Attention(nnx.Module):
         # q, k, v in one matmul, its out axis grouped by KV head: KV head j's g q heads
         # (j*g .. j*g + g - 1), then k head j, then v head j. Contiguous shards of that axis
         # are whole groups, so each device computes its own heads' q, k and v.
-        self.qkv_proj = Linear(c.hidden_size, c.num_kv_heads * group_dim, ("embed", "qkv"),
+        self.qkv_proj = Linear(in_dim or c.hidden_size, c.num_kv_heads * group_dim, ("embed", "qkv"),
                                bias=c.attention_bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(q_dim, c.hidden_size, ("q_heads", "embed"), bias=c.o_proj_bias, dtype=dtype, rngs=rngs)
         if c.qk_norm:
@@ -192,21 +199,28 @@ class LlamaForCausalLM(nnx.Module):
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
 
-    def __call__(self, input_ids, positions, kv_caches, md: AttentionMetadata, attn_fn):
+    def __call__(self, input_ids, positions, kv_caches, md: AttentionMetadata, attn_fn,
+                 aux_layers: tuple[int, ...] = ()):
         """One step over a flattened, padded ragged batch.
 
         input_ids, positions: [num_tokens] int32
         kv_caches: per KV tensor (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim];
           a layer uses its tensor (model_kv_layout)
-        Returns (hidden [num_tokens, hidden_size], the updated kv_caches list).
+        aux_layers: layers (ascending) whose input an EAGLE-3 head reads: the residual stream entering each
+        Returns (hidden [num_tokens, hidden_size], the updated kv_caches list), and with aux_layers a third
+        item, those states side by side [num_tokens, len(aux_layers) * hidden_size].
         """
-        angles = positions.astype(jnp.float32)[:, None] * rope_inv_freq(self.config)[None, :]
-        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        cos, sin = rope_cos_sin(self.config, positions)
         x = self.embed_tokens(input_ids)
         kv_caches = list(kv_caches)
-        for layer in self.layers:
+        aux = []
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                aux.append(x)
             t = layer.kv_tensor
             x, kv_caches[t] = layer(x, cos, sin, kv_caches[t], md.group(layer.kv_group), attn_fn)
+        if aux_layers:
+            return self.norm(x), kv_caches, jnp.concatenate(aux, axis=-1)
         return self.norm(x), kv_caches
 
     def compute_logits(self, hidden):

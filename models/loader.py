@@ -10,8 +10,6 @@ its HF tensors have come, from a source that packs them lazily (QKVSource,
 GateUpSource): a device's piece is read from just its rows of each part.
 """
 import functools
-import json
-import os
 import time
 from collections.abc import Iterable, Iterator
 from typing import Protocol
@@ -20,12 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 from tqdm import tqdm
 
 from jaxllm.models.config import GEMMA_ARCHITECTURES, ModelArchConfig
+from jaxllm.models.eagle import EAGLE_HEADS
 from jaxllm.models.fp8 import Fp8Linear, quantize_kernel
 from jaxllm.models.gemma3 import Gemma3ForCausalLM
+from jaxllm.models.hf_checkpoint import iter_hf_weights
 from jaxllm.models.llama import INIT_STD, Linear, LlamaForCausalLM
 from jaxllm.sharding import named_sharding
 
@@ -48,7 +47,8 @@ def abstract_params(config: ModelArchConfig, dtype) -> tuple[nnx.GraphDef, dict[
     """The model's graphdef and its params without arrays: path -> Variable (shape, dtype, and
     the logical axes as `out_sharding` metadata)."""
     dtype = jnp.dtype(dtype)
-    model_class = Gemma3ForCausalLM if config.architecture in GEMMA_ARCHITECTURES else LlamaForCausalLM
+    model_class = EAGLE_HEADS.get(config.architecture) or (
+        Gemma3ForCausalLM if config.architecture in GEMMA_ARCHITECTURES else LlamaForCausalLM)
     abstract = nnx.eval_shape(lambda: model_class(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     return graphdef, dict(nnx.to_flat_state(state))
@@ -104,8 +104,8 @@ def quantize_fn(kernel_sharding, scale_sharding):
 
 
 def _dummy_params(params: dict, shardings: dict, seed: int) -> dict:
-    """Normal(0, INIT_STD) weights, ones for norm scales, each made by a jitted function
-    straight into its sharding, with its own key."""
+    """Normal(0, INIT_STD) weights, ones for norm scales, zeros for integer params (EAGLE-3's d2t),
+    each made by a jitted function straight into its sharding, with its own key."""
     base_key = jax.random.key(seed)
     values = {}
     for i, (path, var) in enumerate(params.items()):
@@ -118,6 +118,8 @@ def _dummy_params(params: dict, shardings: dict, seed: int) -> dict:
 @functools.lru_cache(maxsize=None)
 def _random_fn(shape, dtype, sharding, ones):
     def make(key):
+        if jnp.issubdtype(dtype, jnp.integer):  # EAGLE-3's d2t: the draft's ids are the target's
+            return jnp.zeros(shape, dtype)
         return jnp.ones(shape, dtype) if ones else INIT_STD * jax.random.normal(key, shape, dtype)
     return jax.jit(make, out_shardings=sharding)
 
@@ -220,19 +222,19 @@ def hf_tensors(config: ModelArchConfig, params: dict) -> dict[str, tuple[ParamPa
 
 def _part_shapes(config: ModelArchConfig, path: ParamPath, hf_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     """The HF-layout shapes of the tensors a param of this HF-layout shape is read from."""
-    if path[-2] == "qkv_proj":  # [num_kv_heads * (g + 2) * head_dim, ...]
+    if path[-2:-1] == ("qkv_proj",):  # [num_kv_heads * (g + 2) * head_dim, ...]
         q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         return [(rows, *hf_shape[1:]) for rows in (q_rows, kv_rows, kv_rows)]
-    if path[-2] == "gate_up_proj":  # [intermediate, 2, hidden]
+    if path[-2:-1] == ("gate_up_proj",):  # [intermediate, 2, hidden]
         return [(hf_shape[0], *hf_shape[2:])] * 2
     return [hf_shape]
 
 
 def _packed(config: ModelArchConfig, path: ParamPath, parts: list[TensorSource]) -> TensorSource:
     """The param's source in HF layout, from its HF tensors (path_to_hf_names' order)."""
-    if path[-2] == "qkv_proj":
+    if path[-2:-1] == ("qkv_proj",):
         return QKVSource(*parts, num_kv_heads=config.num_kv_heads)
-    if path[-2] == "gate_up_proj":
+    if path[-2:-1] == ("gate_up_proj",):
         return GateUpSource(*parts)
     return parts[0]
 
@@ -284,7 +286,7 @@ def hf_name_to_path(name: str) -> ParamPath:
         return (*module, "embedding")
     if module and module[-1] in _FUSED_INTO:
         module[-1] = _FUSED_INTO[module[-1]]
-    if module and leaf == "weight" and (str(module[-1]).endswith("_proj") or module[-1] == "lm_head"):
+    if module and leaf == "weight" and (str(module[-1]).endswith("_proj") or module[-1] in ("lm_head", "fc")):
         return (*module, "kernel")
     return (*module, leaf)
 
@@ -311,39 +313,3 @@ def iter_weights(path: str, checkpoint_format: str) -> Iterator[tuple[str, Tenso
         from jaxllm.models.gguf import iter_gguf_weights
         return iter_gguf_weights(path)
     return iter_hf_weights(path)
-
-
-def iter_hf_weights(path: str) -> Iterator[tuple[str, TensorSource]]:
-    """(name, tensor source) for every tensor of the HF folder's safetensors files, listed
-    by model.safetensors.index.json when present; a source reads only the slices asked
-    for. (config.json is jaxllm.config's to read.)"""
-    index_path = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index_path):
-        with open(index_path) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]  # beside it may sit e.g. Mistral's consolidated.safetensors
-    else:
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in model folder {path!r}")
-
-    def tensors():
-        for file in files:
-            with safe_open(os.path.join(path, file), framework="np") as f:
-                for name in f.keys():
-                    yield name, SafetensorsTensor(f.get_slice(name))
-
-    return tensors()
-
-
-class SafetensorsTensor:
-    """A safetensors tensor read slice by slice from the file's mapping (the slice keeps
-    the file open after its safe_open closes)."""
-
-    def __init__(self, tensor_slice):
-        self._slice = tensor_slice
-        self.shape = tuple(tensor_slice.get_shape())
-
-    def __getitem__(self, index: Index) -> np.ndarray:
-        return self._slice[index]

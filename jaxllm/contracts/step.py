@@ -39,6 +39,8 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # group holds no block for); all of them when the request is admitted (its table starts empty).
     new_block_ids: list[list[int]]
     samples: bool  # the step reaches the request's last token, so it samples the next one
+    # A prefill chunk that does not sample: the id of the token after it (an EAGLE head reads it), else -1.
+    next_token_id: int = -1
     # SamplingParams.prompt_logprobs: the prompt positions [start, end) whose logprobs this step computes
     prompt_logprobs: tuple[int, int] | None = None
     # Speculative decoding: the guesses of the tokens after the request's next one, the last
@@ -77,6 +79,6 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Per scheduled request, its prompt positions' logprobs this step (or None); None if no request asked.
     prompt_logprobs: list[LogprobsArrays | None] | None = None
     failed: dict[str, str] = {}  # request id -> why its host work in the runner failed: it ends alone
-    # A draft model's guesses of the tokens after each request's last one (none for a request that
-    # took no token), for its next step; None without a draft model.
+    # A draft model's or EAGLE head's guesses of the tokens after each request's last one (none for a
+    # request that took no token), for its next step; None without one.
     draft_token_ids: list[list[int]] | None = None

@@ -10,8 +10,10 @@ from jaxllm.request import Request
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, layout: KVCacheLayout | None = None,
-                 enable_caching: bool = True):
+                 enable_caching: bool = True, use_eagle: bool = False):
+        """use_eagle: an EAGLE head's KV shares the blocks; a prefix hit then ends a block earlier (vLLM's)."""
         self.block_size = block_size
+        self.use_eagle = use_eagle
         self.layout = layout or KVCacheLayout((KVCacheGroup(None, (0,)),), 1)
         self.pool = BlockPool(num_blocks, enable_caching)
         self.coordinator = make_coordinator(self.layout, self.pool, block_size)
@@ -40,7 +42,12 @@ class KVCacheManager:
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return self.coordinator.no_hit, 0
         hashes = update_block_hashes(request, self.block_size, request.num_tokens)
-        return self.coordinator.find_longest_cache_hit(hashes, request.num_tokens - 1)
+        hit = self.coordinator.find_longest_cache_hit(hashes, request.num_tokens - 1)
+        if self.use_eagle and hit[1]:
+            # An EAGLE head's KV at a position was made with the token after it, which the hit's last
+            # block's hash does not cover: that block is computed again, the head's KV with this request's.
+            hit = self.coordinator.find_longest_cache_hit(hashes, hit[1] - 1)
+        return hit
 
     def allocate_slots(self, request: Request, num_new_tokens: int, num_computed_tokens: int = 0,
                        computed_blocks: list[Blocks] | None = None,

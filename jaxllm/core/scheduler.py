@@ -24,8 +24,8 @@ request takes the drafts the model agreed with and the token after them, one by 
 until a stop, and `num_computed_tokens` falls back to what was accepted: the KV slots
 of rejected drafts are written again by the next step. Requests under the core's token
 masks get no drafts. Speculation runs with synchronous scheduling (config.py). A draft
-model's drafts come with the step's output (the runner makes them on the device), and
-its KV is written past the step's tokens: each request holds that many slots more.
+model's or EAGLE head's drafts come with the step's output (the runner makes them on the device),
+and its KV is written past the step's tokens: each request holds that many slots more.
 """
 import collections
 import logging
@@ -166,6 +166,8 @@ class Scheduler:
         known = request.token_ids(start, min(start + num_new, request.num_tokens)) if start < request.num_tokens else []
         scheduled = ScheduledRequest(request.request_id, start, num_new + len(drafts), known, new_blocks, samples,
                                      draft_token_ids=list(drafts))
+        if not samples:  # a prefill chunk: the token after it is known
+            scheduled.next_token_id = request.token_ids(start + num_new, start + num_new + 1)[0]
         num_new += len(drafts)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()

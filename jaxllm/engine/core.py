@@ -26,7 +26,7 @@ import zmq
 from jax.profiler import TraceAnnotation
 
 from jaxllm import compilation
-from jaxllm.config import Config
+from jaxllm.config import EAGLE_METHODS, Config
 from jaxllm.contracts.engine_core import (DP_RANK_ENV, ENGINE_CORE_DEAD, READY, STARTUP_FAILED, EngineCoreOutput,
                                           EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, UtilityOutput)
 from jaxllm.contracts.serial import MsgpackDecoder, MsgpackEncoder
@@ -55,7 +55,8 @@ class EngineCore:
         self.executor = make_executor(config, show_progress, params)
         logger.info(self.executor.describe())
         kv = KVCacheManager(self.executor.num_blocks, config.cache.block_size, self.executor.kv_layout,
-                            config.cache.enable_prefix_caching)
+                            config.cache.enable_prefix_caching,
+                            use_eagle=config.speculative is not None and config.speculative.method in EAGLE_METHODS)
         self.scheduler = Scheduler(config.scheduler, kv, make_proposer(config), config.num_speculative_tokens)
         self.batch_queue_size = 2 if config.scheduler.async_scheduling else 1
         self.batch_queue: collections.deque[tuple[SchedulerOutput, StepOutput]] = collections.deque()

@@ -4,16 +4,18 @@ The scheduler asks for drafts when it schedules a decoding request, schedules th
 with the request's next token, and the step's forward scores every draft position at
 once; the runner keeps the run of drafts the model's own samples agree with, and the
 token after it (worker/model_runner.py). N-gram drafts are made here, from the request's
-tokens; a draft model's are made by the runner at the end of the step before
-(worker/draft_model.py) and only kept here until the request is scheduled again."""
+tokens; a draft model's or an EAGLE head's are made by the runner at the end of the step
+before (worker/draft_model.py, worker/eagle.py) and only kept here until the request is
+scheduled again."""
 
 
 def make_proposer(config):
     """The proposer of config.speculative (a Config), or None without speculative decoding."""
     if config.speculative is None:
         return None
-    if config.speculative.method == "draft_model":
+    method, k = config.speculative.method, config.speculative.num_speculative_tokens
+    if method != "ngram":
         from jaxllm.spec_decode.draft_model import RunnerDrafts
-        return RunnerDrafts(config.speculative.num_speculative_tokens)
+        return RunnerDrafts(k if method == "draft_model" else k - 1)
     from jaxllm.spec_decode.ngram import NgramProposer
     return NgramProposer(config.speculative)

@@ -1,13 +1,15 @@
-"""The core's side of a draft model: the drafts the runner made for each request at the end of
-its last step (ModelRunnerOutput.draft_token_ids), kept until the request is scheduled again.
-The runner writes the draft's KV for the positions after the tokens a step takes, so the
-scheduler reserves that many slots more per request (`num_lookahead_tokens`)."""
+"""The core's side of a draft model or an EAGLE head: the drafts the runner made for each request
+at the end of its last step (ModelRunnerOutput.draft_token_ids), kept until the request is
+scheduled again. The runner writes the drafter's KV for positions after the tokens a step takes
+(a draft model's k drafting steps at k of them, an EAGLE head's k - 1 at k - 1: its first draft
+comes from the step's own tokens), so the scheduler reserves that many slots more per request
+(`num_lookahead_tokens`)."""
 from jaxllm.request import Request
 
 
 class RunnerDrafts:
-    def __init__(self, num_speculative_tokens: int):
-        self.num_lookahead_tokens = num_speculative_tokens
+    def __init__(self, num_lookahead_tokens: int):
+        self.num_lookahead_tokens = num_lookahead_tokens
         self._drafts: dict[str, list[int]] = {}  # request id -> the drafts for after its last token
 
     def propose(self, request: Request, max_tokens: int) -> list[int]:

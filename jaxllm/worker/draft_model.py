@@ -15,7 +15,8 @@ After each step's sampling, one executable per token bucket:
 
 The drafts come back with the step's output and are scheduled with the request's next
 token. Each is one guess, which verification keeps with the probability the target gives
-it (model_runner.py): exact for any draft model.
+it (model_runner.py): exact for any draft model. An EAGLE head (worker/eagle.py) is built
+the same way, and shares the helpers below.
 """
 import dataclasses
 
@@ -29,7 +30,7 @@ from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.sample.sampler import COLUMN
 from jaxllm.sharding import kv_cache_sharding, replicated
 from jaxllm.worker import input_batch as batching, kv_heads
-from jaxllm.worker.model_loader import load_weights
+from jaxllm.worker.model_loader import ModelWeights, load_weights
 
 _POSITION, _DRAFT = COLUMN["position"], COLUMN["draft_token"]
 
@@ -46,11 +47,17 @@ class DraftModel:
         self._mesh, self._seed = mesh, config.seed
         self.weights = load_weights(mc, self.arch, mesh, self._repeat, config.seed)
         kv = kv_cache_sharding(mesh)
-        fn = make_propose_fn(self.weights.graphdef, self.weights.treedef, attn_fn, layouts,
-                             config.num_speculative_tokens, config.cache.block_size, mc.max_model_len,
-                             len(self.kv_layout.groups))
-        self.propose = jax.jit(fn, donate_argnums=(1,), static_argnums=(4,),
+        self.propose = jax.jit(self._propose_fn(config, attn_fn, layouts), donate_argnums=(1,), static_argnums=(5,),
                                out_shardings=(replicated(mesh), [(kv, kv)] * self.kv_layout.num_tensors))
+
+    def _propose_fn(self, config: Config, attn_fn, layouts: dict[int, batching.BatchLayout]):
+        return make_propose_fn(self.weights.graphdef, self.weights.treedef, attn_fn, layouts,
+                               config.num_speculative_tokens, config.cache.block_size, self.model_config.max_model_len,
+                               len(self.kv_layout.groups))
+
+    def params(self, target: ModelWeights) -> list[jax.Array]:
+        """The propose executable's params: the draft's own (`target`'s weights are the runner's)."""
+        return self.weights.params
 
     def reload(self) -> None:
         """The weights again from the checkpoint, after a sleep that freed them."""
@@ -60,33 +67,29 @@ class DraftModel:
 def make_propose_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout],
                     num_drafts: int, block_size: int, max_model_len: int, num_groups: int):
     """The draft executable's function (a closure: the runner is not kept alive by it)."""
-    def propose(params, kv_caches, buffer, sampled, token_bucket: int):
+    def propose(params, kv_caches, buffer, sampled, hidden, token_bucket: int):
         """params: the draft's flat weights; kv_caches: its KV tensors; buffer: the step's inputs
         (`token_bucket`'s BatchLayout; every token id in it: speculation schedules synchronously);
-        sampled [num_sampled] int32: the step's samples, a row per row of logits. Returns (the drafts
+        sampled [num_sampled] int32: the step's samples, a row per row of logits; hidden: the target's
+        hidden states, which an EAGLE head reads (not this one: jit drops it). Returns (the drafts
         [R, num_drafts] int32 of each request that sampled, for after the token it took last, kv_caches)."""
         batch = layouts[token_bucket].unpack(buffer)
         model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, params))
         blocks_per_group = kv_caches[0][0].shape[0] // num_groups
         md = batch.attention
         _, kv_caches = model(batch.input_ids, batch.positions, kv_caches,
-                             _groups(md, md.slot_mapping[0], md.block_tables[0], num_groups, blocks_per_group, block_size), attn_fn)
-        token, position = _next_tokens(batch, sampled, num_drafts)
+                             drafter_groups(md, md.slot_mapping[0], md.block_tables[0], num_groups, blocks_per_group,
+                                            block_size), attn_fn)
+        last = last_taken_rows(batch, sampled, num_drafts)
+        token, position = sampled[last], batch.sampling[last, _POSITION]
         active = batch.first_rows >= 0
         table = batch.attention.block_tables[0]  # [R, max_blocks_per_seq]
-        num_reqs = table.shape[0]
 
         def draft_step(carry, _):
             token, position, kv_caches = carry
-            writes = active & (position < max_model_len)
-            block = table[jnp.arange(num_reqs), jnp.minimum(position // block_size, table.shape[1] - 1)]
-            # A request that does not sample attends to one slot it never writes (the result is dropped).
-            md = AttentionMetadata(slot_mapping=jnp.where(writes, block * block_size + position % block_size, -1),
-                                   query_start_loc=jnp.arange(num_reqs + 1, dtype=jnp.int32),
-                                   seq_lens=jnp.where(writes, position + 1, 1), block_tables=None,
-                                   num_seqs=jnp.full((1,), num_reqs, jnp.int32))
-            hidden, kv_caches = model(token, jnp.where(writes, position, 0), kv_caches,
-                                      _groups(md, md.slot_mapping, table, num_groups, blocks_per_group, block_size), attn_fn)
+            md, run_at = one_token_metadata(table, position, active, max_model_len, num_groups, blocks_per_group,
+                                            block_size)
+            hidden, kv_caches = model(token, run_at, kv_caches, md, attn_fn)
             token = jnp.argmax(model.compute_logits(hidden), axis=-1).astype(jnp.int32)
             return (token, position + 1, kv_caches), token
 
@@ -97,20 +100,38 @@ def make_propose_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batchi
     return propose
 
 
-def _next_tokens(batch: batching.StepBatch, sampled: jax.Array, num_drafts: int) -> tuple[jax.Array, jax.Array]:
-    """Per request, the token it took last this step and that token's position: the sample
-    after the run of its drafts that agree with the samples before them."""
+def last_taken_rows(batch: batching.StepBatch, sampled: jax.Array, num_drafts: int) -> jax.Array:
+    """[R] int32: each request's row of logits whose sample is the last token it takes this step: the
+    sample after the run of its drafts that agree with the samples before them (garbage for a
+    request that does not sample). The row's position is that token's; its logits_indices the
+    token before it."""
     num_rows = batch.sampling.shape[0]
     rows = jnp.clip(batch.first_rows[:, None] + jnp.arange(num_drafts + 1), 0, num_rows - 1)  # [R, 1 + k]
     drafts = batch.sampling[rows, _DRAFT]  # -1 at a request's last row: the run ends there at the latest
     accepted = jnp.sum(jnp.cumprod((sampled[rows] == drafts).astype(jnp.int32), axis=1), axis=1)
-    last = jnp.clip(batch.first_rows + accepted, 0, num_rows - 1)
-    return sampled[last], batch.sampling[last, _POSITION]
+    return jnp.clip(batch.first_rows + accepted, 0, num_rows - 1)
 
 
-def _groups(md: AttentionMetadata, slot_mapping: jax.Array, block_tables: jax.Array, num_groups: int,
-            blocks_per_group: int, block_size: int) -> AttentionMetadata:
-    """`md` with the draft's groups on one group's slots [T] and block tables [R, B], group g's
+def one_token_metadata(table: jax.Array, position: jax.Array, active: jax.Array, max_model_len: int,
+                       num_groups: int, blocks_per_group: int, block_size: int) -> tuple[AttentionMetadata, jax.Array]:
+    """A drafting step of one token per request at `position` [R] (table [R, max_blocks_per_seq]: the
+    target's first group's block tables): the drafter's grouped metadata, and the positions to run
+    (0 where nothing is written: a request that does not sample, or past max_model_len)."""
+    num_reqs = table.shape[0]
+    writes = active & (position < max_model_len)
+    block = table[jnp.arange(num_reqs), jnp.minimum(position // block_size, table.shape[1] - 1)]
+    # A request that does not sample attends to one slot it never writes (the result is dropped).
+    md = AttentionMetadata(slot_mapping=jnp.where(writes, block * block_size + position % block_size, -1),
+                           query_start_loc=jnp.arange(num_reqs + 1, dtype=jnp.int32),
+                           seq_lens=jnp.where(writes, position + 1, 1), block_tables=None,
+                           num_seqs=jnp.full((1,), num_reqs, jnp.int32))
+    return (drafter_groups(md, md.slot_mapping, table, num_groups, blocks_per_group, block_size),
+            jnp.where(writes, position, 0))
+
+
+def drafter_groups(md: AttentionMetadata, slot_mapping: jax.Array, block_tables: jax.Array, num_groups: int,
+                   blocks_per_group: int, block_size: int) -> AttentionMetadata:
+    """`md` with the drafter's groups on one group's slots [T] and block tables [R, B], group g's
     moved to its own range of blocks."""
     offsets = jnp.arange(num_groups, dtype=jnp.int32)[:, None] * blocks_per_group
     return dataclasses.replace(

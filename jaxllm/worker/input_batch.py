@@ -38,20 +38,24 @@ class StepBatch:
     attention: AttentionMetadata
     sampling: jax.Array        # [L, NUM_SAMPLING_WORDS] int32: the sampler's words (sampler.SAMPLING_COLUMNS)
     first_rows: jax.Array      # [R] int32: each request's first row of logits if it samples, else -1 (a draft model's)
+    # [R] int32, an EAGLE head's: after a prefill chunk that does not sample, the id of the token after it, else -1
+    next_token_ids: jax.Array | None = None
 
 
 class BatchLayout:
     """Offsets and shapes of a bucket's fields in its int32 buffer."""
 
     def __init__(self, num_tokens: int, num_reqs: int, max_blocks_per_seq: int, num_groups: int = 1,
-                 num_rows: int | None = None):
-        """num_rows: of logits (L; default num_reqs)."""
+                 num_rows: int | None = None, next_tokens: bool = False):
+        """num_rows: of logits (L; default num_reqs); next_tokens: with the next_token_ids field (EAGLE's)."""
         T, R, G, L = num_tokens, num_reqs, num_groups, num_rows or num_reqs
         shapes = {
             "input_ids": (T,), "prev_rows": (T,), "positions": (T,), "slot_mapping": (G, T),
             "logits_indices": (L,), "query_start_loc": (R + 1,), "seq_lens": (R,), "num_seqs": (1,),
             "sampling": (L, NUM_SAMPLING_WORDS), "block_tables": (G, R, max_blocks_per_seq), "first_rows": (R,),
         }
+        if next_tokens:
+            shapes["next_token_ids"] = (R,)
         self.num_tokens, self.num_reqs, self.num_rows = T, R, L
         self.fields: dict[str, tuple[int, tuple[int, ...]]] = {}
         offset = 0
@@ -78,7 +82,8 @@ class BatchLayout:
             attention=AttentionMetadata(slot_mapping=field("slot_mapping"), query_start_loc=field("query_start_loc"),
                                         seq_lens=field("seq_lens"), block_tables=field("block_tables"),
                                         num_seqs=field("num_seqs")),
-            sampling=field("sampling"), first_rows=field("first_rows"))
+            sampling=field("sampling"), first_rows=field("first_rows"),
+            next_token_ids=field("next_token_ids") if "next_token_ids" in self.fields else None)
 
 
 class RequestRows:
@@ -199,6 +204,8 @@ def fill_padding(v: dict[str, np.ndarray]) -> None:
     v["slot_mapping"][...] = -1
     v["prev_rows"][:] = -1
     v["first_rows"][:] = -1
+    if "next_token_ids" in v:
+        v["next_token_ids"][:] = -1
 
 
 def pack(sched: SchedulerOutput, rows: np.ndarray, state: RequestRows, v: dict[str, np.ndarray],
@@ -267,6 +274,9 @@ def pack(sched: SchedulerOutput, rows: np.ndarray, state: RequestRows, v: dict[s
     sampling[num_rows:] = 0  # padding rows: greedy, no filter, no processors
     v["first_rows"][:n] = np.where(samples, np.arange(n) if first_rows is None else first_rows, -1)
     v["first_rows"][n:] = -1
+    if "next_token_ids" in v:
+        v["next_token_ids"][:n] = [s.next_token_id for s in reqs]
+        v["next_token_ids"][n:] = -1
 
     # Token ids: from the host, except a last token still on the device.
     prev = v["prev_rows"]

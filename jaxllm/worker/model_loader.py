@@ -1,9 +1,9 @@
 """The runner's weights: the model built on the mesh from its checkpoint (an HF folder, a GGUF
-file, an orbax checkpoint), from params in memory (models/params.py), or random ("dummy"),
-quantized if asked, and kept as the step takes them: a flat list of arrays (it dispatches
-faster than an nnx.State: 0.14 vs 0.7 ms for the 8B) with the NNX graphdef and treedef that
-rebuild the model inside the step. New weights replace the old ones in place, one param at a
-time, in the same shardings: the step's executables stay valid."""
+file, an orbax checkpoint, an EAGLE head's folder), from params in memory (models/params.py),
+or random ("dummy"), quantized if asked, and kept as the step takes them: a flat list of
+arrays (it dispatches faster than an nnx.State: 0.14 vs 0.7 ms for the 8B) with the NNX
+graphdef and treedef that rebuild the model inside the step. New weights replace the old
+ones in place, one param at a time, in the same shardings: the step's executables stay valid."""
 import dataclasses
 from collections.abc import Iterator, Mapping
 
@@ -13,6 +13,8 @@ from flax import nnx
 from jaxllm.config import Config, ModelConfig
 from jaxllm.models import params as memory_params
 from jaxllm.models.config import ModelArchConfig
+from jaxllm.models.eagle import eagle_weights
+from jaxllm.models.eagle_config import EagleArchConfig
 from jaxllm.models.loader import (ParamPath, abstract_params, checkpoint_params, create_model, iter_weights,
                                   param_shardings, place_source, quantize_fn, quantize_model)
 from jaxllm.worker import kv_heads
@@ -83,7 +85,10 @@ def load_weights(mc: ModelConfig, arch: ModelArchConfig, mesh: jax.sharding.Mesh
     else:
         weights = None
         if mc.load_format != "dummy":
-            weights = kv_heads.replicate_kv_weights(iter_weights(mc.path, mc.format), mc.arch.head_dim, repeat)
+            weights = iter_weights(mc.path, mc.format)
+            if isinstance(mc.arch, EagleArchConfig):
+                weights = eagle_weights(weights, mc.arch)
+            weights = kv_heads.replicate_kv_weights(weights, mc.arch.head_dim, repeat)
         model = create_model(arch, dtype=mc.dtype, mesh=mesh, weights=weights, seed=seed,
                              show_progress=show_progress)
     quantize_model(model, mc.quantization, mesh)

@@ -24,8 +24,9 @@ processors). It takes the run of drafts its samples agree with, and the sample a
 run (StepOutput.get_output). With drafts that are one guess each (n-gram), that is exact
 rejection sampling: a draft is kept with the probability the model gives it, and the token
 sampled where one is not is drawn from the model's distribution without it. A draft model
-(worker/draft_model.py) makes the next step's drafts on the device, in an executable of its
-own after the sampling, from the tokens each request took.
+(worker/draft_model.py) or an EAGLE head (worker/eagle.py) makes the next step's drafts on the
+device, in an executable of its own after the sampling, from the tokens each request took (and
+the head from the forward's hidden states).
 """
 import itertools
 import logging
@@ -38,7 +39,7 @@ import numpy as np
 from jax.profiler import TraceAnnotation
 
 from jaxllm import compilation, distributed
-from jaxllm.config import Config
+from jaxllm.config import EAGLE_METHODS, Config
 from jaxllm.contracts.step import SchedulerOutput, TokenMasks
 from jaxllm.kernels.attention import get_attention_fn
 from jaxllm.models.kv_layout import model_kv_layout
@@ -47,6 +48,7 @@ from jaxllm.sharding import make_mesh, replicated
 from jaxllm.utils import cdiv
 from jaxllm.worker import input_batch as batching, kv_heads, model_loader
 from jaxllm.worker.draft_model import DraftModel
+from jaxllm.worker.eagle import EagleProposer
 from jaxllm.worker.executables import DRAFT, FORWARD, LOGPROBS, PROMPT_LOGPROBS, SAMPLER, ExecutableKey, Executables
 from jaxllm.worker.kv_cache import KVCache
 from jaxllm.worker.model_loader import load_weights
@@ -68,6 +70,7 @@ class _Forward(NamedTuple):
     words: jax.Array   # [L, NUM_SAMPLING_WORDS] int32: the sampler's inputs
     hidden: jax.Array  # [T, hidden_size]: for prompt logprobs
     buffer: np.ndarray  # the step's packed inputs (a draft model reads them too)
+    draft_hidden: jax.Array  # what an EAGLE head reads: `hidden`, or an EAGLE-3 head's [T, 3 * hidden_size]
 
 
 class _Step(NamedTuple):
@@ -105,13 +108,17 @@ class ModelRunner:
         num_groups = len(self.kv_layout.groups)
         self.token_buckets = batching.token_buckets(sc.max_num_batched_tokens)
         num_spec = config.num_speculative_tokens
+        eagle = config.speculative is not None and config.speculative.method in EAGLE_METHODS
         layouts = {t: batching.BatchLayout(t, batching.request_bucket(t, sc.max_num_seqs), self.max_blocks_per_seq,
-                                           num_groups, batching.logit_rows(t, sc.max_num_seqs, num_spec))
+                                           num_groups, batching.logit_rows(t, sc.max_num_seqs, num_spec), eagle)
                    for t in self.token_buckets}
         self.layouts = layouts
         attn_fn = get_attention_fn(config.attention_backend, self.mesh, config.batch_invariant)
-        has_draft = config.speculative is not None and config.speculative.draft is not None
-        self.draft = DraftModel(config, self.mesh, attn_fn, layouts) if has_draft else None
+        self.draft = None
+        if config.speculative is not None and config.speculative.draft is not None:
+            self.draft = (EagleProposer if eagle else DraftModel)(config, self.mesh, attn_fn, layouts)
+        # The target layers whose input states an EAGLE-3 head reads: the forward returns them too.
+        self.aux_layers = config.speculative.draft.arch.aux_layer_ids if eagle else ()
         self.startup_s = {"weights": time.perf_counter() - start}  # then "kv_cache", "compile" (warm_up)
         self.compile_split = ""  # what the compile phase spent its time on (warm_up)
         self.kv_cache = KVCache(config, self.arch, self.kv_layout, self.mesh,
@@ -141,7 +148,8 @@ class ModelRunner:
         # costs a fifth of one of 20 at [256, 128k] on an H200 (above 16, XLA sorts the rows).
         self.logprob_buckets = sorted({0, min(8, self.num_logprobs), self.num_logprobs})
         self.fns = StepFunctions(self.weights.graphdef, self.weights.treedef, attn_fn, layouts, self.num_sampled, self.mesh,
-            self.kv_layout.num_tensors, user_processors, self.num_logprobs, config.batch_invariant, num_spec)
+            self.kv_layout.num_tensors, user_processors, self.num_logprobs, config.batch_invariant, num_spec,
+            self.aux_layers)
         self.processor_rows = ProcessorRows(config, user_processors, self.fns.write_rows,
                                             self.fns.processor_state_sharding)
         self._prev_sampled = self._zero_sampled()
@@ -306,19 +314,19 @@ class ModelRunner:
     def _forward(self, token_bucket: int, buffer: np.ndarray) -> _Forward:
         forward = self.executables.get(ExecutableKey(FORWARD, token_bucket), lambda: self._lower_forward(token_bucket))
         with TraceAnnotation("dispatch"):
-            greedy, logits, words, hidden, self.kv_cache.caches = forward(
+            greedy, logits, words, hidden, self.kv_cache.caches, *aux = forward(
                 self.weights.params, self.kv_cache.caches, self._prev_sampled, buffer)
-        return _Forward(token_bucket, greedy, logits, words, hidden, buffer)
+        return _Forward(token_bucket, greedy, logits, words, hidden, buffer, aux[0] if aux else hidden)
 
     def _propose(self, fwd: _Forward, sampled: jax.Array) -> jax.Array | None:
-        """With a draft model, its drafts [R, k] for after the tokens the step's requests take."""
+        """With a draft model or an EAGLE head, its drafts [R, k] for after the tokens the step's requests take."""
         if self.draft is None:
             return None
         propose = self.executables.get(ExecutableKey(DRAFT, fwd.token_bucket),
-                                       lambda: self._lower_draft(fwd.token_bucket))
+                                       lambda: self._lower_draft(fwd.token_bucket, fwd.draft_hidden))
         with TraceAnnotation("dispatch"):
-            drafts, self.kv_cache.draft_caches = propose(self.draft.weights.params, self.kv_cache.draft_caches,
-                                                         fwd.buffer, sampled)
+            drafts, self.kv_cache.draft_caches = propose(self.draft.params(self.weights), self.kv_cache.draft_caches,
+                                                         fwd.buffer, sampled, fwd.draft_hidden)
         return drafts
 
     def _sample(self, fwd: _Forward, mode: SampleMode, processed: bool = False, num_logprobs: int | None = None,
@@ -363,7 +371,7 @@ class ModelRunner:
     def _dispatch(self, token_bucket: int, buffer: np.ndarray, mode: SampleMode, processed: bool = False,
                   num_logprobs: int | None = None, prompt_inputs=()):
         """A whole step from a packed buffer, with no token masks (warm-up, a benchmark's replay),
-        and a draft model's drafts after it."""
+        and a draft model's or EAGLE head's drafts after it."""
         fwd = self._forward(token_bucket, buffer)
         sampled = self._sample(fwd, mode, processed, num_logprobs, None, prompt_inputs)
         return sampled, self._propose(fwd, sampled[0])
@@ -373,10 +381,11 @@ class ModelRunner:
         return self.fns.forward.lower(self.weights.params, self.kv_cache.caches, self._prev_sampled, buffer,
                                       token_bucket)
 
-    def _lower_draft(self, token_bucket: int) -> jax.stages.Lowered:
+    def _lower_draft(self, token_bucket: int, draft_hidden) -> jax.stages.Lowered:
+        """draft_hidden: the forward's _Forward.draft_hidden (an array or its shape)."""
         buffer = self._host_buffers[token_bucket][0][0]
-        return self.draft.propose.lower(self.draft.weights.params, self.kv_cache.draft_caches, buffer,
-                                        self._prev_sampled, token_bucket)
+        return self.draft.propose.lower(self.draft.params(self.weights), self.kv_cache.draft_caches, buffer,
+                                        self._prev_sampled, draft_hidden, token_bucket)
 
     def _all_allowed_bitmask(self, num_reqs: int) -> jax.Array:
         if num_reqs not in self._all_allowed:
@@ -462,9 +471,9 @@ class ModelRunner:
         token bucket (for the others than a forward)."""
         if key.kind == FORWARD:
             return self._lower_forward(key.bucket)
+        sampled, logits, words, hidden = forward_info[:4]
         if key.kind == DRAFT:
-            return self._lower_draft(key.bucket)
-        sampled, logits, words, hidden, _ = forward_info
+            return self._lower_draft(key.bucket, forward_info[5] if self.aux_layers else hidden)
         if key.kind == PROMPT_LOGPROBS:
             chunk = jax.ShapeDtypeStruct((self._prompt_logprobs_chunk(key.bucket),), jnp.int32)
             return self.fns.prompt_logprobs.lower(self.weights.params, hidden, chunk, chunk)
@@ -507,7 +516,9 @@ class ModelRunner:
         if self.compile_split:
             startup += f" ({self.compile_split})"
         dtype = jnp.dtype(self.config.cache.cache_dtype).name
-        draft = f" (the draft model's too: {self.draft.model_config.path})" if self.draft else ""
+        draft = ""
+        if self.draft:
+            draft = f" (the {self.config.speculative.method} drafter's too: {self.draft.model_config.path})"
         return (f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens{draft} "
                 f"({self.kv_cache.num_tokens} tokens, {gib:.2f} GiB, {dtype}); token buckets {self.token_buckets}; "
                 f"attention backend {self.config.attention_backend}; start-up: {startup}")

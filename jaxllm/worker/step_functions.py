@@ -24,16 +24,18 @@ class StepFunctions:
 
     def __init__(self, graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout],
                  num_sampled: int, mesh, num_kv_tensors: int, user_processors: tuple, num_logprobs: int,
-                 invariant: bool = False, num_speculative_tokens: int = 0):
+                 invariant: bool = False, num_speculative_tokens: int = 0, aux_layers: tuple[int, ...] = ()):
         """num_sampled: the length of the sampled ids' array (the most rows of logits a step has);
-        invariant: the model traces with the batch-invariant ops (kernels/batch_invariant.py)."""
+        invariant: the model traces with the batch-invariant ops (kernels/batch_invariant.py);
+        aux_layers: an EAGLE-3 head's target layers, whose input states the forward returns too."""
         kv = kv_cache_sharding(mesh)
         rep = replicated(mesh)
         self.processor_state_sharding = ProcessorState(*[named_sharding(mesh, (None, "vocab"))] * 4)
         model_fn = _traced_invariant if invariant else (lambda fn: fn)
-        forward = model_fn(make_forward_fn(graphdef, params_treedef, attn_fn, layouts, num_sampled))
-        self.forward = jax.jit(forward, donate_argnums=(1,), static_argnums=(4,), out_shardings=(
-            rep, named_sharding(mesh, (None, "vocab")), rep, rep, [(kv, kv)] * num_kv_tensors))
+        forward = model_fn(make_forward_fn(graphdef, params_treedef, attn_fn, layouts, num_sampled, aux_layers))
+        forward_shardings = (rep, named_sharding(mesh, (None, "vocab")), rep, rep, [(kv, kv)] * num_kv_tensors)
+        self.forward = jax.jit(forward, donate_argnums=(1,), static_argnums=(4,),
+                               out_shardings=forward_shardings + ((rep,) if aux_layers else ()))
         self.sample = jax.jit(functools.partial(sample_padded, num_sampled=num_sampled), static_argnums=(2,),
                               out_shardings=rep)
         # Users' processors (EngineArgs.logits_processors): every step runs them, in the processed sampler.
@@ -57,21 +59,27 @@ def _traced_invariant(fn):
     return traced
 
 
-def make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout], num_sampled: int):
+def make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout], num_sampled: int,
+                    aux_layers: tuple[int, ...] = ()):
     """The jitted forward's function (a closure, not a method: the runner is not kept alive by its executables)."""
     def step(params, kv_caches, prev_sampled, buffer, token_bucket: int):
         """params: flat weights; kv_caches: per KV tensor (K, V) [num_blocks, block_size, kv_heads, head_dim];
         prev_sampled [num_sampled] int32: the previous step's ids; buffer [size] int32: this step's inputs,
         laid out as `token_bucket`'s BatchLayout. Returns (the greedy ids [num_sampled] int32, the logits
         [L, vocab] float32 at each sampled position (a request's last token, and its drafts'), their L
-        rows of sampling words, the final hidden states [T, hidden_size] (for prompt logprobs), kv_caches)."""
+        rows of sampling words, the final hidden states [T, hidden_size] (for prompt logprobs and an EAGLE
+        head), kv_caches), and with aux_layers the states entering them [T, len(aux_layers) * hidden_size]."""
         batch = layouts[token_bucket].unpack(buffer)
         input_ids = jnp.where(batch.prev_rows >= 0, prev_sampled[jnp.maximum(batch.prev_rows, 0)], batch.input_ids)
         model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, params))
-        hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attention, attn_fn)
+        if aux_layers:
+            hidden, kv_caches, aux = model(input_ids, batch.positions, kv_caches, batch.attention, attn_fn, aux_layers)
+        else:
+            hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attention, attn_fn)
         logits = model.compute_logits(hidden[batch.logits_indices])
         greedy = jnp.pad(jnp.argmax(logits, axis=-1).astype(jnp.int32), (0, num_sampled - logits.shape[0]))
-        return greedy, logits, batch.sampling, hidden, kv_caches
+        outputs = greedy, logits, batch.sampling, hidden, kv_caches
+        return outputs + (aux,) if aux_layers else outputs
     return step
 
 

@@ -56,6 +56,16 @@ def test_a_hit_never_covers_the_whole_prompt():
     assert admit(kv, request(1, range(1, 9))) == 4  # its last token must be computed: one block
 
 
+def test_with_an_eagle_head_a_hit_ends_a_block_earlier():
+    """The head's KV at a block's last position was made with the token after the block: that
+    block is computed again, as vLLM does."""
+    kv = KVCacheManager(32, BLOCK, use_eagle=True)
+    tokens = list(range(1, 18))  # 4 full blocks and one token
+    admit(kv, request(0, tokens))
+    assert admit(kv, request(1, tokens)) == 12
+    assert admit(kv, request(2, tokens[:6])) == 0  # a one-block hit is no hit
+
+
 def test_the_partial_last_block_is_never_cached():
     kv = KVCacheManager(32, BLOCK)
     admit(kv, request(0, range(1, 7)))  # a full block and 2 tokens

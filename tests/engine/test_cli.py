@@ -97,6 +97,8 @@ def test_a_bad_bench_flag_is_an_argparse_error(capsys, flags, message):
     (["--revision", "v2", "--download-dir", "/tmp/hub"], "download_dir", "/tmp/hub"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'], "speculative_config",
      {"method": "ngram", "num_speculative_tokens": 3}),
+    (["--speculative-config", '{"method": "eagle3", "model": "/heads/e3", "num_speculative_tokens": 2}'],
+     "speculative_config", {"method": "eagle3", "model": "/heads/e3", "num_speculative_tokens": 2}),
     (["--no-async-scheduling"], "async_scheduling", False),
     ([], "async_scheduling", None),
 ])
