@@ -10,14 +10,17 @@ into that sharding: each device reads only its shard, and the whole model is nev
 gathered on one device or in host memory. A param saved in another dtype is cast on
 the way in, so a bf16 checkpoint serves in fp32 on CPU.
 """
+from __future__ import annotations
+
 import os
+import typing
 
 import jax
-from flax import nnx
 
-from jaxllm.models.config import ModelArchConfig
-from jaxllm.models.loader import create_model
-from jaxllm.sharding import named_sharding
+if typing.TYPE_CHECKING:  # the front end asks is_orbax_checkpoint when it resolves a config: no flax there
+    from flax import nnx
+
+    from jaxllm.models.config import ModelArchConfig
 
 PARAMS_DIR = "orbax"  # the subfolder that marks a folder as an orbax checkpoint
 
@@ -29,6 +32,7 @@ def is_orbax_checkpoint(folder: str) -> bool:
 def save_model(model: nnx.Module, folder: str) -> str:
     """Write the model's params to folder/orbax (which must not exist yet); returns that path."""
     import orbax.checkpoint as ocp
+    from flax import nnx
     path = os.path.join(os.path.abspath(folder), PARAMS_DIR)
     if os.path.exists(path):
         raise ValueError(f"{path} already exists: convert into a new folder")
@@ -43,6 +47,10 @@ def restore_model(folder: str, config: ModelArchConfig, *, dtype, mesh: jax.shar
     its NamedSharding on `mesh` and cast to `dtype`. A checkpoint whose params differ
     from the model's (names or shapes), or that cannot be read, raises a ValueError."""
     import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from jaxllm.models.loader import create_model
+    from jaxllm.sharding import named_sharding
     path = os.path.join(os.path.abspath(folder), PARAMS_DIR)
     # The model as create_model would build it, without making any array.
     abstract = nnx.eval_shape(lambda: create_model(config, dtype=dtype, mesh=mesh, weights=None))

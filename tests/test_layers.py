@@ -3,6 +3,7 @@ those under `if TYPE_CHECKING:` never run and do not count): no circles, no laye
 one above it, and the worker never sees the core's live Request (its door is data:
 jaxllm/contracts). The layers are docs/architecture.md's."""
 import ast
+import os
 import importlib.util
 import pkgutil
 import subprocess
@@ -123,7 +124,9 @@ def loaded_after(statement: str) -> set[str]:
 
 
 def test_import_jaxllm_loads_no_jax_and_the_front_end_no_flax():
-    """`import jaxllm` is nearly free, and the caller's process, which only tokenizes and
-    detokenizes, never loads the model code (flax): the engine core's process does."""
+    """`import jaxllm` is nearly free, and the caller's process, which only resolves the config,
+    tokenizes and detokenizes, never loads the model code (flax): the engine core's process does."""
     assert "jax" not in loaded_after("import jaxllm")
     assert "flax" not in loaded_after("from jaxllm import LLM, AsyncLLM, SamplingParams, EngineArgs")
+    tiny = os.path.join(os.path.dirname(__file__), "fixtures", "tiny", "llama")
+    assert "flax" not in loaded_after(f"from jaxllm import EngineArgs; EngineArgs(model={tiny!r}).create_config()")
