@@ -67,11 +67,13 @@ def cache_dir() -> str | None:
 
 
 def enable_persistent_cache() -> None:
-    """Keep XLA's compiled executables on disk so the second start skips compilation."""
+    """Keep XLA's compiled executables on disk so the second start skips compilation: those that
+    took 0.5 s or more, unless JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise."""
     path = cache_dir()
     if path is not None and jax.config.jax_compilation_cache_dir is None:
         jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def source_digest() -> str:

@@ -4,12 +4,15 @@ import shutil
 import subprocess
 import sys
 
-import jax
-import pytest
-
-# Tests compile on a 2-core CPU: keep compiled executables between runs, in the checkout.
+# Tests compile on a 2-core CPU: keep compiled executables between runs, in the checkout, every
+# one of them (many engines of a session compile the same small functions: each is then compiled
+# once). Set before jax is imported, which reads it; child processes inherit both.
 os.environ.setdefault("JAXLLM_COMPILATION_CACHE",
                       os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
@@ -128,7 +131,7 @@ def run_with_host_devices(test_file: str, select: str, num_devices: int, expect:
     """Run the tests of `test_file` that `-k select` picks in a child pytest with `num_devices`
     forced host CPU devices (this process has fewer); its summary must say `expect` ("3 passed")
     and skip nothing."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices} --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true", JAX_PLATFORMS="cpu")
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                              os.path.relpath(test_file, ROOT), "-k", select],
                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout_s)

@@ -157,11 +157,12 @@ class ModelRunner:
         # GEMM shape of 8192 tokens, cuBLASLt's 0.3 s, for a GEMM 12% slower there and 17% faster
         # at 16 tokens (docs/benchmarks.md). Part of the compilation caches' keys.
         compiler_options = {"xla_gpu_enable_triton_gemm": False} if mc.quantization == "fp8" else {}
-        if not sc.async_scheduling:
+        if not sc.async_scheduling and self.mesh.devices.flat[0].platform == "gpu":
             # One step at a time (speculative decoding too): the GPU waits while the host launches
             # the step, and XLA's CUDA graphs make the launch slower (their update costs the host
             # ~2.7 ms per 8B step); kernel by kernel, the GPU starts at the first. On an H200 the
             # 8B shape's synchronous step falls from 7.4 to 6.1 ms at batch 1 (docs/benchmarks.md).
+            # (A GPU's option only: elsewhere a synchronous engine shares an asynchronous one's executables.)
             compiler_options["xla_gpu_enable_command_buffer"] = ""
         self.executables = Executables(self._executable_store(), compiler_options)
         self._waiting: _Step | None = None  # a step whose sampling waits for the core's token masks

@@ -61,24 +61,31 @@ def test_params_in_memory_give_the_tokens_of_the_weights_on_disk(llm, disk_token
         assert (tokens(mem), tokens(mem, SEEDED)) == disk_tokens
 
 
+# The mesh tests' engines: one token budget of 32 (two buckets to compile), all on one 2x2 mesh of
+# devices 2-5, so that after the first engine every other one finds its executables compiled.
+MESH_ENGINE = {**ENGINE, "max_num_batched_tokens": 32}
+
+
+def mesh_of_four() -> jax.sharding.Mesh:
+    return jax.sharding.Mesh(np.array(jax.devices()[2:6]).reshape(2, 2), ("fsdp", "tp"))
+
+
 @needs_8
 @pytest.mark.parametrize("layout", ["engine", "hf"])
 def test_mesh_params_on_a_2x2_mesh_cut_from_8_devices_give_one_devices_tokens(tmp_path, layout):
     model = write_model(tmp_path)  # 8 q heads over 2 KV heads: 4 devices repeat each KV head twice
-    with LLM(model, **ENGINE) as one:
+    with LLM(model, **MESH_ENGINE) as one:
         want = tokens(one)
-        engine_params = one.get_params()
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[2:6]).reshape(2, 2), ("fsdp", "tp"))
+    mesh = mesh_of_four()
     params = hf_params(model) if layout == "hf" else None
     if layout == "engine":  # a tensor-parallel engine's own layout: its KV heads repeated
-        with LLM(model, mesh=mesh, **ENGINE) as probe:
+        with LLM(model, mesh=mesh, **MESH_ENGINE) as probe:
             params = jax.device_get(probe.get_params())
-    with LLM(model, params=params, mesh=mesh, **ENGINE) as llm:
+    with LLM(model, params=params, mesh=mesh, **MESH_ENGINE) as llm:
         assert tokens(llm) == want
         runner = llm.llm_engine.engine_core.core.executor.runner
         assert {d.id for d in runner.mesh.devices.flat} == {2, 3, 4, 5}
         assert all(set(a.sharding.device_set) == set(runner.mesh.devices.flat) for a in runner.weights.params)
-    del engine_params
 
 
 # -- 2. update_weights ---------------------------------------------------------------------
@@ -135,8 +142,7 @@ def test_bad_params_raise_naming_the_param_and_the_engine_keeps_its_weights(llm,
 
 @needs_8
 def test_params_on_devices_outside_the_mesh_raise_and_change_nothing(tmp_path):
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
-    with LLM(tiny_model("llama"), mesh=mesh, **ENGINE) as llm:
+    with LLM(write_model(tmp_path), mesh=mesh_of_four(), **MESH_ENGINE) as llm:
         want = tokens(llm)
         params = jax.device_put(jax.device_get(llm.get_params()), jax.devices()[7])
         with pytest.raises(ValueError, match="lives on devices outside the engine's mesh \\(\\[7\\]\\)"):
