@@ -23,13 +23,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from jaxllm.engine.exceptions import EngineDeadError
-from jaxllm.entrypoints.openai.cli_args import MAX_REQUEST_BODY_BYTES, MAX_SEQS_PER_REQUEST, SHUTDOWN_TIMEOUT_S
+from jaxllm.entrypoints.openai.cli_args import (MAX_REQUEST_BODY_BYTES, MAX_SEQS_PER_REQUEST, SHUTDOWN_TIMEOUT_S,
+                                                ChatFeatures)
 from jaxllm.entrypoints.openai.errors import APIError, engine_dead_error
 from jaxllm.entrypoints.openai.metrics import ServerMetrics, log_stats_periodically
 from jaxllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                 ModelCard, ModelList, TokenizeRequest)
 from jaxllm.entrypoints.openai.request_body import RequestLimits, parse_request, read_body
 from jaxllm.entrypoints.openai.serving import MAX_TOKENIZE_TOKENS, OpenAIServing
+from jaxllm.entrypoints.openai.serving_chat import ChatServing
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +107,11 @@ def _error_response(error: APIError) -> Response:
 
 def build_app(engine, model_names: list[str], api_key: str | None = None, chat_template: str | None = None,
               max_log_len: int | None = None, max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
-              max_seqs_per_request: int = MAX_SEQS_PER_REQUEST) -> FastAPI:
+              max_seqs_per_request: int = MAX_SEQS_PER_REQUEST, features: ChatFeatures = ChatFeatures()) -> FastAPI:
     metrics = ServerMetrics(model_names[0], engine.config.model.max_model_len)
     engine.stats_listeners.append(metrics.record_scheduler_stats)
     serving = OpenAIServing(engine, model_names, metrics, chat_template, max_log_len, max_seqs_per_request)
+    chat = ChatServing(serving, features)
     limits = RequestLimits(max_request_body_bytes, max_seqs_per_request, engine.config.model.max_model_len)
 
     @contextlib.asynccontextmanager
@@ -151,7 +154,7 @@ def build_app(engine, model_names: list[str], api_key: str | None = None, chat_t
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await body_as(request, ChatCompletionRequest)
-        return _respond(await _unless_disconnected(request, serving.create_chat_completion(body)))
+        return _respond(await _unless_disconnected(request, chat.create_chat_completion(body)))
 
     @app.get("/v1/models")
     async def models():
@@ -162,7 +165,7 @@ def build_app(engine, model_names: list[str], api_key: str | None = None, chat_t
 
     def tokenize_response(body: TokenizeRequest) -> Response:
         if body.messages is not None:
-            _, tokens = serving.chat_prompt(body)
+            _, tokens = chat.chat_prompt(body)
         else:
             tokens = serving.tokenize_text(body.prompt, "prompt", body.add_special_tokens, MAX_TOKENIZE_TOKENS)
         content = {"count": len(tokens), "max_model_len": engine.config.model.max_model_len, "tokens": tokens}
@@ -226,7 +229,7 @@ def run_server(engine, model_names: list[str], host: str, port: int, api_key: st
                chat_template: str | None = None, max_log_len: int | None = None,
                uvicorn_log_level: str = "info", max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
                max_seqs_per_request: int = MAX_SEQS_PER_REQUEST,
-               shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+               shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, features: ChatFeatures = ChatFeatures()) -> None:
     """Serve the engine until interrupted (SIGINT, SIGTERM); the engine is shut down then."""
     import uvicorn
 
@@ -244,7 +247,7 @@ def run_server(engine, model_names: list[str], host: str, port: int, api_key: st
     _raise_open_file_limit()
     try:
         app = build_app(engine, model_names, api_key, chat_template, max_log_len, max_request_body_bytes,
-                        max_seqs_per_request)
+                        max_seqs_per_request, features)
         logger.info("serving %s on http://%s:%d", ", ".join(model_names), host, port)
         # uvicorn's own deadline is a backstop: past it, it cancels what still runs.
         config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level, timeout_keep_alive=5,
