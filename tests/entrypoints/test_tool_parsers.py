@@ -9,6 +9,7 @@ import pytest
 
 from jaxllm.entrypoints.openai.output_parser import OutputParser
 from jaxllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, NamedToolParser, RequiredToolParser
+from tests.entrypoints.conftest import token_pieces
 
 WEATHER_PARIS = ("get_weather", {"city": "Paris", "unit": "celsius"})
 TIME_ZURICH = ("get_time", {"zone": "Zürich", "at": [1, {"note": "a } and a \" inside"}]})
@@ -87,25 +88,6 @@ def streamed(parser, pieces):
             calls[c.index] = [c.name, ""]
         calls[c.index][1] += c.arguments
     return content or None, [tuple(call) for call in calls.values()], call_deltas
-
-
-@pytest.fixture(scope="module")
-def smollm2_tokenizer():
-    from jaxllm.models.gguf import find_default_model, load_gguf_tokenizer
-    return load_gguf_tokenizer(find_default_model())
-
-
-def token_pieces(tokenizer, text: str) -> list[str]:
-    """`text` as a detokenizer gives it, token by token (a token ending inside a character waits)."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    pieces, sent = [], ""
-    for i in range(len(ids)):
-        decoded = tokenizer.decode(ids[:i + 1])
-        if not decoded.endswith("\ufffd"):
-            pieces.append(decoded[len(sent):])
-            sent = decoded
-    assert sent == text
-    return pieces
 
 
 ALL_CASES = [(name, case) for name, cases in CASES.items() for case in cases]

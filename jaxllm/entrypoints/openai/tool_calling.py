@@ -62,9 +62,10 @@ def forced_call_schema(tools: list[ChatCompletionTool], choice: ToolChoice, para
             if defs.setdefault(name, schema) != schema:
                 raise APIError(400, f"tools[{i}].function.parameters: $defs.{name} differs from another tool's, "
                                "and tool_choice \"required\" puts them in one schema", param="tools")
+        # vLLM's schema, closed: a call holds its name and parameters, nothing else.
         calls.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]},
                                      "parameters": parameters},
-                      "required": ["name", "parameters"]})
+                      "required": ["name", "parameters"], "additionalProperties": False})
     schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
