@@ -1,7 +1,8 @@
 """`jaxllm serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over AsyncLLM.
 
-Endpoints: /v1/completions, /v1/chat/completions (both stream as Server-Sent Events),
-/v1/models, /tokenize, /detokenize, /health, /version, /metrics (Prometheus). With an
+Endpoints: /v1/completions, /v1/chat/completions, /v1/responses (each streams as Server-Sent
+Events), GET /v1/responses/{id}, /v1/models, /tokenize, /detokenize, /health, /version,
+/metrics (Prometheus). With an
 API key, every /v1 route needs `Authorization: Bearer KEY`; the others stay open (a load
 balancer's health check, a Prometheus scrape). Errors are OpenAI's error JSON.
 
@@ -30,8 +31,10 @@ from jaxllm.entrypoints.openai.metrics import ServerMetrics, log_stats_periodica
 from jaxllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                 ModelCard, ModelList, TokenizeRequest)
 from jaxllm.entrypoints.openai.request_body import RequestLimits, parse_request, read_body
+from jaxllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from jaxllm.entrypoints.openai.serving import MAX_TOKENIZE_TOKENS, OpenAIServing
 from jaxllm.entrypoints.openai.serving_chat import ChatServing
+from jaxllm.entrypoints.openai.serving_responses import ResponsesServing
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +115,7 @@ def build_app(engine, model_names: list[str], api_key: str | None = None, chat_t
     engine.stats_listeners.append(metrics.record_scheduler_stats)
     serving = OpenAIServing(engine, model_names, metrics, chat_template, max_log_len, max_seqs_per_request)
     chat = ChatServing(serving, features)
+    responses = ResponsesServing(chat, features.max_stored_responses)
     limits = RequestLimits(max_request_body_bytes, max_seqs_per_request, engine.config.model.max_model_len)
 
     @contextlib.asynccontextmanager
@@ -155,6 +159,15 @@ def build_app(engine, model_names: list[str], api_key: str | None = None, chat_t
     async def chat_completions(request: Request):
         body = await body_as(request, ChatCompletionRequest)
         return _respond(await _unless_disconnected(request, chat.create_chat_completion(body)))
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        body = await body_as(request, ResponsesRequest)
+        return _respond(await _unless_disconnected(request, responses.create_response(body)))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return JSONResponse(responses.get_response(response_id))
 
     @app.get("/v1/models")
     async def models():
