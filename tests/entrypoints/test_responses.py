@@ -128,6 +128,11 @@ def test_a_function_calls_output_goes_back_to_the_model(api, server):
                     {"role": "tool", "tool_call_id": call.call_id, "content": "12:00"}]
     tools = [{"type": "function", "function": {"name": t["name"], "parameters": t["parameters"]}} for t in TOOLS]
     assert second.usage.input_tokens == prompt_tokens(server, conversation, tools=tools)
+    # The first response's output items, sent back as they came, make the same conversation.
+    again = respond(api, tools=TOOLS, tool_choice="none",
+                    input=[{"role": "user", "content": "weather?"}, call.model_dump(exclude_none=True),
+                           {"type": "function_call_output", "call_id": call.call_id, "output": "12:00"}])
+    assert again.usage.input_tokens == second.usage.input_tokens
 
 
 def test_an_unknown_id_is_a_404_in_openais_error_shape(api, server):

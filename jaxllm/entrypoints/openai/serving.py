@@ -213,7 +213,7 @@ class OpenAIServing:
             tracker.finish(default_reason)
 
     def start(self, request_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
-               max_tokens: int) -> RequestStreams:
+              max_tokens: int) -> RequestStreams:
         self.check_alive()  # again: the engine may have died, or a shutdown begun, while it was prepared
         streams = []
         for i, (text, token_ids) in enumerate(prompts):

@@ -102,9 +102,9 @@ class ToolCall:
 
 class ToolParser:
     """Reads one output. Subclasses implement `_read(text, final)`, which takes the text not yet
-    read, reports content and calls (`_content`, `_new_call`, `_update`) and returns the text
-    it leaves for the next piece. Content after the first call that is only whitespace (the
-    newlines between calls) is dropped."""
+    read, reports content and calls (`_content`, `new_call`, `update`) and returns the text
+    it leaves for the next piece. Whitespace after a call (the newlines between calls) is
+    content only if text follows it."""
 
     # Its tags are special tokens: the text must keep them (SamplingParams.skip_special_tokens=False).
     keeps_special_tokens = False
@@ -146,16 +146,16 @@ class ToolParser:
         else:
             self._spaces += text
 
-    def _new_call(self, call_id: str | None = None) -> ToolCall:
+    def new_call(self, call_id: str | None = None) -> ToolCall:
         call = ToolCall(len(self.calls), call_id or tool_call_id())
         self.calls.append(call)
         self._spaces = ""
         return call
 
-    def _update(self, call: ToolCall) -> None:
+    def update(self, call: ToolCall) -> None:
         self._out.tool_calls += call.deltas()
 
-    def _give_back(self, call: ToolCall, text: str) -> None:
+    def give_back(self, call: ToolCall, text: str) -> None:
         """A call that cannot be read: its text is content, unless its start was sent."""
         self.malformed = True
         call.failed = True

@@ -25,11 +25,11 @@ class RequiredToolParser(ToolParser):
 class NamedToolParser(ToolParser):
     def __init__(self, name: str):
         super().__init__()
-        self._call = self._new_call()
+        self._call = self.new_call()
         self._call.name = name
 
     def _read(self, text: str, final: bool) -> str:
         self._call.arguments += text
         self._call.arguments_done = final
-        self._update(self._call)
+        self.update(self._call)
         return ""

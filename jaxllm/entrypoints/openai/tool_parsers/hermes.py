@@ -28,7 +28,7 @@ class HermesToolParser(ToolParser):
                     self._content(text[:len(text) - keep])
                     return text[len(text) - keep:]
                 self._content(text[:at])
-                self._call = JsonCall(self._new_call())
+                self._call = JsonCall(self.new_call())
                 self._call.text = OPEN  # what goes back to content if the call cannot be read
                 text = text[at + len(OPEN):]
                 continue
@@ -52,10 +52,10 @@ class HermesToolParser(ToolParser):
         if text[used:].strip():  # text after the object, inside the tags
             call.scanner.error = True
         call.text += text[used:]
-        self._update(call.call)
+        self.update(call.call)
 
     def _close(self) -> None:
         """The call's tags closed (or the output ended inside them)."""
         call, self._call = self._call, None
         if call.failed or not call.scanner.done or call.call.name is None:
-            self._give_back(call.call, call.text)
+            self.give_back(call.call, call.text)

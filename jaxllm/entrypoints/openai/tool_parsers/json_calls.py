@@ -172,15 +172,14 @@ class JsonCallList:
         self.current: JsonCall | None = None
 
     def read(self, text: str) -> str:
-        """Reads what it can of `text`; returns what is left: a piece to wait on, or, once the
-        list has ended, the text after it."""
+        """Reads `text`; returns the text after the list once it has ended ("" while it goes on)."""
         i = 0
         while i < len(text) and not self.ended:
             if self.current is not None:
                 i += self.current.feed(text[i:])
-                self.parser._update(self.current.call)
+                self.parser.update(self.current.call)
                 if self.current.failed or (self.current.scanner.done and self.current.call.name is None):
-                    self.parser._give_back(self.current.call, self.current.text)
+                    self.parser.give_back(self.current.call, self.current.text)
                     self.ended = True
                     return text[i:]
                 if not self.current.scanner.done:
@@ -197,7 +196,7 @@ class JsonCallList:
                 self.started = True
                 i += 1
             elif c == "{":
-                self.current = JsonCall(self.parser._new_call())
+                self.current = JsonCall(self.parser.new_call())
             elif c == self.separator and self.parser.calls:
                 i += 1
             else:
@@ -210,4 +209,4 @@ class JsonCallList:
     def finish(self) -> None:
         """The output ended: a call cut short cannot be read."""
         if self.current is not None:
-            self.parser._give_back(self.current.call, self.current.text)
+            self.parser.give_back(self.current.call, self.current.text)

@@ -35,8 +35,8 @@ class MistralToolParser(ToolParser):
         self._between = False  # a call's arguments ended: another [TOOL_CALLS] may follow
         self._done = False
 
-    def _new_call(self, call_id: str | None = None):
-        return super()._new_call(call_id or mistral_call_id())
+    def new_call(self, call_id: str | None = None):
+        return super().new_call(call_id or mistral_call_id())
 
     def _read(self, text: str, final: bool) -> str:
         if self._form is None:
@@ -84,17 +84,17 @@ class MistralToolParser(ToolParser):
                         self._end(TOOL_CALLS + self._name, "")
                     return ""
                 text = text[at:]
-                self._call = self._new_call()
+                self._call = self.new_call()
                 self._call.name = self._name.replace(ARGS, "").strip() or None
                 self._raw, self._scanner = TOOL_CALLS + self._name, JsonObjectScanner()
             used = self._scanner.feed(text)
             self._raw += text[:used]
             self._call.arguments += text[:used]
             self._call.arguments_done = self._scanner.done
-            self._update(self._call)
+            self.update(self._call)
             text = text[used:]
             if self._call.name is None or self._scanner.error or (final and not self._scanner.done):
-                self._give_back(self._call, self._raw)
+                self.give_back(self._call, self._raw)
                 self._end("", text)
                 return ""
             if not self._scanner.done:

@@ -61,10 +61,10 @@ class PythonicToolParser(ToolParser):
                 self._content(text[i + 1:])
                 return ""
             elif match := _CALL_START.match(text, i):
-                self._call = self._new_call()
+                self._call = self.new_call()
                 self._call.name = match.group(1)
                 self._args, self._depth, self._expect_more = "", 0, False
-                self._update(self._call)
+                self.update(self._call)
                 i = match.end()
             elif not final and _MAYBE_LIST_START.fullmatch("[" + text[i:]):
                 return text[i:]  # a name, still being written
@@ -114,7 +114,7 @@ class PythonicToolParser(ToolParser):
             self.malformed = True
             return
         call.arguments_done = True
-        self._update(call)
+        self.update(call)
 
     def _fail(self, rest: str) -> None:
         """The list does not go on as one of calls: the rest is content."""
