@@ -185,17 +185,21 @@ class ResponseObject(Loose):
     usage: Usage | None = None
 
     @classmethod
-    def of(cls, request: ResponsesRequest, id_: str, model: str, status: str, output: list[dict],
-           usage: Usage | None = None) -> "ResponseObject":
-        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+    def started(cls, request: ResponsesRequest, id_: str, model: str) -> "ResponseObject":
+        """The response as it begins: in progress, no output yet; the request's settings echoed."""
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools or ()]
         choice = request.tool_choice.model_dump() if isinstance(request.tool_choice, BaseModel) else \
             request.tool_choice or "auto"
         text = request.text.model_dump(exclude_none=True, by_alias=True) if request.text and request.text.format \
             else {"format": {"type": "text"}}
-        return cls(id=id_, created_at=int(time.time()), status=status, model=model, output=output,
-                   incomplete_details=incomplete, instructions=request.instructions,
-                   max_output_tokens=request.max_output_tokens, temperature=request.temperature, top_p=request.top_p,
-                   tools=tools, tool_choice=choice, parallel_tool_calls=request.parallel_tool_calls,
-                   previous_response_id=request.previous_response_id, store=request.store, text=text,
-                   metadata=request.metadata, user=request.user, usage=usage)
+        return cls(id=id_, created_at=int(time.time()), status="in_progress", model=model, output=[],
+                   instructions=request.instructions, max_output_tokens=request.max_output_tokens,
+                   temperature=request.temperature, top_p=request.top_p, tools=tools, tool_choice=choice,
+                   parallel_tool_calls=request.parallel_tool_calls, previous_response_id=request.previous_response_id,
+                   store=request.store, text=text, metadata=request.metadata, user=request.user)
+
+    def finished(self, status: str, output: list[dict], usage: Usage) -> "ResponseObject":
+        """The response once its output is whole: status "completed", or "incomplete" (cut at max_output_tokens)."""
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return self.model_copy(update={"status": status, "output": output, "usage": usage,
+                                       "incomplete_details": incomplete})

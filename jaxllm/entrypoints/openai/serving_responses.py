@@ -72,12 +72,10 @@ class ResponsesServing:
             messages, prepared = await self.base.in_worker(self._prepare, request, history)
         except APIError as e:
             raise _renamed(e) from None
-        response_id = item_id("resp")
-        model = request.model or self.base.model_names[0]
-        requests, firsts = await self.chat.start(response_id, prepared, ResponsesRequest.model_fields)
+        started = ResponseObject.started(request, item_id("resp"), request.model or self.base.model_names[0])
+        requests, firsts = await self.chat.start(started.id, prepared, ResponsesRequest.model_fields)
         if request.stream:
-            return self._stream(request, response_id, model, prepared, messages, requests,
-                                firsts[0].num_cached_tokens)
+            return self._stream(request, started, prepared, messages, requests, firsts[0].num_cached_tokens)
         requests.close()
         out = firsts[0]
         if out.error is not None:
@@ -87,7 +85,7 @@ class ResponsesServing:
         items.take(whole_delta(prepared.new_parser().parse(c.text)))
         status = "incomplete" if c.finish_reason == "length" else "completed"
         items.close(status)
-        return self._finish(request, response_id, model, status, items.items, prepared, list(c.token_ids),
+        return self._finish(request, started, status, items.items, prepared, list(c.token_ids),
                             out.num_cached_tokens, messages)
 
     def _prepare(self, request: ResponsesRequest, history: list[dict]) -> tuple[list[dict], PreparedChat]:
@@ -117,7 +115,7 @@ class ResponsesServing:
         self.chat.check(chat_request)
         return messages, self.chat.prepare(chat_request)
 
-    def _finish(self, request: ResponsesRequest, response_id: str, model: str, status: str, output: list[dict],
+    def _finish(self, request: ResponsesRequest, started: ResponseObject, status: str, output: list[dict],
                 prepared: PreparedChat, token_ids: list[int], num_cached_tokens: int,
                 messages: list[dict]) -> ResponseObject:
         """The finished response, kept (unless store is false) with its conversation for the next turn."""
@@ -129,18 +127,17 @@ class ResponsesServing:
         usage = Usage(input_tokens=num_prompt, input_tokens_details={"cached_tokens": num_cached_tokens},
                       output_tokens=len(token_ids), output_tokens_details={"reasoning_tokens": reasoning_tokens},
                       total_tokens=num_prompt + len(token_ids))
-        response = ResponseObject.of(request, response_id, model, status, output, usage)
+        response = started.finished(status, output, usage)
         if request.store:
-            self.store.put(response_id, StoredResponse(response.model_dump(), messages + [assistant_turn(output)]))
+            self.store.put(response.id, StoredResponse(response.model_dump(), messages + [assistant_turn(output)]))
         return response
 
-    async def _stream(self, request: ResponsesRequest, response_id: str, model: str, prepared: PreparedChat,
+    async def _stream(self, request: ResponsesRequest, started: ResponseObject, prepared: PreparedChat,
                       messages: list[dict], requests, num_cached_tokens: int) -> AsyncIterator[str]:
         items, parser = OutputItems(), prepared.new_parser()
         token_ids, finish = [], None
-        response = ResponseObject.of(request, response_id, model, "in_progress", [])
         for kind in ("response.created", "response.in_progress"):
-            yield items.event(kind, response=response.model_dump())
+            yield items.event(kind, response=started.model_dump())
         try:
             async for c, delta in self.chat.parsed_outputs(requests, [parser]):
                 token_ids += c.token_ids
@@ -157,8 +154,8 @@ class ResponsesServing:
         status = "incomplete" if finish == "length" else "completed"
         for event in items.close(status):
             yield event
-        response = self._finish(request, response_id, model, status, items.items, prepared, token_ids,
-                                num_cached_tokens, messages)
+        response = self._finish(request, started, status, items.items, prepared, token_ids, num_cached_tokens,
+                                messages)
         yield items.event(f"response.{status}", response=response.model_dump())
 
 
