@@ -30,7 +30,7 @@ from jaxllm.entrypoints.openai.tool_calling import (forced_call_schema, resolve_
                                                     template_tools)
 from jaxllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, NamedToolParser, RequiredToolParser
 from jaxllm.outputs import CompletionOutput
-from jaxllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 class RequestFailed(Exception):
@@ -44,7 +44,7 @@ class PreparedChat:
     prompt: str
     token_ids: list[int]
     max_tokens: int
-    params: object  # SamplingParams
+    params: SamplingParams
     new_parser: Callable[[], OutputParser]
     named_tool: bool  # tool_choice named a function (whose call is reported with finish_reason "stop")
 
@@ -120,7 +120,11 @@ class ChatServing:
                 raise APIError(400, f"tool_choice {choice if isinstance(choice, str) else 'naming a function'} "
                                "shapes the output: it cannot go with response_format or structured_outputs",
                                param="tool_choice")
-            structured = StructuredOutputsParams(json=schema)
+            try:  # each tool's schema is fine alone (forced_call_schema checked them): this is rare
+                structured = StructuredOutputsParams(json=schema)
+            except (ValueError, TypeError) as e:
+                raise APIError(400, f"tools: the schema of the calls tool_choice forces is not one structured "
+                               f"outputs can follow: {e}", param="tools") from e
         if structured is not None and self.reasoning is not None and prompt_state is not False:
             structured = dataclasses.replace(structured, reasoning_end_token_id=self.reasoning_end_token_id)
         return structured
