@@ -60,7 +60,7 @@ def test_tool_calls_are_read_from_the_answer_only():
     parsed = output.parse(text)
     assert parsed.reasoning == 'I could write <tool_call>{"name": "nope", "arguments": {}}</tool_call> here.'
     assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("get_weather", {"city": "Paris"})]
-    assert parsed.content == "\n\n"  # the answer's text before its call, as vLLM gives it
+    assert parsed.content is None  # the newlines before the call are not content
 
 
 def test_a_prompt_that_ends_the_thinking_says_so_and_one_that_opens_it_too():

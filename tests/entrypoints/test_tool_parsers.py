@@ -22,7 +22,7 @@ CASES = {
         "two calls after text": (
             'Let me look both up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
             '"celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "Zürich", "at": '
-            '[1, {"note": "a } and a \\" inside"}]}}\n</tool_call>', "Let me look both up.\n",
+            '[1, {"note": "a } and a \\" inside"}]}}\n</tool_call>', "Let me look both up.",
             [WEATHER_PARIS, TIME_ZURICH]),
         "arguments first, text after": (
             '<tool_call>{"arguments": {"city": "Paris", "unit": "celsius"}, "name": "get_weather"}</tool_call>\n\n'

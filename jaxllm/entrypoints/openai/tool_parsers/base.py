@@ -103,8 +103,9 @@ class ToolCall:
 class ToolParser:
     """Reads one output. Subclasses implement `_read(text, final)`, which takes the text not yet
     read, reports content and calls (`_content`, `new_call`, `update`) and returns the text
-    it leaves for the next piece. Whitespace after a call (the newlines between calls) is
-    content only if text follows it."""
+    it leaves for the next piece. Whitespace next to a call (the newlines around and between
+    calls) is not content: whitespace is sent once text follows it, or at the end of an output
+    without calls."""
 
     # Its tags are special tokens: the text must keep them (SamplingParams.skip_special_tokens=False).
     keeps_special_tokens = False
@@ -113,7 +114,8 @@ class ToolParser:
         self.calls: list[ToolCall] = []
         self.malformed = False
         self._pending = ""  # text left by the last read
-        self._spaces = ""  # whitespace after a call, sent only if text follows it
+        self._spaces = ""  # whitespace held: sent once text follows it
+        self._spaces_before_call = ""  # what was held when the last call began
         self._out = ParsedDelta()
 
     def feed(self, text: str) -> ParsedDelta:
@@ -125,6 +127,8 @@ class ToolParser:
         self._pending = ""
         if rest:
             self._content(rest)
+        if not self.calls:  # an answer without calls is its text, as it is
+            self._out.content += self._spaces
         for call in self.calls:
             self._out.tool_calls += call.end()
             self.malformed |= not call.readable
@@ -138,18 +142,17 @@ class ToolParser:
         return out
 
     def _content(self, text: str) -> None:
-        if not self.calls:
-            self._out.content += text
-        elif text.strip():
-            self._out.content += self._spaces + text
-            self._spaces = ""
+        body = text.rstrip()
+        if body:
+            self._out.content += self._spaces + body
+            self._spaces = text[len(body):]
         else:
             self._spaces += text
 
     def new_call(self, call_id: str | None = None) -> ToolCall:
         call = ToolCall(len(self.calls), call_id or tool_call_id())
         self.calls.append(call)
-        self._spaces = ""
+        self._spaces_before_call, self._spaces = self._spaces, ""
         return call
 
     def update(self, call: ToolCall) -> None:
@@ -162,4 +165,5 @@ class ToolParser:
         if call.sent_name:
             return
         self.calls.remove(call)
+        self._spaces = self._spaces_before_call  # not next to a call after all
         self._content(text)
