@@ -13,22 +13,11 @@ write; one ending in <think> (Qwen3-Thinking's, DeepSeek-R1's templates) starts 
 thinking. Both tags must be tokens of the model's vocabulary: structured outputs start
 after the </think> token (StructuredOutputsParams.reasoning_end_token_id).
 """
-import dataclasses
-
 from jaxllm.entrypoints.openai.tool_parsers.base import held_back
 
 THINK_START, THINK_END = "<think>", "</think>"
-
-
-@dataclasses.dataclass(frozen=True)
-class ReasoningFormat:
-    """A model family's reasoning: does its output start in the thinking unless told otherwise."""
-    name: str
-    thinks_by_default: bool
-
-
-REASONING_PARSERS = {"deepseek_r1": ReasoningFormat("deepseek_r1", thinks_by_default=True),
-                     "qwen3": ReasoningFormat("qwen3", thinks_by_default=False)}
+# name -> whether the output starts in the thinking when neither it nor the prompt says
+REASONING_PARSERS = {"deepseek_r1": True, "qwen3": False}
 
 
 def reasoning_end_token_id(tokenizer, name: str) -> int:
@@ -60,10 +49,10 @@ class ReasoningParser:
     output is fed once and finished: the same code, so a stream's pieces join to the whole
     output's split."""
 
-    def __init__(self, fmt: ReasoningFormat, prompt_state: bool | None):
+    def __init__(self, thinks_by_default: bool, prompt_state: bool | None):
         # "start": the output may open with <think>; "thinking"; "answer".
         self._state = "start" if prompt_state is None else "thinking" if prompt_state else "answer"
-        self._default = "thinking" if fmt.thinks_by_default else "answer"
+        self._default = "thinking" if thinks_by_default else "answer"
         self.thought = self._state == "thinking"  # the output had a thinking part (reasoning_content not None)
         self._held = ""
 

@@ -59,7 +59,8 @@ class ChatServing:
     def __init__(self, base: OpenAIServing, features: ChatFeatures):
         self.base = base
         self.tool_parser = TOOL_PARSERS[features.tool_call_parser] if features.enable_auto_tool_choice else None
-        self.reasoning = REASONING_PARSERS.get(features.reasoning_parser)
+        # With a reasoning parser: whether the output starts in the thinking by default; else None.
+        self.thinks_by_default = REASONING_PARSERS.get(features.reasoning_parser)
         self.reasoning_end_token_id = features.reasoning_end_token_id
 
     def chat_prompt(self, request) -> tuple[str, list[int]]:
@@ -104,7 +105,7 @@ class ChatServing:
         max_tokens = base.max_tokens(requested, field, len(token_ids), "messages", base.default_fields.get("max_tokens"))
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        prompt_state = None if self.reasoning is None else thinking_state(text)
+        prompt_state = None if self.thinks_by_default is None else thinking_state(text)
         overrides = {"structured_outputs": self._structured_outputs(request, choice, prompt_state)}
         if choice == "auto" and self.tool_parser.keeps_special_tokens:
             overrides["skip_special_tokens"] = False  # the calls' tags are special tokens
@@ -125,12 +126,12 @@ class ChatServing:
             except (ValueError, TypeError) as e:
                 raise APIError(400, f"tools: the schema of the calls tool_choice forces is not one structured "
                                f"outputs can follow: {e}", param="tools") from e
-        if structured is not None and self.reasoning is not None and prompt_state is not False:
+        if structured is not None and self.thinks_by_default is not None and prompt_state is not False:
             structured = dataclasses.replace(structured, reasoning_end_token_id=self.reasoning_end_token_id)
         return structured
 
     def _output_parser(self, choice, prompt_state: bool | None, parallel_tool_calls: bool) -> OutputParser:
-        reasoning = None if self.reasoning is None else ReasoningParser(self.reasoning, prompt_state)
+        reasoning = None if self.thinks_by_default is None else ReasoningParser(self.thinks_by_default, prompt_state)
         if choice == "auto":
             tools = self.tool_parser()
         elif choice == "required":

@@ -27,9 +27,6 @@ class ParsedDelta:
     content: str = ""
     tool_calls: list[ToolCallDelta] = dataclasses.field(default_factory=list)
 
-    def __bool__(self) -> bool:
-        return bool(self.content or self.tool_calls)
-
 
 def tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"  # vLLM's
