@@ -116,17 +116,27 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise UserError(f"jaxllm serve needs the serve extra (pip install 'jaxllm[serve]'): {e}") from e
     from jaxllm.engine.async_llm import AsyncLLM
     from jaxllm.entrypoints.chat_utils import load_chat_template
-    from jaxllm.entrypoints.openai.cli_args import served_model_names
+    from jaxllm.entrypoints.openai.cli_args import ChatFeatures, served_model_names
+    from jaxllm.entrypoints.openai.reasoning_parsers import reasoning_end_token_id
 
     configure_logging()
     start = time.perf_counter()
-    with user_errors():  # the chat template file, the engine's start
+    with user_errors():  # the chat template file, the tool and reasoning flags, the engine's start
         chat_template = load_chat_template(ns.chat_template)
+        features = ChatFeatures(ns.tool_call_parser, ns.enable_auto_tool_choice,
+                                max_stored_responses=ns.max_stored_responses)
         engine = AsyncLLM.from_engine_args(engine_args_from(ns))
+    if ns.reasoning_parser is not None:
+        try:  # its tags must be tokens of the vocabulary
+            end_id = reasoning_end_token_id(engine.tokenizer, ns.reasoning_parser)
+        except ValueError as e:
+            engine.shutdown()
+            raise UserError(str(e)) from e
+        features = dataclasses.replace(features, reasoning_parser=ns.reasoning_parser, reasoning_end_token_id=end_id)
     print(f"engine ready in {time.perf_counter() - start:.1f} s: {engine.engine_core.description}", flush=True)
     run_server(engine, served_model_names(ns, engine.config.model.path), ns.host, ns.port, ns.api_key,
                chat_template, ns.max_log_len, ns.uvicorn_log_level, ns.max_request_body_bytes,
-               ns.max_seqs_per_request, ns.shutdown_timeout)
+               ns.max_seqs_per_request, ns.shutdown_timeout, features)
     return 0
 
 

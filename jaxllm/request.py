@@ -51,6 +51,12 @@ class Request:
         self.banned_token_ids = sorted({w[0] for w in bad_words_token_ids if len(w) == 1})
         self.bad_word_sequences = [list(w) for w in bad_words_token_ids if len(w) > 1]
         self.grammar = None  # a structured_output.GrammarMatcher (EngineCore.add_request)
+        structured = sampling_params.structured_outputs
+        self._reasoning_end = None if structured is None else structured.reasoning_end_token_id
+        # Where the grammar's tokens start in the output: 0, or just past the end of a reasoning
+        # model's thinking (None until it is generated: until then the grammar masks nothing).
+        self.grammar_start: int | None = 0 if self._reasoning_end is None else None
+        self._thinking_scanned = 0  # output tokens already searched for the end of thinking
         # Prompt logprobs: the next prompt position whose logprobs are still to send (the first has none).
         self.next_prompt_logprob = 1
         self.first_scheduled_time: float | None = None
@@ -98,16 +104,26 @@ class Request:
         self.num_tokens += 1
 
     def advance_grammar(self) -> None:
-        """Feed the grammar the output tokens it has not seen."""
+        """Feed the grammar the output tokens it has not seen (after the thinking, if any)."""
         grammar = self.grammar
-        if grammar.is_error():
+        if grammar.is_error() or (self.grammar_start is None and not self._thinking_ended()):
             return
-        for token_id in self.output_token_ids[grammar.num_accepted:]:
+        for token_id in self.output_token_ids[self.grammar_start + grammar.num_accepted:]:
             if not grammar.accept_token(token_id):
                 # The mask forbade it, so only a bug gets here; the grammar then allows only EOS.
                 logger.error("request %s: the grammar rejected token %d (%s); only EOS is allowed now",
                              self.request_id, token_id, grammar.error())
                 return
+
+    def _thinking_ended(self) -> bool:
+        """Whether the output holds the end of thinking; sets grammar_start when it first does."""
+        tokens = self.output_token_ids
+        for i in range(self._thinking_scanned, len(tokens)):
+            if tokens[i] == self._reasoning_end:
+                self.grammar_start = i + 1
+                return True
+        self._thinking_scanned = len(tokens)
+        return False
 
     def check_stop(self, max_model_len: int) -> bool:
         """Set a finished status if the last token ends the request (EOS, a stop
@@ -137,6 +153,9 @@ def check_token_ids(request: EngineCoreRequest, vocab_size: int) -> None:
               "allowed_token_ids": params.allowed_token_ids, "logit_bias": params.logit_bias,
               "bad_words": [t for word in request.bad_words_token_ids for t in word],
               "eos_token_ids": request.eos_token_ids}
+    structured = params.structured_outputs
+    if structured is not None and structured.reasoning_end_token_id is not None:
+        fields["structured_outputs.reasoning_end_token_id"] = [structured.reasoning_end_token_id]
     for name, ids in fields.items():
         if ids and (min(ids) < 0 or max(ids) >= vocab_size):  # builtins: a 100k-token prompt in about 1 ms
             outside = [t for t in ids if not 0 <= t < vocab_size]

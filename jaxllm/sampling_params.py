@@ -29,6 +29,10 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False  # JSON: no whitespace between tokens (compact output)
     disable_additional_properties: bool = False  # JSON: objects hold only their schema's properties
     whitespace_pattern: str | None = None  # JSON: a regex for the whitespace allowed between tokens
+    # A reasoning model's end of thinking (its </think> token id): the constraint applies to the
+    # tokens after the first one the output generates, and masks nothing before (vLLM's rule with
+    # a reasoning parser). None: the constraint applies from the first token.
+    reasoning_end_token_id: int | None = None
 
     def __post_init__(self):
         check_field_types(self)
@@ -39,6 +43,9 @@ class StructuredOutputsParams:
                              f"json_object, got {kinds or 'none'}")
         if self.choice is not None and not self.choice:
             raise ValueError("structured_outputs.choice must hold at least one string")
+        if self.reasoning_end_token_id is not None and self.reasoning_end_token_id < 0:
+            raise ValueError(f"structured_outputs.reasoning_end_token_id must be a token id (>= 0), got "
+                             f"{self.reasoning_end_token_id}")
         from jaxllm.structured_output import check_structured_outputs
         check_structured_outputs(self)
 

@@ -23,7 +23,8 @@ def make_token_masks(requests: list[Request], vocab_size: int) -> tuple[TokenMas
     those whose mask failed: their rows allow every token, and they must end."""
     bitmask = np.full((len(requests), cdiv(vocab_size, 32)), -1, np.int32)
     failed: dict[str, str] = {}
-    grammars = [(r, i) for i, r in enumerate(requests) if r.grammar is not None]
+    # A request still thinking (grammar_start None) keeps its row of ones: its grammar waits.
+    grammars = [(r, i) for i, r in enumerate(requests) if r.grammar is not None and r.grammar_start is not None]
     if grammars:
         from jaxllm.structured_output import fill_bitmasks
         try:

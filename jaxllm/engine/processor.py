@@ -61,6 +61,10 @@ class Processor:
             if outside:
                 raise ValueError(f"{name} holds token ids outside the vocabulary [0, {self.vocab_size}): "
                                  f"{outside[:5]}")
+        so = params.structured_outputs
+        if so is not None and so.reasoning_end_token_id is not None and so.reasoning_end_token_id >= self.vocab_size:
+            raise ValueError(f"structured_outputs.reasoning_end_token_id must be in the vocabulary [0, "
+                             f"{self.vocab_size}), got {so.reasoning_end_token_id}")
         if params.truncate_prompt_tokens is not None and params.truncate_prompt_tokens > self.max_model_len:
             raise ValueError(f"truncate_prompt_tokens must be <= max_model_len ({self.max_model_len}) or -1, "
                              f"got {params.truncate_prompt_tokens}")

@@ -58,23 +58,25 @@ def load_chat_template(template: str | None) -> str | None:
 
 def apply_chat_template(tokenizer, messages: list[dict], chat_template: str | None = None,
                         add_generation_prompt: bool = True, continue_final_message: bool = False,
-                        chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+                        chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> tuple[str, list[int]]:
     """The conversation as the model's prompt: (text, token ids). The template adds the
-    special tokens it wants (BOS among them), so encoding adds none. A template error,
-    or a tokenizer with no template, raises ValueError."""
+    special tokens it wants (BOS among them), so encoding adds none; it renders `tools`
+    (OpenAI's function tools) as its model expects them. A template error, or a tokenizer
+    with no template, raises ValueError."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer, and this engine was started with skip_tokenizer_init")
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
     kwargs = dict(chat_template_kwargs or {})
     for reserved in ("conversation", "tokenize", "chat_template", "add_generation_prompt",
-                     "continue_final_message"):
+                     "continue_final_message", "tools"):
         if reserved in kwargs:
             raise ValueError(f"chat_template_kwargs cannot set {reserved!r}")
     try:
         text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message, **kwargs)
+                                             continue_final_message=continue_final_message, tools=tools,
+                                             **kwargs)
     except ValueError:
         raise
     except Exception as e:  # jinja2's TemplateError and what a template raises

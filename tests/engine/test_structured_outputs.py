@@ -101,3 +101,24 @@ def test_a_bad_constraint_is_an_error_at_the_boundary_and_the_engine_serves_on(l
         SamplingParams(structured_outputs=StructuredOutputsParams(**kind))
     (out,) = llm.generate("Say hi.", constrained(0, choice=["hi"]), use_tqdm=False)
     assert out.outputs[0].text == "hi"
+
+
+def test_a_constraint_after_the_end_of_thinking_leaves_the_thinking_free(llm):
+    # SmolLM2 has no </think>: its "." stands in for it. The text up to the first "." is free; the
+    # tokens after it fit the regex whole.
+    (period,) = llm.get_tokenizer().encode(".", add_special_tokens=False)
+    pattern = "[0-9]{3}"
+    params = [constrained(seed, 64, regex=pattern, reasoning_end_token_id=period) for seed in range(4)]
+    for out in llm.generate(["Once upon a time, a small cat"] * 4, params, use_tqdm=False):
+        token_ids = out.outputs[0].token_ids
+        assert period in token_ids, out.outputs[0].text  # max_tokens allows a sentence
+        end = token_ids.index(period) + 1
+        thinking = llm.get_tokenizer().decode(token_ids[:end])
+        assert not re.fullmatch(r"[0-9]*\.", thinking)  # words, which the regex would not have allowed
+        answer = llm.get_tokenizer().decode(token_ids[end:], skip_special_tokens=True)  # without the EOS
+        assert re.fullmatch(pattern, answer), out.outputs[0].text
+
+
+def test_an_end_of_thinking_outside_the_vocabulary_is_an_error_at_the_boundary(llm):
+    with pytest.raises(ValueError, match="reasoning_end_token_id"):
+        llm.generate("hi", constrained(0, regex="a", reasoning_end_token_id=10**6), use_tqdm=False)

@@ -82,9 +82,9 @@ class RemoteServer:
         self._log.close()
 
 
-def start_server(model: str, tmp_path_factory, name: str, *args: str) -> RemoteServer:
+def start_server(model: str, tmp_path_factory, name: str, *args: str, chat_template: str = CHAT_TEMPLATE) -> RemoteServer:
     template = tmp_path_factory.mktemp(name) / "chat_template.jinja"
-    template.write_text(CHAT_TEMPLATE)
+    template.write_text(chat_template)
     server = RemoteServer(model, str(template.parent / "server.log"), "--served-model-name", MODEL_NAME,
                           "--chat-template", str(template), "--max-model-len", str(MAX_MODEL_LEN),
                           "--max-num-seqs", "32", "--max-num-batched-tokens", "128", "--block-size", "16",
@@ -144,22 +144,25 @@ def wait_for_idle_engine(server, timeout_s: float = 20.0) -> str:
         time.sleep(0.1)
 
 
-def write_byte_tokenizer(folder: str) -> None:
+def write_byte_tokenizer(folder: str, added: tuple[str, ...] = ()) -> None:
     """A GPT-2-style byte-level tokenizer for the tiny models' 256 ids: 0-2 are <unk>, <s>,
     </s>, every other id one byte (all but 0xF5-0xF7, which UTF-8 never uses). Unlike the
-    character tokenizer, llguidance can read it, so structured outputs work."""
+    character tokenizer, llguidance can read it, so structured outputs work. `added`: tokens
+    of their own in the last ids (not special: they stay in the text), in place of more
+    bytes UTF-8 never uses (0xF8 on); byte b < 0xF5 is token b + 3 either way."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
                  *range(ord("\xae"), ord("\xff") + 1)]
     # GPT-2's bytes-to-characters table: printable bytes stand for themselves, the rest for chr(256 + k).
     others = [b for b in range(256) if b not in printable]
     char_of = {**{b: chr(b) for b in printable}, **{b: chr(256 + k) for k, b in enumerate(others)}}
-    kept = [b for b in range(256) if b not in (0xF5, 0xF6, 0xF7)]
+    kept = [b for b in range(256) if b not in (0xF5, 0xF6, 0xF7) and not 0xF8 <= b < 0xF8 + len(added)]
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{char_of[b]: i + 3 for i, b in enumerate(kept)}}
     tokenizer = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tokenizer.add_tokens(list(added))
     tokenizer.save(os.path.join(folder, "tokenizer.json"))
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
@@ -170,6 +173,16 @@ def write_byte_tokenizer(folder: str) -> None:
 def byte_llama(tmp_path_factory) -> str:
     """The tiny Llama with a byte-level tokenizer."""
     return tiny_llama_with_tokenizer(tmp_path_factory.mktemp("byte_llama"), write_byte_tokenizer)
+
+
+THINK_END_ID = 255  # </think> in think_llama's vocabulary (<think> is 254)
+
+
+@pytest.fixture(scope="session")
+def think_llama(tmp_path_factory) -> str:
+    """The tiny Llama with the byte-level tokenizer and <think>, </think> as tokens: a reasoning model's."""
+    return tiny_llama_with_tokenizer(tmp_path_factory.mktemp("think_llama"),
+                                     lambda folder: write_byte_tokenizer(folder, ("<think>", "</think>")))
 
 
 class StreamsInFlight:
@@ -218,3 +231,23 @@ class StreamsInFlight:
         assert not self._thread.is_alive(), "a stream in flight did not finish"
         assert self.results, "no stream finished meanwhile"
         assert self.results == [(self.expected, "length", True)] * len(self.results)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The embedded SmolLM2's tokenizer, alone: a real BPE that splits tags such as <tool_call> into pieces."""
+    from jaxllm.models.gguf import find_default_model, load_gguf_tokenizer
+    return load_gguf_tokenizer(find_default_model())
+
+
+def token_pieces(tokenizer, text: str) -> list[str]:
+    """`text` as a detokenizer gives it, token by token (a token ending inside a character waits)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces, sent = [], ""
+    for i in range(len(ids)):
+        decoded = tokenizer.decode(ids[:i + 1])
+        if not decoded.endswith("\ufffd"):
+            pieces.append(decoded[len(sent):])
+            sent = decoded
+    assert sent == text
+    return pieces

@@ -36,6 +36,9 @@ BAD_REQUESTS = {
     "n of 0": (CHAT, chat(n=0), 400, "n"),
     "logprobs beyond max_logprobs": (COMPLETIONS, completion(logprobs=21), 400, "logprobs"),
     "top_logprobs without logprobs": (CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
+    "tools on a server without --enable-auto-tool-choice": (
+        CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]), 400,
+        "tool_choice"),
     "logit_bias key not a token id": (CHAT, chat(logit_bias={"abc": 1.0}), 400, "logit_bias"),
     "best_of above n": (COMPLETIONS, completion(best_of=3), 400, "best_of"),
     "empty prompt": (COMPLETIONS, completion(prompt=[]), 400, "prompt"),

@@ -1,9 +1,10 @@
 """`jaxllm serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over AsyncLLM.
 
-Endpoints: /v1/completions, /v1/chat/completions (both stream as Server-Sent Events),
-/v1/models, /tokenize, /detokenize, /health, /version, /metrics (Prometheus). With an
-API key, every /v1 route needs `Authorization: Bearer KEY`; the others stay open (a load
-balancer's health check, a Prometheus scrape). Errors are OpenAI's error JSON.
+Endpoints: /v1/completions, /v1/chat/completions, /v1/responses (each streams as Server-Sent
+Events), GET /v1/responses/{id}, /v1/models, /tokenize, /detokenize, /health, /version,
+/metrics (Prometheus). With an API key, every /v1 route needs `Authorization: Bearer KEY`;
+the others stay open (a load balancer's health check, a Prometheus scrape). Errors are
+OpenAI's error JSON.
 
 SIGINT or SIGTERM stops the server in a bounded time: it stops listening, gives the
 requests in flight --shutdown-timeout seconds, ends the rest (a stream with an error event
@@ -23,13 +24,17 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from jaxllm.engine.exceptions import EngineDeadError
-from jaxllm.entrypoints.openai.cli_args import MAX_REQUEST_BODY_BYTES, MAX_SEQS_PER_REQUEST, SHUTDOWN_TIMEOUT_S
+from jaxllm.entrypoints.openai.cli_args import (MAX_REQUEST_BODY_BYTES, MAX_SEQS_PER_REQUEST, SHUTDOWN_TIMEOUT_S,
+                                                ChatFeatures)
 from jaxllm.entrypoints.openai.errors import APIError, engine_dead_error
 from jaxllm.entrypoints.openai.metrics import ServerMetrics, log_stats_periodically
 from jaxllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                 ModelCard, ModelList, TokenizeRequest)
 from jaxllm.entrypoints.openai.request_body import RequestLimits, parse_request, read_body
+from jaxllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from jaxllm.entrypoints.openai.serving import MAX_TOKENIZE_TOKENS, OpenAIServing
+from jaxllm.entrypoints.openai.serving_chat import ChatServing
+from jaxllm.entrypoints.openai.serving_responses import ResponsesServing
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +110,12 @@ def _error_response(error: APIError) -> Response:
 
 def build_app(engine, model_names: list[str], api_key: str | None = None, chat_template: str | None = None,
               max_log_len: int | None = None, max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
-              max_seqs_per_request: int = MAX_SEQS_PER_REQUEST) -> FastAPI:
+              max_seqs_per_request: int = MAX_SEQS_PER_REQUEST, features: ChatFeatures = ChatFeatures()) -> FastAPI:
     metrics = ServerMetrics(model_names[0], engine.config.model.max_model_len)
     engine.stats_listeners.append(metrics.record_scheduler_stats)
     serving = OpenAIServing(engine, model_names, metrics, chat_template, max_log_len, max_seqs_per_request)
+    chat = ChatServing(serving, features)
+    responses = ResponsesServing(chat, features.max_stored_responses)
     limits = RequestLimits(max_request_body_bytes, max_seqs_per_request, engine.config.model.max_model_len)
 
     @contextlib.asynccontextmanager
@@ -151,7 +158,16 @@ def build_app(engine, model_names: list[str], api_key: str | None = None, chat_t
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await body_as(request, ChatCompletionRequest)
-        return _respond(await _unless_disconnected(request, serving.create_chat_completion(body)))
+        return _respond(await _unless_disconnected(request, chat.create_chat_completion(body)))
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        body = await body_as(request, ResponsesRequest)
+        return _respond(await _unless_disconnected(request, responses.create_response(body)))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return JSONResponse(responses.get_response(response_id))
 
     @app.get("/v1/models")
     async def models():
@@ -162,7 +178,7 @@ def build_app(engine, model_names: list[str], api_key: str | None = None, chat_t
 
     def tokenize_response(body: TokenizeRequest) -> Response:
         if body.messages is not None:
-            _, tokens = serving.chat_prompt(body)
+            _, tokens = chat.chat_prompt(body)
         else:
             tokens = serving.tokenize_text(body.prompt, "prompt", body.add_special_tokens, MAX_TOKENIZE_TOKENS)
         content = {"count": len(tokens), "max_model_len": engine.config.model.max_model_len, "tokens": tokens}
@@ -226,7 +242,7 @@ def run_server(engine, model_names: list[str], host: str, port: int, api_key: st
                chat_template: str | None = None, max_log_len: int | None = None,
                uvicorn_log_level: str = "info", max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
                max_seqs_per_request: int = MAX_SEQS_PER_REQUEST,
-               shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+               shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, features: ChatFeatures = ChatFeatures()) -> None:
     """Serve the engine until interrupted (SIGINT, SIGTERM); the engine is shut down then."""
     import uvicorn
 
@@ -244,7 +260,7 @@ def run_server(engine, model_names: list[str], host: str, port: int, api_key: st
     _raise_open_file_limit()
     try:
         app = build_app(engine, model_names, api_key, chat_template, max_log_len, max_request_body_bytes,
-                        max_seqs_per_request)
+                        max_seqs_per_request, features)
         logger.info("serving %s on http://%s:%d", ", ".join(model_names), host, port)
         # uvicorn's own deadline is a backstop: past it, it cancels what still runs.
         config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level, timeout_keep_alive=5,

@@ -1,10 +1,40 @@
 """`jaxllm serve`'s own flags (beside EngineArgs'), importable without the serve extra."""
 import argparse
+import dataclasses
 import os
+
+from jaxllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+from jaxllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 MAX_REQUEST_BODY_BYTES = 16 << 20  # a 128k-token prompt, as text or token ids, is about 1 MB
 MAX_SEQS_PER_REQUEST = 1024
 SHUTDOWN_TIMEOUT_S = 5.0
+MAX_STORED_RESPONSES = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatFeatures:
+    """What serve's flags turn on for chat and responses: tool calling, a reasoning parser (with
+    its </think> token id, from the model's vocabulary) and the responses kept for
+    previous_response_id."""
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
+    reasoning_end_token_id: int | None = None
+    max_stored_responses: int = MAX_STORED_RESPONSES
+
+    def __post_init__(self):
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser: it reads the calls in the output")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {sorted(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser must be one of {sorted(REASONING_PARSERS)}, got "
+                             f"{self.reasoning_parser!r}")
+        if (self.reasoning_parser is None) != (self.reasoning_end_token_id is None):
+            raise ValueError("a reasoning parser goes with the id of its </think> token")
+        if self.max_stored_responses < 0:
+            raise ValueError(f"--max-stored-responses must be >= 0, got {self.max_stored_responses}")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +58,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=_positive(float), default=SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
                         help="on SIGINT or SIGTERM, how long requests in flight may still run before they are "
                              "ended (default: %(default)s)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let the model call tools when it chooses (tool_choice "auto"); needs --tool-call-parser')
+    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                        help="how the model writes tool calls (hermes: also Qwen2.5 and Qwen3)")
+    parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                        help="split a reasoning model's thinking (reasoning_content) from its answer")
+    parser.add_argument("--max-stored-responses", type=int, default=MAX_STORED_RESPONSES, metavar="N",
+                        help="/v1/responses kept in memory for previous_response_id and GET, the least recently "
+                             "used dropped first (default: %(default)s)")
 
 
 def _positive(kind):

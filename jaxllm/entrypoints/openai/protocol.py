@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 
 def random_id(prefix: str) -> str:
@@ -24,6 +24,15 @@ class Strict(BaseModel):
 class Loose(BaseModel):
     """Responses: extra keys are allowed (none are made)."""
     model_config = ConfigDict(extra="allow")
+
+
+class Sparse(Loose):
+    """A stream's delta: fields left None are left out (a tool call's later pieces carry its
+    index and arguments only, as vLLM's and OpenAI's do)."""
+
+    @model_serializer(mode="wrap")
+    def _without_nones(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
 
 
 # ---- errors ----
@@ -119,10 +128,50 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = None  # only best_of == n: the engine has no beam of candidates to pick from
 
 
+class FunctionDefinition(Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments' object
+    strict: bool | None = None
+
+
+class ChatCompletionTool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class MessageFunctionCall(Strict):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class MessageToolCall(Strict):
+    """A tool call of an earlier assistant message, as a response gave it."""
+    id: str
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
 class ChatMessage(Strict):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's answer to that call
+    reasoning_content: str | None = None  # an assistant's thinking (reasoning: vLLM's newer name)
+    reasoning: str | None = None
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -130,6 +179,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none"
+    parallel_tool_calls: bool = True
     # vLLM's chat extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -142,6 +194,7 @@ class TokenizeRequest(Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatCompletionTool] | None = None  # with messages: rendered by the chat template
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -197,9 +250,25 @@ class ChatLogprobs(Loose):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(Loose):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(Loose):
+    id: str
+    type: str = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(Loose):
     role: str = "assistant"
     content: str | None = None
+    # The thinking, with a reasoning parser: under DeepSeek's name, which most clients read,
+    # and vLLM's newer one.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallOut] = []
 
 
 class ChatChoice(Loose):
@@ -219,9 +288,24 @@ class ChatCompletionResponse(Loose):
     usage: UsageInfo
 
 
-class DeltaMessage(Loose):
+class DeltaFunctionCall(Sparse):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(Sparse):
+    index: int
+    id: str | None = None  # the first piece of a call: its id, type and name
+    type: str | None = None
+    function: DeltaFunctionCall
+
+
+class DeltaMessage(Sparse):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(Loose):

@@ -22,15 +22,11 @@ import weakref
 from collections.abc import AsyncIterator
 
 from jaxllm.engine.exceptions import EngineDeadError
-from jaxllm.entrypoints.chat_utils import apply_chat_template, chat_messages
 from jaxllm.entrypoints.openai.errors import APIError, bad_request, engine_dead_error, shutdown_error
 from jaxllm.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from jaxllm.entrypoints.openai.prompts import PromptEncoder, PromptTooLong
-from jaxllm.entrypoints.openai.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk,
-                                                ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
-                                                ChatStreamChoice, CompletionChoice, CompletionLogprobs,
-                                                CompletionRequest, CompletionResponse, DeltaMessage,
-                                                SamplingRequest, TokenLogprob, TopLogprob, UsageInfo, random_id)
+from jaxllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
+                                                CompletionResponse, SamplingRequest, UsageInfo, random_id)
 from jaxllm.entrypoints.openai.request_streams import RequestStreams, ServerShuttingDown
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -56,7 +52,7 @@ def error_event(error: APIError) -> str:
     return sse(json.dumps(error.body()))
 
 
-def _token_text(token_id: int, logprob) -> str:
+def token_text(token_id: int, logprob) -> str:
     return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
 
 
@@ -119,34 +115,14 @@ class OpenAIServing:
         try:
             return self.encoder.encode(text, add_special_tokens, max_tokens)
         except PromptTooLong as e:
-            raise self._too_long(e, field, max_tokens or self.max_model_len, len(text)) from None
+            raise self.too_long(e, field, max_tokens or self.max_model_len, len(text)) from None
 
-    def _too_long(self, error: PromptTooLong, field: str, max_tokens: int, num_chars: int) -> APIError:
+    def too_long(self, error: PromptTooLong, field: str, max_tokens: int, num_chars: int) -> APIError:
         size = f"{num_chars} characters" if error.num_tokens is None else f"{error.num_tokens} tokens"
         limit = (f"This model's maximum context length is {max_tokens} tokens" if max_tokens == self.max_model_len
                  else f"The server tokenizes at most {max_tokens} tokens")
         return APIError(400, f"{limit}, and the {field} has {size}: more than that. Please shorten the {field}.",
                         param=field)
-
-    def chat_prompt(self, request) -> tuple[str, list[int]]:
-        """In a worker thread: the chat template applied to request.messages
-        (ChatCompletionRequest or TokenizeRequest), at most max_model_len tokens."""
-        messages = [m.model_dump(exclude_none=True) for m in request.messages]
-        for m in messages:
-            m.setdefault("content", "")
-        try:
-            return apply_chat_template(
-                self.encoder, chat_messages(0, messages),
-                getattr(request, "chat_template", None) or self.chat_template,
-                add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=getattr(request, "continue_final_message", False),
-                chat_template_kwargs=request.chat_template_kwargs)
-        except PromptTooLong as e:
-            num_chars = sum(len(m["content"]) if isinstance(m["content"], str) else 0 for m in messages)
-            raise self._too_long(e, "messages", self.max_model_len, num_chars) from None
-        except (ValueError, TypeError) as e:
-            text = str(e).replace("conversation 0, message ", "message ").replace("conversation 0 ", "it ")
-            raise APIError(400, f"messages: {text}", param="messages") from e
 
     def max_tokens(self, requested: int | None, field: str, num_prompt_tokens: int, prompt_field: str,
                    default: int | None) -> int:
@@ -168,26 +144,27 @@ class OpenAIServing:
         return requested
 
     def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None,
-                        output_kind: RequestOutputKind) -> SamplingParams:
+                        output_kind: RequestOutputKind, **overrides) -> SamplingParams:
+        """The request's SamplingParams; `overrides` set fields the caller decides (chat's tool
+        choice and tool parser decide structured_outputs and skip_special_tokens)."""
         fields = {k: v for k, v in self.default_fields.items() if k != "max_tokens"}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
+                     "repetition_penalty", "stop", "seed", "min_tokens", "ignore_eos", "stop_token_ids",
+                     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                     "logit_bias", "allowed_token_ids", "bad_words"):
             if getattr(request, name) is not None:
                 fields[name] = getattr(request, name)
+        fields.update(overrides)
+        if "structured_outputs" not in fields:
+            fields["structured_outputs"] = self.structured_outputs(request)
         try:
-            return SamplingParams(
-                n=request.n, max_tokens=max_tokens, stop=request.stop, seed=request.seed, logprobs=logprobs,
-                min_tokens=request.min_tokens, ignore_eos=request.ignore_eos, stop_token_ids=request.stop_token_ids,
-                include_stop_str_in_output=request.include_stop_str_in_output,
-                skip_special_tokens=request.skip_special_tokens,
-                spaces_between_special_tokens=request.spaces_between_special_tokens, logit_bias=request.logit_bias,
-                allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words,
-                structured_outputs=self._structured_outputs(request), output_kind=output_kind, **fields)
+            return SamplingParams(n=request.n, max_tokens=max_tokens, logprobs=logprobs, output_kind=output_kind,
+                                  **fields)
         except (ValueError, TypeError) as e:
             raise bad_request(e, type(request).model_fields) from e
 
     @staticmethod
-    def _structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | None:
+    def structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | None:
         """response_format (OpenAI's) or structured_outputs (vLLM's) as the engine's params."""
         fmt, so = request.response_format, request.structured_outputs
         if fmt is not None and fmt.type != "text" and so is not None:
@@ -235,8 +212,8 @@ class OpenAIServing:
         finally:
             tracker.finish(default_reason)
 
-    def _start(self, request_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
-               max_tokens: int) -> RequestStreams:
+    def start(self, request_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
+              max_tokens: int) -> RequestStreams:
         self.check_alive()  # again: the engine may have died, or a shutdown begun, while it was prepared
         streams = []
         for i, (text, token_ids) in enumerate(prompts):
@@ -250,7 +227,7 @@ class OpenAIServing:
         return requests
 
     @staticmethod
-    async def _first_outputs(requests: RequestStreams, fields) -> list[RequestOutput]:
+    async def first_outputs(requests: RequestStreams, fields) -> list[RequestOutput]:
         """Each request's first output (for FINAL_ONLY, its only one). The engine's own checks
         (vocabulary, logprobs limit, ...) fail here, before any response starts."""
         try:
@@ -262,7 +239,7 @@ class OpenAIServing:
         except (ValueError, TypeError) as e:
             raise bad_request(e, fields) from e
 
-    def _check_num_seqs(self, num_prompts: int, n: int) -> None:
+    def check_num_seqs(self, num_prompts: int, n: int) -> None:
         if num_prompts * n > self.max_seqs_per_request:
             raise APIError(400, f"n ({n}) times the {num_prompts} prompt(s) is {num_prompts * n} sequences, more than "
                            f"a request may start ({self.max_seqs_per_request}: jaxllm serve --max-seqs-per-request)",
@@ -278,7 +255,7 @@ class OpenAIServing:
             prompt = [prompt]
         if not prompt:
             raise APIError(400, "prompt is empty", param="prompt")
-        self._check_num_seqs(len(prompt), request.n)
+        self.check_num_seqs(len(prompt), request.n)
         prompts = []
         for p in prompt:
             if isinstance(p, str):
@@ -303,8 +280,8 @@ class OpenAIServing:
         prompts, max_tokens, params = await self.in_worker(self._prepare_completion, request)
         request_id = random_id("cmpl")
         model = request.model or self.model_names[0]
-        requests = self._start(request_id, prompts, params, max_tokens)
-        firsts = await self._first_outputs(requests, CompletionRequest.model_fields)
+        requests = self.start(request_id, prompts, params, max_tokens)
+        firsts = await self.first_outputs(requests, CompletionRequest.model_fields)
         if request.stream:
             return self._completion_stream(request, request_id, model, prompts, requests)
         requests.close()
@@ -337,10 +314,10 @@ class OpenAIServing:
         result = CompletionLogprobs()
         for token_id, entries in zip(c.token_ids, c.logprobs):
             sampled = entries[token_id]
-            text = _token_text(token_id, sampled)
+            text = token_text(token_id, sampled)
             result.tokens.append(text)
             result.token_logprobs.append(sampled.logprob)
-            result.top_logprobs.append({_token_text(t, lp): lp.logprob for t, lp in entries.items()})
+            result.top_logprobs.append({token_text(t, lp): lp.logprob for t, lp in entries.items()})
             result.text_offset.append(text_offset)
             text_offset += len(text)
         return result
@@ -387,107 +364,6 @@ class OpenAIServing:
                     usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                                       total_tokens=prompt_tokens + completion_tokens)
                     chunk = CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage)
-                    yield sse(chunk.model_dump_json())
-        except EngineDeadError:
-            yield error_event(engine_dead_error())
-        except ServerShuttingDown:
-            yield error_event(shutdown_error())
-        finally:
-            requests.close()  # also when the client left: the server closes this stream at a yield
-        yield sse("[DONE]")
-
-    # ---- /v1/chat/completions ----
-    async def create_chat_completion(self, request: ChatCompletionRequest):
-        self.check_model(request.model)
-        self.check_stream_options(request)
-        self.check_alive()
-        if request.max_tokens is not None and request.max_completion_tokens is not None:
-            raise APIError(400, "set max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
-        if request.top_logprobs is not None and not request.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        self._check_num_seqs(1, request.n)
-        text, token_ids, max_tokens, params = await self.in_worker(self._prepare_chat, request)
-        request_id = random_id("chatcmpl")
-        model = request.model or self.model_names[0]
-        requests = self._start(request_id, [(text, token_ids)], params, max_tokens)
-        firsts = await self._first_outputs(requests, ChatCompletionRequest.model_fields)
-        top = request.top_logprobs or 0
-        if request.stream:
-            return self._chat_stream(request, request_id, model, len(token_ids), requests, top)
-        requests.close()
-        out = firsts[0]
-        if out.error is not None:
-            raise APIError(500, f"the engine failed the request: {out.error}")
-        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                              logprobs=None if c.logprobs is None else self._chat_logprobs(c, top),
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                   for c in sorted(out.outputs, key=lambda c: c.index)]
-        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-        return ChatCompletionResponse(id=request_id, model=model, choices=choices,
-                                      usage=UsageInfo(prompt_tokens=len(token_ids),
-                                                      completion_tokens=completion_tokens,
-                                                      total_tokens=len(token_ids) + completion_tokens))
-
-    def _prepare_chat(self, request: ChatCompletionRequest):
-        """In a worker thread: the chat template applied and tokenized, max_tokens and SamplingParams."""
-        text, token_ids = self.chat_prompt(request)
-        field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        max_tokens = self.max_tokens(requested, field, len(token_ids), "messages", self.default_fields.get("max_tokens"))
-        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        return text, token_ids, max_tokens, self.sampling_params(request, max_tokens, logprobs, kind)
-
-    @staticmethod
-    def _chat_logprobs(c: CompletionOutput, top: int) -> ChatLogprobs:
-        content = []
-        for token_id, entries in zip(c.token_ids, c.logprobs):
-            sampled = entries[token_id]
-            text = _token_text(token_id, sampled)
-            best = sorted(entries.items(), key=lambda e: e[1].rank if e[1].rank is not None else 0)[:top]
-            content.append(TokenLogprob(token=text, logprob=sampled.logprob, bytes=list(text.encode()),
-                                        top_logprobs=[TopLogprob(token=_token_text(t, lp), logprob=lp.logprob,
-                                                                 bytes=list(_token_text(t, lp).encode()))
-                                                      for t, lp in best]))
-        return ChatLogprobs(content=content)
-
-    async def _chat_stream(self, request: ChatCompletionRequest, request_id: str, model: str, prompt_tokens: int,
-                           requests: RequestStreams, top: int) -> AsyncIterator[str]:
-        created = int(time.time())
-        options = request.stream_options
-        include_usage = options is not None and options.include_usage
-        continuous = include_usage and options.continuous_usage_stats
-        completion_tokens = 0
-
-        def usage():
-            return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                             total_tokens=prompt_tokens + completion_tokens)
-
-        for index in range(request.n):
-            chunk = ChatCompletionChunk(id=request_id, created=created, model=model,
-                                        choices=[ChatStreamChoice(index=index,
-                                                                  delta=DeltaMessage(role="assistant", content=""))],
-                                        usage=usage() if continuous else None)
-            yield sse(chunk.model_dump_json())
-        try:
-            async for _, out in requests:
-                if out.error is not None:
-                    yield error_event(APIError(500, f"the engine failed the request: {out.error}"))
-                    break
-                for c in out.outputs:
-                    completion_tokens += len(c.token_ids)
-                    if not c.text and c.finish_reason is None and not (c.token_ids and c.logprobs):
-                        continue
-                    logprobs = None if c.logprobs is None else self._chat_logprobs(c, top)
-                    choice = ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text), logprobs=logprobs,
-                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                    chunk = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice],
-                                                usage=usage() if continuous else None)
-                    yield sse(chunk.model_dump_json())
-            else:
-                if include_usage:
-                    chunk = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
-                                                usage=usage())
                     yield sse(chunk.model_dump_json())
         except EngineDeadError:
             yield error_event(engine_dead_error())
