@@ -29,11 +29,14 @@ def quantize_kernel(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (w / scale[..., None]).astype(jnp.float8_e4m3fn), scale
 
 
-def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [T, in] -> (e4m3 [T, in], float32 scale [T]), per token (an all-zero row: scale tiny)."""
+def quantize_rows(x: jax.Array, group_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """x [T, in] -> (e4m3 [T, in], float32 scale [T]), per token (an all-zero row: scale tiny);
+    with group_size, per token and group of that many columns: scale [T, in // group_size]."""
     x32 = x.astype(jnp.float32)
+    if group_size is not None:
+        x32 = x32.reshape(x.shape[0], -1, group_size)
     scale = jnp.maximum(jnp.max(jnp.abs(x32), axis=-1) / E4M3_MAX, jnp.finfo(jnp.float32).tiny)
-    return (x32 / scale[:, None]).astype(jnp.float8_e4m3fn), scale
+    return (x32 / scale[..., None]).astype(jnp.float8_e4m3fn).reshape(x.shape), scale
 
 
 class Fp8Linear(nnx.Module):
