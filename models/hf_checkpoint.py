@@ -51,6 +51,7 @@ class SafetensorsTensor:
     def __init__(self, tensor_slice):
         self._slice = tensor_slice
         self.shape = tuple(tensor_slice.get_shape())
+        self.dtype = tensor_slice.get_dtype()  # safetensors' name: "BF16", "F8_E4M3", ...
 
     def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
         return self._slice[index]
@@ -69,7 +70,7 @@ class RawSafetensorsTensor:
 
     def __init__(self, file: str, header: dict, name: str):
         entry = header[name]
-        self.shape = tuple(entry["shape"])
+        self.shape, self.dtype = tuple(entry["shape"]), entry["dtype"]
         self._file, self._dtype = file, _RAW_DTYPES[entry["dtype"]]
         self._offset = header["__data_start__"] + entry["data_offsets"][0]
 

@@ -230,7 +230,7 @@ def place_source(source: TensorSource, shape: tuple[int, ...], dtype, sharding: 
         key = tuple(s.indices(n) for s, n in zip(index, shape))
         if key not in pieces:
             piece = np.asarray(source[tuple(index[a] for a in source_axes)])
-            pieces[key] = np.ascontiguousarray(piece.transpose(axes), dtype=dtype)
+            pieces[key] = np.require(piece.transpose(axes), dtype=dtype, requirements="C")  # 0-d stays 0-d
         return pieces[key]
 
     # Blocking keeps at most one param's host pieces alive.

@@ -37,32 +37,34 @@ def quantized_weights(weights: Iterable[tuple[str, object]], quant: QuantConfig)
     table); other tensors pass as they are. Raises ValueError naming the tensor for a wrong shape,
     dtype or group, and, at the end, for a quantized Linear whose tensors did not all come."""
     leaves = _checkpoint_leaves(quant)
-    pending: dict[str, dict[str, object]] = {}  # Linear -> its tensors so far
+    pending: dict[str, dict[str, object]] = {}  # Linear -> {leaf: its source} so far
     for name, source in weights:
         module, _, leaf = name.rpartition(".")
         if leaf not in leaves or not module.rpartition(".")[2].endswith("_proj") or not quant.quantizes(module):
             yield name, source
             continue
         parts = pending.setdefault(module, {})
-        parts[leaf] = source
-        if all(any(alias in parts for alias in aliases) for aliases in leaves.values()):
+        parts[leaves[leaf]] = source
+        if len(parts) == len(leaves):
             del pending[module]
             yield from _convert(module, parts, quant)
-    missing = [f"{module}.{aliases[0]}" for module, parts in pending.items() for aliases in leaves.values()
-               if not any(alias in parts for alias in aliases)]
+    missing = [f"{module}.{name}" for module, parts in pending.items() for name, leaf in leaves.items()
+               if leaf not in parts]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) of its quantized Linears: "
                          f"{', '.join(missing[:8])}" + (", ..." if len(missing) > 8 else ""))
 
 
-def _checkpoint_leaves(quant: QuantConfig) -> dict[str, tuple[str, ...]]:
-    """The tensors of one quantized Linear: leaf -> the names it may have in the checkpoint."""
+def _checkpoint_leaves(quant: QuantConfig) -> dict[str, str]:
+    """The tensors of one quantized Linear: their names in the checkpoint -> the leaf the converters take."""
     if quant.method == "awq":
-        return {"qweight": ("qweight",), "qzeros": ("qzeros",), "scales": ("scales",)}
+        return {"qweight": "qweight", "qzeros": "qzeros", "scales": "scales"}
     if quant.method == "gptq":
-        return {"qweight": ("qweight",), "qzeros": ("qzeros",), "scales": ("scales",), "g_idx": ("g_idx",)}
-    leaves = {"weight": ("weight",), "weight_scale": ("weight_scale", "weight_scale_inv")}
-    return {**leaves, "input_scale": ("input_scale",)} if quant.static_input_scale else leaves
+        return {"qweight": "qweight", "qzeros": "qzeros", "scales": "scales", "g_idx": "g_idx"}
+    # DeepSeek's block scales are named weight_scale_inv, though they multiply as every other scale
+    scale = "weight_scale_inv" if quant.method == "fp8" and quant.scheme == FP8_BLOCK else "weight_scale"
+    leaves = {"weight": "weight", scale: "weight_scale"}
+    return {**leaves, "input_scale": "input_scale"} if quant.static_input_scale else leaves
 
 
 def _convert(module: str, parts: dict, quant: QuantConfig) -> list[tuple[str, object]]:
@@ -102,8 +104,8 @@ def _fp8(module: str, parts: dict, quant: QuantConfig) -> list[tuple[str, object
     dtype = str(getattr(weight, "dtype", ""))
     _check(dtype in ("F8_E4M3", "float8_e4m3fn"), f"tensor {module}.weight has dtype {dtype or 'unknown'}, "
            f"expected F8_E4M3 ({quant.method} quantizes {module})")
-    scale_name = next(f"{module}.{n}" for n in ("weight_scale", "weight_scale_inv") if n in parts)
-    scale = parts.get("weight_scale", parts.get("weight_scale_inv"))
+    scale, scale_name = parts["weight_scale"], f"{module}.weight_scale" + ("_inv" if quant.scheme == FP8_BLOCK
+                                                                           and quant.method == "fp8" else "")
     rows, cols = weight.shape
     if quant.scheme == FP8_BLOCK:
         bn, bk = quant.block
