@@ -1,4 +1,5 @@
-"""FP8 (e4m3) weights and activations: `quantization="fp8"`, vLLM's dynamic FP8.
+"""FP8 (e4m3) weights and activations: `quantization="fp8"`, vLLM's dynamic FP8, and the FP8
+checkpoints' Linears (compressed-tensors and DeepSeek-style, models/quant_checkpoint.py).
 
 Each Linear but the LM head becomes an Fp8Linear once its bf16 weights are on the
 mesh: the kernel in e4m3 with one float32 scale per output channel (max |w| / 448),
@@ -13,7 +14,9 @@ Triton GEMMs off, so that it does (worker/model_runner.py).
 
 On an H200 that GEMM is 1.2-1.7x bf16's at the 8B's shapes from M = 16 (the smallest
 token bucket) to prefill (docs/benchmarks.md); the relative error of one product is
-about 0.04, against bf16's 0.002.
+about 0.04, against bf16's 0.002. A checkpoint's per-tensor or per-channel scales load into
+the same Fp8Linear (a per-tensor scale is the scale of each of its channels), with its static
+input scale if it has one; 128 x 128 block scales run as a BlockFp8Linear (kernels/fp8_block.py).
 """
 import jax
 import jax.numpy as jnp
