@@ -287,7 +287,7 @@ def hf_tensors(config: ModelArchConfig, params: dict) -> dict[str, tuple[ParamPa
 
 
 def _part_shapes(config: ModelArchConfig, path: ParamPath, hf_shape: tuple[int, ...],
-                 fuse: str = "rows") -> list[tuple[int, ...]]:
+                 fuse: str) -> list[tuple[int, ...]]:
     """The HF-layout shapes of the tensors a param of this HF-layout shape is read from."""
     if fuse != "rows":
         return [hf_shape] * len(path_to_hf_names(path))
@@ -301,7 +301,7 @@ def _part_shapes(config: ModelArchConfig, path: ParamPath, hf_shape: tuple[int, 
 
 
 def _packed(config: ModelArchConfig, path: ParamPath, parts: list[tuple[str, TensorSource]],
-            fuse: str = "rows") -> TensorSource:
+            fuse: str) -> TensorSource:
     """The param's source in HF layout, from its HF tensors (name, source) in path_to_hf_names' order."""
     sources = [source for _, source in parts]
     if fuse != "rows" and len(parts) > 1:

@@ -41,7 +41,7 @@ def replicate_kv_weights(weights: Iterable[tuple[str, TensorSource]], num_kv_hea
     (and a quantized projection's scales, whose rows may be blocks of a head's)."""
     for name, source in weights:
         if repeat > 1 and name.endswith(_KV_PROJECTIONS):
-            source = RepeatedHeads(source, source.shape[0] // num_kv_heads, repeat)
+            source = RepeatedHeads(source, source.shape[0] // num_kv_heads, repeat)  # rows per head
         yield name, source
 
 

@@ -71,9 +71,8 @@ def load_weights(mc: ModelConfig, arch: ModelArchConfig, mesh: jax.sharding.Mesh
     checkpoint (random from `seed` with load_format "dummy"). `arch` is what runs
     (worker/kv_heads.py: its KV heads repeated `repeat` times when tensor parallelism has more
     devices than KV heads)."""
-    quantized_checkpoint = mc.quantization is not None and mc.quantization.from_checkpoint
     if params is not None:
-        if quantized_checkpoint:
+        if mc.quantization is not None and mc.quantization.from_checkpoint:
             raise ValueError(f"params in memory are unquantized; the model's checkpoint is {mc.quantization.method}")
         _, abstract = abstract_params(arch, mc.dtype)
         layout = memory_params.check(params, abstract, mc.arch, mesh)
