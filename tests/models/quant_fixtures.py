@@ -24,7 +24,7 @@ E4M3_MAX = 448.0
 
 
 def config(num_heads=4, num_kv_heads=2, head_dim=16, hidden=64, intermediate=128, layers=2, vocab=256) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": hidden,
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
             "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": num_heads,
             "num_key_value_heads": num_kv_heads, "head_dim": head_dim, "max_position_embeddings": 128,
             "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
@@ -192,3 +192,19 @@ def compressed_tensors_config(strategy: str, activations: dict, block=None, igno
                 "weights": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
                             "strategy": strategy, "block_structure": block, "group_size": None},
                 "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, **activations}}}}
+
+
+PROMPT = [int(t) for t in np.random.default_rng(0).integers(3, 256, 40)]
+# compressed-tensors FP8 checkpoints, committed with transformers' logits (scripts/make_quant_fixtures.py):
+# name -> (quantization_config, quantizer, Linears left unquantized)
+CT_FIXTURES = {
+    "ct_fp8_channel": (compressed_tensors_config("channel", {"strategy": "token", "dynamic": True}),
+                       fp8_channel(per_tensor=False), frozenset()),
+    # layer 1's MLP left in float32 by a regex of the ignore list
+    "ct_fp8_tensor_static": (compressed_tensors_config("tensor", {"strategy": "tensor", "dynamic": False},
+                                                       ignore=("lm_head", r"re:.*layers\.1\.mlp\..*")),
+                             fp8_channel(per_tensor=True, static_input_scale=8 / E4M3_MAX),
+                             frozenset(f"model.layers.1.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj"))),
+    "ct_fp8_block": (compressed_tensors_config("block", {"strategy": "group", "dynamic": True, "group_size": 16},
+                                               block=[16, 16]), fp8_block((16, 16), "weight_scale"), frozenset()),
+}
