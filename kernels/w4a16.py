@@ -8,9 +8,10 @@ The weights stay 4-bit on the device, in the layout models/int4.py prepares at l
     w_packed [K // 2, N] uint8   two weights a byte, along K, in halves of each group: byte row r
                                  of group g holds row g*G + r in its low nibble and row
                                  g*G + G/2 + r in its high nibble
-    scales   [K // G, N]          float (the checkpoint's dtype)
+    scales   [K // G, N]          float (the model's dtype)
     zeros    [K // G, N] uint8    0..16 (GPTQ's stored zero + 1)
 
+G is 32, 64 or 128 (models/quant_config.py): half a group must make a dot at least 16 deep.
 Halves, not neighbours: a byte tile unpacks into two [G/2, BN] halves, each the weights of a
 contiguous half of the group's x columns, so the kernel never interleaves registers.
 
@@ -28,9 +29,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxllm.kernels.tiling import divisor, pad_rows
-
-GROUP_SIZES = (32, 64, 128)  # G: a half group (G/2 rows) must be at least a 16-deep dot
-
 
 @dataclasses.dataclass(frozen=True)
 class W4A16Tiles:

@@ -104,8 +104,8 @@ def _fp8(module: str, parts: dict, quant: QuantConfig) -> list[tuple[str, object
     dtype = str(getattr(weight, "dtype", ""))
     _check(dtype in ("F8_E4M3", "float8_e4m3fn"), f"tensor {module}.weight has dtype {dtype or 'unknown'}, "
            f"expected F8_E4M3 ({quant.method} quantizes {module})")
-    scale, scale_name = parts["weight_scale"], f"{module}.weight_scale" + ("_inv" if quant.scheme == FP8_BLOCK
-                                                                           and quant.method == "fp8" else "")
+    scale = parts["weight_scale"]
+    scale_name = module + "." + next(name for name, leaf in _checkpoint_leaves(quant).items() if leaf == "weight_scale")
     rows, cols = weight.shape
     if quant.scheme == FP8_BLOCK:
         bn, bk = quant.block

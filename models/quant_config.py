@@ -17,7 +17,7 @@ from jaxllm.models.config import ModelArchConfig
 
 QUANTIZATIONS = ("fp8", "compressed-tensors", "awq", "gptq")  # EngineArgs.quantization
 FP8_CHANNEL, FP8_BLOCK, INT4 = "fp8_channel", "fp8_block", "int4"  # QuantConfig.scheme
-INT4_GROUP_SIZES = (32, 64, 128)  # the W4A16 kernel's (kernels/w4a16.py)
+INT4_GROUP_SIZES = (32, 64, 128)  # the W4A16 kernel's (kernels/w4a16.py): half a group is a dot >= 16 deep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,16 +63,16 @@ class QuantConfig:
                   arch.intermediate_size // tp), ("num_heads * head_dim / tensor_parallel_size", q_dim // tp)]
         if self.scheme == INT4:
             for what, rows in inputs:
-                _check(rows % self.group_size == 0, f"group_size {self.group_size} must divide {what} ({rows}): "
+                _check(rows % self.group_size == 0, f"quantization_config.group_size {self.group_size} must divide {what} ({rows}): "
                        "a group must not straddle two devices' shards")
         if self.scheme == FP8_BLOCK:
             bn, bk = self.block
             for what, rows in inputs:
-                _check(rows % bk == 0, f"weight_block_size[1] ({bk}) must divide {what} ({rows}): "
+                _check(rows % bk == 0, f"the weight block's columns ({bk}) must divide {what} ({rows}): "
                        "a block must not straddle two devices' shards")
             for what, rows in (("head_dim", arch.head_dim), ("hidden_size", arch.hidden_size),
                                ("intermediate_size / tensor_parallel_size", arch.intermediate_size // tp)):
-                _check(rows % bn == 0, f"weight_block_size[0] ({bn}) must divide {what} ({rows}): q, k and v "
+                _check(rows % bn == 0, f"the weight block's rows ({bn}) must divide {what} ({rows}): q, k and v "
                        "are fused per KV head, and a block must not straddle two devices' shards")
 
 

@@ -56,3 +56,21 @@ def test_tiles_wider_than_a_scale_block_are_refused():
     operands = random_operands(np.random.default_rng(0), 4, 64, 64, (16, 16))
     with pytest.raises(ValueError, match="block_n=32 must divide the scale block's 16 rows"):
         fp8_block.pallas_matmul(*operands, fp8_block.Fp8BlockTiles(16, 32), interpret=True)
+
+
+# -- on a GPU ----------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("mma", ["bfloat16", "e4m3"])
+@pytest.mark.parametrize("m", [1, 16, 100, 512])
+@pytest.mark.parametrize("k, n", [(4096, 6144), (12288, 4096)])
+def test_gpu_kernel_matches_float64(mma, m, k, n):
+    """The compiled kernel, its e4m3 tiles widened to bf16 or on FP8 tensor cores: the products
+    are exact either way, so only float32 sums differ."""
+    operands = random_operands(np.random.default_rng(m), m, k, n, (128, 128))
+    tiles = fp8_block.tiles(m, 128)
+    got = jax.jit(fp8_block.pallas_matmul, static_argnums=4)(*operands, fp8_block.Fp8BlockTiles(
+        tiles.block_m, tiles.block_n, tiles.num_warps, tiles.num_stages, mma))
+    want = float64_product(*operands)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4 * np.abs(want).max())

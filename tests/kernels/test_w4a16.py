@@ -63,3 +63,21 @@ def test_tiles_that_do_not_divide_the_columns_are_refused():
     layout = random_int4(np.random.default_rng(0), 128, 48, 128)[3]
     with pytest.raises(ValueError, match="block_n=32 must divide the weight's 48 columns"):
         w4a16.pallas_matmul(jnp.zeros((4, 128)), *layout, w4a16.W4A16Tiles(16, 32), interpret=True)
+
+
+# -- on a GPU ----------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("m", [1, 16, 100, 512])
+@pytest.mark.parametrize("k, n", [(4096, 6144), (14336, 4096)])
+def test_gpu_kernel_matches_float64(m, k, n):
+    """The compiled kernel with the tiles `tiles` picks, bf16 activations and scales: within bf16's
+    rounding of the dequantized weight and of the output (relative L2 error under 1e-2)."""
+    rng = np.random.default_rng(m)
+    q, zeros, scales, (packed, _, zero) = random_int4(rng, k, n, 128)
+    scales = jnp.asarray(scales, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    got = np.asarray(jax.jit(w4a16.matmul)(x, packed, scales, zero), np.float64)
+    want = np.asarray(x, np.float64) @ float64_weight(q, zeros, np.asarray(scales, np.float64), 128)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
