@@ -161,6 +161,8 @@ def cmd_convert(ns: argparse.Namespace) -> int:
         mc = EngineArgs(model=ns.src, revision=ns.revision, download_dir=ns.download_dir).create_config().model
         if mc.format not in ("hf", "gguf"):
             raise ValueError(f"convert reads an HF folder, a .gguf file or a hub id; {ns.src!r} is {mc.format}")
+        if mc.quantization is not None:
+            raise ValueError(f"convert saves unquantized params; {ns.src!r} is a {mc.quantization.method} checkpoint")
         # "auto": the dtype the engine serves the checkpoint in on GPU, even when converting on CPU.
         dtype = jnp.dtype(resolve_dtype(ns.dtype, mc.hf_config, platform="gpu"))
         start = time.perf_counter()

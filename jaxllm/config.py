@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.device_facts import DeviceFacts, device_facts
-from jaxllm.models.config import QUANTIZATIONS, ModelArchConfig
+from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.eagle_config import EAGLE_ARCHITECTURES, EAGLE_TARGETS, EagleArchConfig
 from jaxllm.models.kv_layout import model_kv_layout
+from jaxllm.models.quant_config import QUANTIZATIONS, QuantConfig, resolve_quantization
 from jaxllm.typecheck import check_field_types
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -39,7 +40,9 @@ class ModelConfig:
     skip_tokenizer_init: bool
     max_logprobs: int    # the most SamplingParams.logprobs a request may ask for
     tokenizer: str | None = None  # a tokenizer's HF folder or .gguf file; None: the model's own
-    quantization: str | None = None  # "fp8": e4m3 weights and activations (models/fp8.py); None: the dtype's
+    # EngineArgs.quantization resolved against the checkpoint's quantization_config (models/quant_config.py);
+    # None: the dtype's
+    quantization: QuantConfig | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +177,9 @@ class EngineArgs:
     tokenizer_revision: str | None = None  # of the tokenizer's hub id (tokenizer, else model); None: main
     download_dir: str | None = None
     max_logprobs: int = 20  # vLLM's default; each step that returns logprobs computes this many
-    quantization: str | None = None  # "fp8": the Linears' weights and activations in e4m3 (models/fp8.py)
+    # vLLM's: "fp8" (a bf16 checkpoint's Linears quantized to e4m3 on load, or an FP8 checkpoint),
+    # "compressed-tensors", "awq", "gptq"; None: what the checkpoint's quantization_config says
+    quantization: str | None = None
     # vLLM's: "auto" (the model's dtype), "bfloat16", "fp8" (= "fp8_e4m3") or "fp8_e5m2": K and V in 8 bits
     # (kernels/reference.py write_kv), read back in the attention kernels; twice the tokens per GB
     kv_cache_dtype: str = "auto"
@@ -216,7 +221,7 @@ class EngineArgs:
         _check(self.load_format in ("auto", "dummy"), f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         _check(not self.batch_invariant or (self.tensor_parallel_size == 1 and self.quantization is None),
                "batch_invariant runs with tensor_parallel_size=1 and no quantization (its kernels are not "
-               f"sharded, and FP8 GEMMs have their own), got tensor_parallel_size={self.tensor_parallel_size}, "
+               f"sharded, and quantized GEMMs have their own), got tensor_parallel_size={self.tensor_parallel_size}, "
                f"quantization={self.quantization!r}")
         _check(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         _check(self.data_parallel_size >= 1, f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
@@ -256,6 +261,9 @@ class EngineArgs:
                "speculative_config does not run with logits_processors yet (their state is one row per request)")
         path, fmt, hf_config, arch = _resolve_model(self.model, self.load_format, self.revision, self.download_dir)
         tp = self.tensor_parallel_size
+        quantization = _resolve_quantization(self.quantization, hf_config, fmt, arch, tp, path)
+        _check(not self.batch_invariant or quantization is None, "batch_invariant runs without quantization, "
+               f"and the checkpoint is quantized ({quantization and quantization.method!r})")
         # KV heads fewer than the devices are replicated (worker/kv_heads.py): TP must divide the q
         # heads, and the KV heads must divide TP or TP them.
         _check(arch.num_heads % tp == 0 and (arch.num_kv_heads % tp == 0 or tp % arch.num_kv_heads == 0),
@@ -281,7 +289,7 @@ class EngineArgs:
             model=ModelConfig(path=path, format=fmt, hf_config=hf_config, arch=arch,
                               dtype=dtype, max_model_len=max_len,
                               load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
-                              max_logprobs=self.max_logprobs, tokenizer=tokenizer, quantization=self.quantization),
+                              max_logprobs=self.max_logprobs, tokenizer=tokenizer, quantization=quantization),
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.num_gpu_blocks_override,
                               KV_CACHE_DTYPES[self.kv_cache_dtype] or dtype, self.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, batched, max_len,
@@ -310,9 +318,14 @@ class EngineArgs:
                f"speculative_config.model: the draft's max_position_embeddings ({arch.max_position_embeddings}) "
                f"is shorter than max_model_len ({max_len})")
         self._check_draft_attention("draft", arch, target)
+        try:
+            quantization = _resolve_quantization(None, hf_config, fmt, arch, self.tensor_parallel_size, path)
+        except ValueError as e:
+            raise ValueError(f"speculative_config.model: {e}") from e
         return ModelConfig(path=path, format=fmt, hf_config=hf_config, arch=arch,
                            dtype=resolve_dtype(self.dtype, hf_config, platform=platform), max_model_len=max_len,
-                           load_format=self.load_format, skip_tokenizer_init=True, max_logprobs=0)
+                           load_format=self.load_format, skip_tokenizer_init=True, max_logprobs=0,
+                           quantization=quantization)
 
     def _eagle_head(self, method: str, model: str, target: ModelArchConfig, max_len: int, dtype) -> ModelConfig:
         """speculative_config.model resolved as an EAGLE head of `target` (models/eagle.py): an HF
@@ -345,6 +358,20 @@ class EngineArgs:
         windows = [arch.layer_sliding_window(i) for i in range(arch.num_layers)]
         _check(window is None or all(w is not None and w <= window for w in windows),
                f"speculative_config.model: the {what} attends beyond the target's sliding window ({window})")
+
+
+def _resolve_quantization(requested: str | None, hf_config: dict, fmt: str, arch: ModelArchConfig, tp: int,
+                          path: str) -> QuantConfig | None:
+    """EngineArgs.quantization against the checkpoint (models/quant_config.py), checked against the
+    model's shapes over tp devices; errors name the checkpoint's config.json."""
+    try:
+        quantization = resolve_quantization(requested, hf_config, fmt)
+        if quantization is not None and quantization.from_checkpoint:
+            _check(fmt == "hf", f"a quantized checkpoint loads from an HF folder, not a {fmt} checkpoint")
+            quantization.check_model(arch, tp)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+    return quantization
 
 
 def _check(ok: bool, message: str) -> None:

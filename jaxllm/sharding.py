@@ -62,3 +62,25 @@ def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+def per_device_linear(fn, mesh: Mesh | None, kernel_axes: tuple[str | None, ...], in_last: bool = False):
+    """fn(x [T, in], *weights) -> y [T, *out], run on each device's shards of x and the weights,
+    for a kernel XLA cannot partition (a Pallas call would be gathered whole onto every device).
+    kernel_axes: a Linear kernel's logical axes (in, *out); each weight's leading axis is the in
+    axis (or a packing of it) and the rest the out axes, or with in_last its out axes (or blocks
+    of them) then the in axis. A row-parallel Linear (in sharded) sums
+    its devices' partial products; a column-parallel one gives each device its columns."""
+    if mesh is None or mesh.shape["model"] == 1:
+        return fn
+    in_spec, *out_spec = logical_to_spec(kernel_axes)
+    weight = PartitionSpec(*out_spec, in_spec) if in_last else PartitionSpec(in_spec, *out_spec)
+
+    def local(x, *weights):
+        y = fn(x, *weights)
+        return y if in_spec is None else jax.lax.psum(y, in_spec)
+
+    def call(x, *weights):
+        return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(None, in_spec), *[weight] * len(weights)),
+                             out_specs=PartitionSpec(None, *out_spec), check_vma=False)(x, *weights)
+    return call

@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxllm.kernels import reference
+from jaxllm.kernels.tiling import divisor, pad_rows
 
 _ENABLED = contextvars.ContextVar("batch_invariant", default=False)
 ROW_BLOCK = 16  # BR: rows per RMSNorm block and tokens per attention block
@@ -52,11 +53,6 @@ def tracing(on: bool = True):
 
 def _interpret() -> bool:
     return jax.default_backend() != "gpu"
-
-
-def _divisor(n: int, choices=(64, 32, 16, 8)) -> int:
-    """The largest of `choices` that divides n."""
-    return next((c for c in choices if n % c == 0), 1)
 
 
 BLOCK_K = 64  # K is walked in BK chunks, never split: each element's sum runs in one order
@@ -91,17 +87,12 @@ def tiles(m: int, n: int) -> MatmulTiles:
     N = 4096 still gives 128 programs; wider tiles as the rows grow and the matmul turns compute-bound.
     Never fewer than 64 rows a tile (MatmulTiles says why)."""
     if _interpret():
-        return MatmulTiles(16, _divisor(n), 4, 3)
+        return MatmulTiles(16, divisor(n), 4, 3)
     if m <= 64:
-        return MatmulTiles(64, _divisor(n, (32, 16, 8) if n <= 4096 else (64, 32, 16, 8)), 4, 6)
+        return MatmulTiles(64, divisor(n, (32, 16, 8) if n <= 4096 else (64, 32, 16, 8)), 4, 6)
     if m <= 256 and n <= 8192:
-        return MatmulTiles(64, _divisor(n, (128, 64, 32, 16, 8)), 4, 6)
-    return MatmulTiles(128, _divisor(n, (256, 128, 64, 32, 16, 8)), 8, 3)
-
-
-def _pad_rows(x, multiple: int):
-    pad = (-x.shape[0]) % multiple
-    return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x
+        return MatmulTiles(64, divisor(n, (128, 64, 32, 16, 8)), 4, 6)
+    return MatmulTiles(128, divisor(n, (256, 128, 64, 32, 16, 8)), 8, 3)
 
 
 # ---- matmul ----
@@ -120,8 +111,8 @@ def pallas_matmul(x, w, t: MatmulTiles, out_dtype):
     """x [M, K] @ w [K, N] -> [M, N] in out_dtype, launched with the tiles t (matmul picks them)."""
     m, k = x.shape
     n = w.shape[1]
-    bk = _divisor(k, (BLOCK_K, 32, 16, 8))
-    xp = _pad_rows(x, t.block_m)
+    bk = divisor(k, (BLOCK_K, 32, 16, 8))
+    xp = pad_rows(x, t.block_m)
     out = pl.pallas_call(
         functools.partial(_matmul_kernel, block_k=bk, num_k=k // bk),
         out_shape=jax.ShapeDtypeStruct((xp.shape[0], n), out_dtype),
@@ -172,7 +163,7 @@ def rms_normalize(x, eps: float):
     # On a GPU one row per program: a [16, 4096] float32 block spills registers (61 us per call
     # at batch 1 on the H200, 1.8 us for one row a program).
     block = ROW_BLOCK if _interpret() else 1
-    rows = _pad_rows(x.reshape(-1, shape[-1]), block)
+    rows = pad_rows(x.reshape(-1, shape[-1]), block)
     out = pl.pallas_call(
         functools.partial(_rms_kernel, eps=eps),
         out_shape=jax.ShapeDtypeStruct(rows.shape, jnp.float32),
@@ -198,7 +189,7 @@ rms_normalize.defvjp(_rms_fwd, _rms_bwd)
 def log_softmax(x):
     """jax.nn.log_softmax over the last axis of x [N, V], in blocks of ROW_BLOCK rows."""
     n = x.shape[0]
-    blocks = _pad_rows(x, ROW_BLOCK).reshape(-1, ROW_BLOCK, x.shape[-1])
+    blocks = pad_rows(x, ROW_BLOCK).reshape(-1, ROW_BLOCK, x.shape[-1])
     return jax.lax.map(lambda b: jax.nn.log_softmax(b, axis=-1), blocks).reshape(-1, x.shape[-1])[:n]
 
 
@@ -231,7 +222,7 @@ def reference_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
         return reference.attend(qb, k_cache, v_cache, tables, pb, vb, scale=scale, sliding_window=sliding_window,
                                 soft_cap=soft_cap, every_block=every_block)
 
-    blocks = [_pad_rows(a, ROW_BLOCK) for a in (q, block_tables[req], pos, valid)]
+    blocks = [pad_rows(a, ROW_BLOCK) for a in (q, block_tables[req], pos, valid)]
     blocks = [a.reshape(-1, ROW_BLOCK, *a.shape[1:]) for a in blocks]
     out = jax.lax.map(block, tuple(blocks))
     return out.reshape(-1, *q.shape[1:])[:num_tokens]

@@ -6,8 +6,6 @@ scaling; Gemma's soft-caps, query scale and local rope base).
 """
 import dataclasses
 
-QUANTIZATIONS = ("fp8",)  # EngineArgs.quantization: the Linears in e4m3 (models/fp8.py)
-
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",

@@ -1,4 +1,5 @@
-"""FP8 (e4m3) weights and activations: `quantization="fp8"`, vLLM's dynamic FP8.
+"""FP8 (e4m3) weights and activations: `quantization="fp8"`, vLLM's dynamic FP8, and the FP8
+checkpoints' Linears (compressed-tensors and DeepSeek-style, models/quant_checkpoint.py).
 
 Each Linear but the LM head becomes an Fp8Linear once its bf16 weights are on the
 mesh: the kernel in e4m3 with one float32 scale per output channel (max |w| / 448),
@@ -13,11 +14,16 @@ Triton GEMMs off, so that it does (worker/model_runner.py).
 
 On an H200 that GEMM is 1.2-1.7x bf16's at the 8B's shapes from M = 16 (the smallest
 token bucket) to prefill (docs/benchmarks.md); the relative error of one product is
-about 0.04, against bf16's 0.002.
+about 0.04, against bf16's 0.002. A checkpoint's per-tensor or per-channel scales load into
+the same Fp8Linear (a per-tensor scale is the scale of each of its channels), with its static
+input scale if it has one; 128 x 128 block scales run as a BlockFp8Linear (kernels/fp8_block.py).
 """
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from jaxllm.kernels import fp8_block
+from jaxllm.sharding import per_device_linear
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 
@@ -29,28 +35,79 @@ def quantize_kernel(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (w / scale[..., None]).astype(jnp.float8_e4m3fn), scale
 
 
-def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [T, in] -> (e4m3 [T, in], float32 scale [T]), per token (an all-zero row: scale tiny)."""
+def quantize_rows(x: jax.Array, group_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """x [T, in] -> (e4m3 [T, in], float32 scale [T]), per token (an all-zero row: scale tiny);
+    with group_size, per token and group of that many columns: scale [T, in // group_size]."""
     x32 = x.astype(jnp.float32)
+    if group_size is not None:
+        x32 = x32.reshape(x.shape[0], -1, group_size)
     scale = jnp.maximum(jnp.max(jnp.abs(x32), axis=-1) / E4M3_MAX, jnp.finfo(jnp.float32).tiny)
-    return (x32 / scale[:, None]).astype(jnp.float8_e4m3fn), scale
+    return (x32 / scale[..., None]).astype(jnp.float8_e4m3fn).reshape(x.shape), scale
+
+
+def _in_last_axes(ndim: int) -> tuple[int, ...]:
+    """A [*out, in] param from its HF-facing tensor [*out reversed, in] (the loader's packing of
+    fused parts): gate_up's [2, I, H] from [I, 2, H]."""
+    return (*range(ndim - 2, -1, -1), ndim - 1)
 
 
 class Fp8Linear(nnx.Module):
-    """A Linear (models/llama.py) with e4m3 weights: kernel [*out, in] float8_e4m3fn, scale
-    [*out] float32, the bias as it was. Logical axes: the Linear's, the in axis moved last."""
+    """A Linear (models/llama.py) with e4m3 weights: kernel [*out, in] float8_e4m3fn, weight_scale
+    [*out] float32, the bias as it was. Logical axes: the Linear's, the in axis moved last.
+    input_scale: a checkpoint's calibrated activation scale (a float32 scalar, the largest of a
+    fused Linear's parts'), or None: each token scaled by its own max |x| / 448."""
 
-    def __init__(self, kernel: jax.Array, scale: jax.Array, kernel_axes: tuple, bias: nnx.Param | None):
-        self.kernel = nnx.Param(kernel, out_sharding=kernel_axes, eager_sharding=False)  # placed already
-        self.scale = nnx.Param(scale, out_sharding=kernel_axes[:-1], eager_sharding=False)
+    def __init__(self, kernel: jax.Array, scale: jax.Array, kernel_axes: tuple, bias: nnx.Param | None,
+                 input_scale: jax.Array | None = None):
+        self.kernel = nnx.Param(kernel, out_sharding=kernel_axes, eager_sharding=False,  # placed already
+                                hf_axes=_in_last_axes(kernel.ndim))
+        self.weight_scale = nnx.Param(scale, out_sharding=kernel_axes[:-1], eager_sharding=False,
+                                      hf_axes=tuple(range(scale.ndim - 1, -1, -1)))
+        self.input_scale = None if input_scale is None else nnx.Param(
+            input_scale, out_sharding=(), eager_sharding=False, hf_axes=(), fuse="max")
         self.bias = bias
 
     def __call__(self, x):
         """x [T, in] -> [T, *out] in x's dtype."""
-        x8, x_scale = quantize_rows(x)
+        if self.input_scale is None:
+            x8, x_scale = quantize_rows(x)
+        else:  # static: values past the calibrated range saturate, as vLLM's
+            x_scale = self.input_scale[...]
+            x8 = jnp.clip(x.astype(jnp.float32) / x_scale, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+            x_scale = jnp.broadcast_to(x_scale, x.shape[:1])
         kernel = self.kernel[...]
         y = jax.lax.dot_general(x8, kernel, (((1,), (kernel.ndim - 1,)), ((), ())),
                                 preferred_element_type=jnp.float32)
-        y = y * x_scale.reshape(-1, *([1] * (y.ndim - 1))) * self.scale[...]
+        y = y * x_scale.reshape(-1, *([1] * (y.ndim - 1))) * self.weight_scale[...]
         y = y.astype(x.dtype)
+        return y if self.bias is None else y + self.bias[...]
+
+
+class BlockFp8Linear(nnx.Module):
+    """A Linear with block-scaled e4m3 weights (kernels/fp8_block.py): kernel [*out, in]
+    float8_e4m3fn and weight_scale [*out // bn, in // bk] float32 (gate_up: [2, I // bn, H // bk]),
+    the bias as it was. Activations are scaled per token and bk columns as they come. The
+    kernel runs per device (whole blocks per device: QuantConfig.check_model)."""
+
+    def __init__(self, in_dim: int, out_shape: tuple[int, ...], axes: tuple, *, block: tuple[int, int],
+                 bias: nnx.Param | None, mesh: jax.sharding.Mesh | None):
+        bn, bk = block
+        kernel_axes = (*axes[1:], axes[0])
+        hf_axes = _in_last_axes(len(out_shape) + 1)
+        scale_shape = (*out_shape[:-1], out_shape[-1] // bn, in_dim // bk)
+        self.kernel = nnx.Param(jnp.zeros((*out_shape, in_dim), jnp.float8_e4m3fn), out_sharding=kernel_axes,
+                                eager_sharding=False, hf_axes=hf_axes)
+        self.weight_scale = nnx.Param(jnp.zeros(scale_shape, jnp.float32), out_sharding=kernel_axes,
+                                      eager_sharding=False, hf_axes=hf_axes)
+        self.bias = bias
+        self.axes, self.block_k, self.mesh = axes, bk, mesh
+
+    def __call__(self, x):
+        """x [T, in] -> [T, *out] in x's dtype."""
+        def local(x, kernel, scale):  # one device's shards, out axes flattened for the kernel
+            x8, x_scale = quantize_rows(x, self.block_k)
+            y = fp8_block.matmul(x8, x_scale, kernel.reshape(-1, kernel.shape[-1]), scale.reshape(-1, scale.shape[-1]))
+            return y.reshape(x.shape[0], *kernel.shape[:-1]).astype(x.dtype)
+
+        y = per_device_linear(local, self.mesh, self.axes, in_last=True)(x, self.kernel[...], self.weight_scale[...])
         return y if self.bias is None else y + self.bias[...]

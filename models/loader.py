@@ -22,10 +22,13 @@ from tqdm import tqdm
 
 from jaxllm.models.config import GEMMA_ARCHITECTURES, ModelArchConfig
 from jaxllm.models.eagle import EAGLE_HEADS
-from jaxllm.models.fp8 import Fp8Linear, quantize_kernel
+from jaxllm.models.fp8 import BlockFp8Linear, Fp8Linear, quantize_kernel
 from jaxllm.models.gemma3 import Gemma3ForCausalLM
 from jaxllm.models.hf_checkpoint import iter_hf_weights
+from jaxllm.models.int4 import Int4Linear
 from jaxllm.models.llama import INIT_STD, Linear, LlamaForCausalLM
+from jaxllm.models.quant_checkpoint import quantized_weights
+from jaxllm.models.quant_config import FP8_BLOCK, INT4, QuantConfig
 from jaxllm.sharding import named_sharding
 
 ParamPath = tuple  # a param's path in the module, e.g. ("layers", 0, "self_attn", "qkv_proj", "kernel")
@@ -43,15 +46,58 @@ class TensorSource(Protocol):
     def __getitem__(self, index: Index) -> np.ndarray: ...
 
 
-def abstract_params(config: ModelArchConfig, dtype) -> tuple[nnx.GraphDef, dict[ParamPath, nnx.Variable]]:
+def abstract_params(config: ModelArchConfig, dtype, quantization: QuantConfig | None = None,
+                    mesh: jax.sharding.Mesh | None = None) -> tuple[nnx.GraphDef, dict[ParamPath, nnx.Variable]]:
     """The model's graphdef and its params without arrays: path -> Variable (shape, dtype, and
-    the logical axes as `out_sharding` metadata)."""
+    the logical axes as `out_sharding` metadata). With a quantized checkpoint's `quantization`,
+    its quantized Linears are the quantized modules (running on `mesh`)."""
     dtype = jnp.dtype(dtype)
     model_class = EAGLE_HEADS.get(config.architecture) or (
         Gemma3ForCausalLM if config.architecture in GEMMA_ARCHITECTURES else LlamaForCausalLM)
-    abstract = nnx.eval_shape(lambda: model_class(config, dtype=dtype, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
+
+    def build():
+        model = model_class(config, dtype=dtype, rngs=nnx.Rngs(0))
+        if quantization is not None and quantization.from_checkpoint:
+            _quantized_linears(model, quantization, dtype, mesh)
+        return model
+
+    graphdef, state = nnx.split(nnx.eval_shape(build))
     return graphdef, dict(nnx.to_flat_state(state))
+
+
+def _linears(model) -> Iterator[tuple[ParamPath, nnx.Module, str, Linear]]:
+    """(path, parent, attribute, Linear) of every Linear but the LM head."""
+    paths = [path for path, module in nnx.iter_modules(model) if isinstance(module, Linear) and path != ("lm_head",)]
+    for path in paths:
+        parent = model
+        for key in path[:-1]:
+            parent = parent[key] if isinstance(key, int) else getattr(parent, key)
+        yield path, parent, path[-1], getattr(parent, path[-1])  # a Linear is always a named attribute
+
+
+def _quantized_linears(model, quant: QuantConfig, dtype, mesh) -> None:
+    """Each Linear the checkpoint quantizes becomes its scheme's module (models/fp8.py, models/int4.py),
+    in place, with placeholder arrays (built under eval_shape: none is made)."""
+    for path, parent, attr, linear in _linears(model):
+        modules = [name.removesuffix(".weight") for name in path_to_hf_names((*path, "kernel"))]
+        quantized = {module: quant.quantizes(module) for module in modules}
+        if len(set(quantized.values())) > 1:
+            raise ValueError(f"quantization_config quantizes some of the Linears fused into {'.'.join(map(str, path))} "
+                             f"and not others ({quantized}): they must agree")
+        if not quantized[modules[0]]:
+            continue
+        in_dim, out_shape = linear.kernel.shape[0], tuple(linear.kernel.shape[1:])
+        axes = linear.kernel.get_metadata()["out_sharding"]
+        if quant.scheme == INT4:
+            module = Int4Linear(in_dim, out_shape, axes, group_size=quant.group_size, act_order=quant.act_order,
+                                bias=linear.bias, dtype=dtype, mesh=mesh)
+        elif quant.scheme == FP8_BLOCK:
+            module = BlockFp8Linear(in_dim, out_shape, axes, block=quant.block, bias=linear.bias, mesh=mesh)
+        else:
+            module = Fp8Linear(jnp.zeros((*out_shape, in_dim), jnp.float8_e4m3fn), jnp.zeros(out_shape, jnp.float32),
+                               (*axes[1:], axes[0]), linear.bias,
+                               jnp.zeros((), jnp.float32) if quant.static_input_scale else None)
+        setattr(parent, attr, module)
 
 
 def param_shardings(params: dict[ParamPath, nnx.Variable], mesh: jax.sharding.Mesh) -> dict:
@@ -60,15 +106,17 @@ def param_shardings(params: dict[ParamPath, nnx.Variable], mesh: jax.sharding.Me
 
 def create_model(config: ModelArchConfig, *, dtype, mesh: jax.sharding.Mesh,
                  weights: Iterable[tuple[str, TensorSource]] | None, seed: int = 0,
-                 show_progress: bool = False, values: dict | None = None) -> LlamaForCausalLM | Gemma3ForCausalLM:
+                 show_progress: bool = False, values: dict | None = None,
+                 quantization: QuantConfig | None = None) -> LlamaForCausalLM | Gemma3ForCausalLM:
     """The model with params placed on `mesh` by the logical-axis rules.
 
-    weights: (HF name, tensor source) pairs in HF layout (Linear weights [out, in]),
-    streamed, a fused param's parts in any order; None gives random weights made on
-    device (load_format="dummy"), unless `values` (path -> array, placed) gives them.
-    show_progress: a bar over the params loaded, with the rate in GB/s.
+    weights: (HF name, tensor source) pairs in HF layout (Linear weights [out, in]; a quantized
+    checkpoint's as models/quant_checkpoint.py hands them on), streamed, a fused param's parts in
+    any order; None gives random weights made on device (load_format="dummy"), unless `values`
+    (path -> array, placed) gives them. quantization: a quantized checkpoint's, whose Linears the
+    model holds quantized. show_progress: a bar over the params loaded, with the rate in GB/s.
     """
-    graphdef, params = abstract_params(config, dtype)
+    graphdef, params = abstract_params(config, dtype, quantization, mesh)
     shardings = param_shardings(params, mesh)
     if values is None and weights is None:
         values = _dummy_params(params, shardings, seed)
@@ -78,23 +126,18 @@ def create_model(config: ModelArchConfig, *, dtype, mesh: jax.sharding.Mesh,
     return nnx.merge(graphdef, state)
 
 
-def quantize_model(model: LlamaForCausalLM | Gemma3ForCausalLM, quantization: str | None,
+def quantize_model(model: LlamaForCausalLM | Gemma3ForCausalLM, quantization: QuantConfig | None,
                    mesh: jax.sharding.Mesh) -> None:
-    """With quantization="fp8", every Linear but the LM head becomes an Fp8Linear
-    (models/fp8.py), in place, one at a time: the bf16 and e4m3 copies of one kernel at most
-    are alive together. None: nothing to do (EngineArgs checks the value)."""
-    if quantization is None:
+    """With quantization="fp8" on an unquantized checkpoint, every Linear but the LM head becomes
+    an Fp8Linear (models/fp8.py), in place, one at a time: the bf16 and e4m3 copies of one kernel at
+    most are alive together. Otherwise nothing to do: a quantized checkpoint loads quantized."""
+    if quantization is None or quantization.from_checkpoint:
         return
-    paths = [path for path, module in nnx.iter_modules(model) if isinstance(module, Linear) and path != ("lm_head",)]
-    for path in paths:
-        parent = model
-        for key in path[:-1]:
-            parent = parent[key] if isinstance(key, int) else getattr(parent, key)
-        linear = getattr(parent, path[-1])  # a Linear is always a named attribute
+    for _, parent, attr, linear in list(_linears(model)):
         axes = linear.kernel.get_metadata()["out_sharding"]
         fp8_axes = (*axes[1:], axes[0])  # [*out, in]
         kernel, scale = quantize_fn(named_sharding(mesh, fp8_axes), named_sharding(mesh, axes[1:]))(linear.kernel[...])
-        setattr(parent, path[-1], Fp8Linear(kernel, scale, fp8_axes, linear.bias))
+        setattr(parent, attr, Fp8Linear(kernel, scale, fp8_axes, linear.bias))
         del linear  # its bf16 kernel goes with it
 
 
@@ -132,7 +175,7 @@ def load_params(config: ModelArchConfig, params: dict, shardings: dict, weights:
     bar = tqdm(total=len(params), desc="Loading weights", unit="tensor", disable=not show_progress)
     for path, source in checkpoint_params(config, params, weights):
         var = params[path]
-        yield path, place_source(source, var.shape, var.dtype, shardings[path], transpose=path[-1] == "kernel")
+        yield path, place_source(source, var.shape, var.dtype, shardings[path], hf_axes(path, var))
         loaded_bytes += var.size * var.dtype.itemsize
         bar.set_postfix_str(f"{loaded_bytes / 1e9 / (time.perf_counter() - start):.2f} GB/s", refresh=False)
         bar.update()
@@ -168,7 +211,7 @@ def checkpoint_params(config: ModelArchConfig, params: dict, weights: Iterable[t
             continue  # a fused param waits for its other parts
         del arrived[path]
         done.add(path)
-        yield path, _packed(config, path, [parts[n] for n in names])
+        yield path, _packed(config, path, [(n, parts[n]) for n in names], _fuse(params[path]))
     missing = [name for path in params if path not in done for name in path_to_hf_names(path)
                if name not in arrived.get(path, {})]
     if missing:
@@ -177,16 +220,17 @@ def checkpoint_params(config: ModelArchConfig, params: dict, weights: Iterable[t
 
 
 def place_source(source: TensorSource, shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding,
-           transpose: bool) -> jax.Array:
+                 axes: tuple[int, ...]) -> jax.Array:
     """The param [shape] in `sharding`, each addressable device's shard read from its slice
-    of `source` (HF layout: `shape` reversed when `transpose`)."""
+    of `source`, the param's HF-layout tensor: the param is it transposed by `axes` (hf_axes)."""
     pieces = {}  # devices that share an index (a replicated axis) share one read
+    source_axes = np.argsort(axes)  # the param's axis of each source axis
 
     def read(index: Index) -> np.ndarray:
         key = tuple(s.indices(n) for s, n in zip(index, shape))
         if key not in pieces:
-            piece = np.asarray(source[index[::-1] if transpose else index])
-            pieces[key] = np.ascontiguousarray(piece.T if transpose else piece, dtype=dtype)
+            piece = np.asarray(source[tuple(index[a] for a in source_axes)])
+            pieces[key] = np.require(piece.transpose(axes), dtype=dtype, requirements="C")  # 0-d stays 0-d
         return pieces[key]
 
     # Blocking keeps at most one param's host pieces alive.
@@ -209,34 +253,82 @@ def _text_model_name(name: str) -> str | None:
     return name
 
 
+def hf_axes(path: ParamPath, var) -> tuple[int, ...]:
+    """A param is its HF-layout tensor transposed by these axes: a Linear's kernel [in, *out] is HF's
+    weight [*out reversed, in] reversed; a quantized param's are in its metadata (models/fp8.py,
+    models/int4.py); any other param is as HF has it."""
+    axes = _metadata(var).get("hf_axes")
+    if axes is not None:
+        return axes
+    ndim = len(var.shape)
+    return tuple(range(ndim - 1, -1, -1)) if path[-1] == "kernel" else tuple(range(ndim))
+
+
+def _metadata(var) -> dict:
+    return var.get_metadata() if isinstance(var, nnx.Variable) else {}
+
+
+def _fuse(var) -> str:
+    """How a fused Linear's param is made of its parts' tensors: "rows" (each part's output rows,
+    as QKVSource and GateUpSource pack them), or one tensor all parts share: "same" (they must
+    be equal: act-order's input permutation) or "max" (the largest: a static input scale)."""
+    return _metadata(var).get("fuse", "rows")
+
+
 def hf_tensors(config: ModelArchConfig, params: dict) -> dict[str, tuple[ParamPath, tuple[int, ...]]]:
     """Every HF tensor the params are read from: name -> (its param's path, its shape in HF
-    layout, where a kernel's shape is reversed). params: path -> the model's abstract param."""
+    layout, e.g. a kernel's reversed). params: path -> the model's abstract param."""
     tensors = {}
     for path, var in params.items():
-        hf_shape = var.shape[::-1] if path[-1] == "kernel" else var.shape
-        for name, shape in zip(path_to_hf_names(path), _part_shapes(config, path, hf_shape)):
+        hf_shape = tuple(var.shape[i] for i in np.argsort(hf_axes(path, var)))
+        for name, shape in zip(path_to_hf_names(path), _part_shapes(config, path, hf_shape, _fuse(var))):
             tensors[name] = (path, shape)
     return tensors
 
 
-def _part_shapes(config: ModelArchConfig, path: ParamPath, hf_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+def _part_shapes(config: ModelArchConfig, path: ParamPath, hf_shape: tuple[int, ...],
+                 fuse: str) -> list[tuple[int, ...]]:
     """The HF-layout shapes of the tensors a param of this HF-layout shape is read from."""
-    if path[-2:-1] == ("qkv_proj",):  # [num_kv_heads * (g + 2) * head_dim, ...]
-        q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    if fuse != "rows":
+        return [hf_shape] * len(path_to_hf_names(path))
+    if path[-2:-1] == ("qkv_proj",):  # [num_kv_heads * (g + 2) * unit, ...], unit: head_dim (or blocks of it)
+        unit = hf_shape[0] // (config.num_heads + 2 * config.num_kv_heads)
+        q_rows, kv_rows = config.num_heads * unit, config.num_kv_heads * unit
         return [(rows, *hf_shape[1:]) for rows in (q_rows, kv_rows, kv_rows)]
     if path[-2:-1] == ("gate_up_proj",):  # [intermediate, 2, hidden]
         return [(hf_shape[0], *hf_shape[2:])] * 2
     return [hf_shape]
 
 
-def _packed(config: ModelArchConfig, path: ParamPath, parts: list[TensorSource]) -> TensorSource:
-    """The param's source in HF layout, from its HF tensors (path_to_hf_names' order)."""
+def _packed(config: ModelArchConfig, path: ParamPath, parts: list[tuple[str, TensorSource]],
+            fuse: str) -> TensorSource:
+    """The param's source in HF layout, from its HF tensors (name, source) in path_to_hf_names' order."""
+    sources = [source for _, source in parts]
+    if fuse != "rows" and len(parts) > 1:
+        return SharedSource(parts, fuse)
     if path[-2:-1] == ("qkv_proj",):
-        return QKVSource(*parts, num_kv_heads=config.num_kv_heads)
+        return QKVSource(*sources, num_kv_heads=config.num_kv_heads)
     if path[-2:-1] == ("gate_up_proj",):
-        return GateUpSource(*parts)
-    return parts[0]
+        return GateUpSource(*sources)
+    return sources[0]
+
+
+class SharedSource:
+    """One tensor that a fused Linear's parts each have: the largest of them ("max"), or the one
+    they all hold ("same"; a ValueError naming the tensors if they differ). Small: read whole."""
+
+    def __init__(self, parts: list[tuple[str, TensorSource]], fuse: str):
+        self.parts, self.fuse = parts, fuse
+        self.shape = tuple(parts[0][1].shape)
+
+    def __getitem__(self, index: Index) -> np.ndarray:
+        arrays = [np.asarray(source[tuple(slice(None) for _ in self.shape)]) for _, source in self.parts]
+        if self.fuse == "max":
+            return np.maximum.reduce(arrays)[index]
+        if any(not np.array_equal(a, arrays[0]) for a in arrays[1:]):
+            raise ValueError(f"tensors {[name for name, _ in self.parts]} differ, and the Linears fused from them "
+                             "share one (GPTQ act-order: q, k and v, or gate and up, must share their g_idx)")
+        return arrays[0][index]
 
 
 class QKVSource:
@@ -307,9 +399,13 @@ def _hf_name(path: ParamPath) -> str:
     return name if name.startswith("lm_head") else "model." + name
 
 
-def iter_weights(path: str, checkpoint_format: str) -> Iterator[tuple[str, TensorSource]]:
-    """(HF name, tensor source) pairs from a checkpoint: a .gguf file ("gguf") or an HF folder."""
+def iter_weights(path: str, checkpoint_format: str,
+                 quantization: QuantConfig | None = None) -> Iterator[tuple[str, TensorSource]]:
+    """(HF name, tensor source) pairs from a checkpoint: a .gguf file ("gguf") or an HF folder, a
+    quantized one's tensors as its quantized Linears take them (models/quant_checkpoint.py)."""
     if checkpoint_format == "gguf":
         from jaxllm.models.gguf import iter_gguf_weights
         return iter_gguf_weights(path)
+    if quantization is not None and quantization.from_checkpoint:
+        return quantized_weights(iter_hf_weights(path), quantization)
     return iter_hf_weights(path)

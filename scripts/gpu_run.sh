@@ -58,6 +58,8 @@
 #   draft       the draft model's tests on the GPU, then bench step on the 8B shape at batch 1, 8 and 64,
 #               without drafts and with a dummy Llama-3.2-1B drafting k = DRAFT_TOKENS (default "2 4")
 #   kv-dtype    bench kv-dtype: decode attention over bf16 and e4m3 caches
+#   quant       the quantized checkpoints' kernels: their gpu-marked tests (W4A16, block FP8), then
+#               bench quant-matmul at the 8B's shapes (QUANT_ARGS adds flags: "--w4-tiles ...")
 #   sampler     bench sampler: the sampler's pieces at [256, 128256]
 #   multi-gpu   on 2-8 GPUs, each configuration of MULTI (default "tp1 tp2"): NAME[:MODES], NAME
 #               one of tp1 tp2 tp4 tp8, dp2 dp4 dp8 (the 8B shape), 70b-tp4 70b-tp8 (the 70B
@@ -88,7 +90,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 ALL_PARTS=" smoke step tput tput1000 tput2048 qwen startup fp8 prefix prefill serve sampling hf-compare kernels"
-ALL_PARTS+=" check hybrid weights invariant spec draft kv-dtype sampler multi-gpu "
+ALL_PARTS+=" check hybrid weights invariant spec draft kv-dtype quant sampler multi-gpu "
 [ ${#PARTS[@]} -gt 0 ] || { echo "name at least one part" >&2; usage 2 >&2; }
 expanded=()
 for part in "${PARTS[@]}"; do
@@ -445,6 +447,16 @@ part_hybrid() {
 part_kv-dtype() {
   if [ $TINY = 1 ]; then echo "SKIPPED kv-dtype: it needs a GPU" >&3; return; fi
   step 120 "bench kv-dtype" "${JAXLLM[@]}" bench kv-dtype --output-json "$D/kv_dtype.json" 2>&1 | quiet 70
+}
+
+part_quant() {
+  local extra
+  read -ra extra <<< "${QUANT_ARGS:-}"
+  [ $TINY = 1 ] && extra=(--shapes 128x96 --rows 2,16 --group-size 64 --block 32 "${extra[@]}")
+  step 60 "quant kernel tests" timeout 240 "$PY" -m pytest -q -m gpu tests/kernels/test_w4a16.py \
+    tests/kernels/test_fp8_block.py 2>&1 | quiet 25
+  step 150 "bench quant-matmul" "${JAXLLM[@]}" bench quant-matmul "${extra[@]}" --output-json "$D/quant_matmul.json" \
+    2>&1 | quiet 70
 }
 part_sampler() {
   local shape=()

@@ -91,7 +91,7 @@ def engine_settings(engine) -> dict:
     """The engine's resolved settings, for a result to say what it measured."""
     config = engine.config
     return {"model": config.model.path, "load_format": config.model.load_format,
-            "dtype": str(np.dtype(config.model.dtype)), "quantization": config.model.quantization,
+            "dtype": str(np.dtype(config.model.dtype)), "quantization": config.model.quantization and config.model.quantization.method,
             "kv_cache_dtype": str(np.dtype(config.cache.cache_dtype)), "max_model_len": config.model.max_model_len,
             "max_num_seqs": config.scheduler.max_num_seqs,
             "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,

@@ -19,7 +19,10 @@ import numpy as np
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.loader import Index, TensorSource
 
-_KV_PROJECTIONS = (".k_proj.weight", ".v_proj.weight", ".k_proj.bias", ".v_proj.bias")
+# A K or V projection's tensors whose rows are its heads' (or blocks of them): a quantized one's too
+# (models/quant_checkpoint.py), but for those all its heads share (input_scale, input_perm).
+_KV_PROJECTIONS = tuple(f".{proj}.{leaf}" for proj in ("k_proj", "v_proj")
+                        for leaf in ("weight", "bias", "weight_scale", "weight_packed", "weight_zero"))
 
 
 def kv_head_repeat(arch: ModelArchConfig, tensor_parallel_size: int) -> int:
@@ -31,19 +34,20 @@ def replicated_arch(arch: ModelArchConfig, repeat: int) -> ModelArchConfig:
     return arch if repeat == 1 else dataclasses.replace(arch, num_kv_heads=arch.num_kv_heads * repeat)
 
 
-def replicate_kv_weights(weights: Iterable[tuple[str, TensorSource]], head_dim: int,
+def replicate_kv_weights(weights: Iterable[tuple[str, TensorSource]], num_kv_heads: int,
                          repeat: int) -> Iterator[tuple[str, TensorSource]]:
     """The HF-named weights with each K/V projection's heads repeated: a weight
-    [kv_heads * head_dim, hidden] reads as [kv_heads * repeat * head_dim, hidden], a bias likewise."""
+    [kv_heads * head_dim, hidden] reads as [kv_heads * repeat * head_dim, hidden], a bias likewise
+    (and a quantized projection's scales, whose rows may be blocks of a head's)."""
     for name, source in weights:
         if repeat > 1 and name.endswith(_KV_PROJECTIONS):
-            source = RepeatedHeads(source, head_dim, repeat)
+            source = RepeatedHeads(source, source.shape[0] // num_kv_heads, repeat)  # rows per head
         yield name, source
 
 
 class RepeatedHeads:
     """A K/V projection source [kv_heads * head_dim, ...] seen with each head repeated
-    `repeat` times: [kv_heads * repeat * head_dim, ...]."""
+    `repeat` times: [kv_heads * repeat * head_dim, ...] (head_dim: a head's rows)."""
 
     def __init__(self, source: TensorSource, head_dim: int, repeat: int):
         self.source, self.head_dim, self.repeat = source, head_dim, repeat

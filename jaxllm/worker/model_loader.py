@@ -15,7 +15,7 @@ from jaxllm.models import params as memory_params
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.eagle import eagle_weights
 from jaxllm.models.eagle_config import EagleArchConfig
-from jaxllm.models.loader import (ParamPath, abstract_params, checkpoint_params, create_model, iter_weights,
+from jaxllm.models.loader import (ParamPath, abstract_params, checkpoint_params, create_model, hf_axes, iter_weights,
                                   param_shardings, place_source, quantize_fn, quantize_model)
 from jaxllm.worker import kv_heads
 
@@ -72,6 +72,8 @@ def load_weights(mc: ModelConfig, arch: ModelArchConfig, mesh: jax.sharding.Mesh
     (worker/kv_heads.py: its KV heads repeated `repeat` times when tensor parallelism has more
     devices than KV heads)."""
     if params is not None:
+        if mc.quantization is not None and mc.quantization.from_checkpoint:
+            raise ValueError(f"params in memory are unquantized; the model's checkpoint is {mc.quantization.method}")
         _, abstract = abstract_params(arch, mc.dtype)
         layout = memory_params.check(params, abstract, mc.arch, mesh)
         values = dict(memory_params.place(params, layout, abstract, param_shardings(abstract, mesh), mc.arch, repeat))
@@ -85,12 +87,12 @@ def load_weights(mc: ModelConfig, arch: ModelArchConfig, mesh: jax.sharding.Mesh
     else:
         weights = None
         if mc.load_format != "dummy":
-            weights = iter_weights(mc.path, mc.format)
+            weights = iter_weights(mc.path, mc.format, mc.quantization)
             if isinstance(mc.arch, EagleArchConfig):
                 weights = eagle_weights(weights, mc.arch)
-            weights = kv_heads.replicate_kv_weights(weights, mc.arch.head_dim, repeat)
+            weights = kv_heads.replicate_kv_weights(weights, mc.arch.num_kv_heads, repeat)
         model = create_model(arch, dtype=mc.dtype, mesh=mesh, weights=weights, seed=seed,
-                             show_progress=show_progress)
+                             show_progress=show_progress, quantization=mc.quantization)
     quantize_model(model, mc.quantization, mesh)
     return ModelWeights.of(model)
 
@@ -114,14 +116,17 @@ def new_params(config: Config, arch: ModelArchConfig, mesh: jax.sharding.Mesh, r
     layout), or a checkpoint's path (an HF folder or a .gguf file). The whole source is checked
     first: a bad one raises ValueError before any param comes."""
     mc = config.model
+    if mc.quantization is not None and mc.quantization.from_checkpoint:
+        raise ValueError(f"update_weights takes unquantized weights; this model runs its {mc.quantization.method} "
+                         "checkpoint's quantized ones")
     abstract, shardings = specs.abstract, specs.shardings
     if isinstance(source, str):
         fmt = "gguf" if source.endswith(".gguf") else "hf"
-        weights = kv_heads.replicate_kv_weights(iter_weights(source, fmt), mc.arch.head_dim, repeat)
+        weights = kv_heads.replicate_kv_weights(iter_weights(source, fmt), mc.arch.num_kv_heads, repeat)
         sources = list(checkpoint_params(arch, abstract, weights))  # every name and shape checked, nothing read
         for path, tensor in sources:
             var = abstract[path]
-            yield path, place_source(tensor, var.shape, var.dtype, shardings[path], transpose=path[-1] == "kernel")
+            yield path, place_source(tensor, var.shape, var.dtype, shardings[path], hf_axes(path, var))
         return
     layout = memory_params.check(source, abstract, mc.arch, mesh)
     yield from memory_params.place(source, layout, abstract, shardings, mc.arch, repeat)
@@ -133,7 +138,7 @@ def update(weights: ModelWeights, values: Iterator[tuple[ParamPath, jax.Array]])
     old copies are alive together."""
     index = weights.index
     for path, value in values:
-        scale_path = (*path[:-1], "scale")
+        scale_path = (*path[:-1], "weight_scale")
         if path[-1] == "kernel" and scale_path in index:
             kernel_sharding, scale_sharding = (weights.params[index[p]].sharding for p in (path, scale_path))
             kernel, scale = quantize_fn(kernel_sharding, scale_sharding)(value)

@@ -156,7 +156,8 @@ class ModelRunner:
         # FP8 GEMMs go to cuBLASLt: on an H200, XLA's Triton GEMM autotuner spends ~45 s on each FP8
         # GEMM shape of 8192 tokens, cuBLASLt's 0.3 s, for a GEMM 12% slower there and 17% faster
         # at 16 tokens (docs/benchmarks.md). Part of the compilation caches' keys.
-        compiler_options = {"xla_gpu_enable_triton_gemm": False} if mc.quantization == "fp8" else {}
+        fp8_dots = mc.quantization is not None and mc.quantization.xla_fp8_dot
+        compiler_options = {"xla_gpu_enable_triton_gemm": False} if fp8_dots else {}
         if not sc.async_scheduling and self.mesh.devices.flat[0].platform == "gpu":
             # One step at a time (speculative decoding too): the GPU waits while the host launches
             # the step, and XLA's CUDA graphs make the launch slower (their update costs the host

@@ -127,3 +127,20 @@ def test_a_bad_tile_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "invariant-matmul", "--tiles", "16x24:4:3"])
     assert "MatmulTiles.block_n must be a power of two >= 8, got 24" in capsys.readouterr().err
+
+
+def test_quant_matmul_checks_then_times_both_kernels_against_xla(capsys, tmp_path):
+    result, printed = run(capsys, tmp_path, ["bench", "quant-matmul", "--shapes", "128x96", "--rows", "3,40",
+                                             "--group-size", "64", "--block", "32", "--repeats", "1"])
+    assert result["failed"] == []
+    assert [(r["m"], r["kernel"], r["tiles"]) for r in result["rows"]] == [
+        (3, "w4a16", "16x32:4:3"), (3, "fp8_block", "16x32:4:3:bfloat16"), (3, "fp8_block", "16x32:4:3:e4m3"),
+        (40, "w4a16", "64x32:4:3"), (40, "fp8_block", "64x32:4:3:bfloat16"), (40, "fp8_block", "64x32:4:3:e4m3")]
+    assert all(r["rel_err"] < 1e-2 and r["ms"] > 0 for r in result["rows"])
+    assert printed[-7].split()[:4] == ["K", "x", "N", "M"]
+
+
+def test_quant_matmul_tiles_are_checked_at_the_command_line(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "quant-matmul", "--w4-tiles", "16x24:4:3"])
+    assert "block_n must be a power of two" in capsys.readouterr().err

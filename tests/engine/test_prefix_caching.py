@@ -15,7 +15,8 @@ from jaxllm.kernels import reference
 from jaxllm.kernels.attention import AttentionMetadata
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.kv_layout import model_kv_layout
-from jaxllm.models.loader import create_model, iter_hf_weights, quantize_model
+from jaxllm.models.loader import create_model, iter_weights, quantize_model
+from jaxllm.models.quant_config import resolve_quantization
 from jaxllm.sharding import make_mesh
 from tests.conftest import tiny_model
 
@@ -150,9 +151,14 @@ def hybrid_model(tmp_path_factory):
 
 
 def plain_forward_logits(path, arch, token_ids, quantization=None):
-    """Logits [n, vocab] of one forward pass over the whole sequence, every block held."""
-    model = create_model(arch, dtype=jnp.float32, mesh=make_mesh(), weights=iter_hf_weights(path))
-    quantize_model(model, quantization, make_mesh())
+    """Logits [n, vocab] of one forward pass over the whole sequence, every block held; quantization:
+    EngineArgs' (None: the checkpoint's quantization_config; "fp8" on an unquantized checkpoint: its
+    Linears quantized on load)."""
+    with open(os.path.join(path, "config.json")) as f:
+        quant = resolve_quantization(quantization, json.load(f), "hf")
+    model = create_model(arch, dtype=jnp.float32, mesh=make_mesh(), weights=iter_weights(path, "hf", quant),
+                         quantization=quant)
+    quantize_model(model, quant, make_mesh())
     layout = model_kv_layout(arch)
     num_groups, n = len(layout.groups), len(token_ids)
     blocks = -(-n // BLOCK)

@@ -70,7 +70,7 @@ def load(checkpoint, tp, dtype=jnp.float32, reads=None):
     repeat = max(tp // ARCH.num_kv_heads, 1)
     weights = iter_hf_weights(checkpoint) if reads is None else counted(iter_hf_weights(checkpoint), reads)
     arch = replicated_arch(ARCH, repeat)
-    weights = replicate_kv_weights(weights, ARCH.head_dim, repeat)
+    weights = replicate_kv_weights(weights, ARCH.num_kv_heads, repeat)
     return create_model(arch, dtype=dtype, mesh=make_mesh(tp), weights=weights), arch
 
 
