@@ -10,6 +10,10 @@ import sys
 os.environ.setdefault("JAXLLM_COMPILATION_CACHE",
                       os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# XLA's lowest CPU optimization: the suite's time goes to compiling (a sampler's 150 reductions take
+# seconds at the default level), far more than to running its tiny models.
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
+                                    "--xla_llvm_disable_expensive_passes=true"]).strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -127,11 +131,16 @@ def gemma3_270m_path() -> str:
 ROOT = os.path.dirname(os.path.dirname(__file__))
 
 
+def host_devices_flags(num_devices: int) -> str:
+    """XLA_FLAGS for a child process with `num_devices` forced host CPU devices (and the session's flags)."""
+    return f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count={num_devices}"
+
+
 def run_with_host_devices(test_file: str, select: str, num_devices: int, expect: str, timeout_s: int) -> None:
     """Run the tests of `test_file` that `-k select` picks in a child pytest with `num_devices`
     forced host CPU devices (this process has fewer); its summary must say `expect` ("3 passed")
     and skip nothing."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices} --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=host_devices_flags(num_devices), JAX_PLATFORMS="cpu")
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                              os.path.relpath(test_file, ROOT), "-k", select],
                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout_s)

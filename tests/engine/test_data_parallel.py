@@ -9,7 +9,7 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineArgs
 from jaxllm.engine.async_llm import AsyncLLM
 from jaxllm.engine.dp_client import replica_env
-from tests.conftest import child_pids, tiny_model
+from tests.conftest import child_pids, host_devices_flags, tiny_model
 
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, skip_tokenizer_init=True,
               show_progress=False)
@@ -35,7 +35,7 @@ def single():
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "dp2xtp2"])
 def test_replicas_give_one_engines_outputs_and_share_the_requests(single, tp, monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")  # the replicas' CPUs
+    monkeypatch.setenv("XLA_FLAGS", host_devices_flags(2))  # the replicas' CPUs
     with LLM(tiny_model("llama"), data_parallel_size=2, tensor_parallel_size=tp, **ENGINE) as llm:
         assert generate(llm) == single
         client = llm.llm_engine.engine_core

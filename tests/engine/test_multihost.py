@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from jaxllm import LLM, SamplingParams
+from tests.conftest import host_devices_flags
 from tests.engine.test_tensor_parallel import write_model
 
 ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, num_gpu_blocks_override=32,
@@ -48,7 +49,7 @@ def test_two_hosts_run_one_tensor_parallel_engine_with_one_process_outputs(tmp_p
     address = f"127.0.0.1:{free_port()}"
     multihost = dict(tensor_parallel_size=8, distributed_executor_backend="multihost", num_hosts=2,
                      coordinator_address=address)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=host_devices_flags(4), JAX_PLATFORMS="cpu")
     monkeypatch.setenv("XLA_FLAGS", env["XLA_FLAGS"])  # host 0's engine core: 4 devices as well
     flags = ["--model", model, "--skip-tokenizer-init", "-tp", "8", "--distributed-executor-backend", "multihost",
              "--num-hosts", "2", "--host-rank", "1", "--coordinator-address", address]

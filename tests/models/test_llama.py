@@ -314,5 +314,6 @@ assert seen and all(shape[1] == config.num_heads // 2 for shape in seen), seen
 
 def test_tensor_parallel_over_two_devices_matches_hf():
     """The same model on a 2-device mesh: only the mesh changes, and the logits don't."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    from tests.conftest import host_devices_flags  # not at the top: the child imports this module alone
+    env = dict(os.environ, XLA_FLAGS=host_devices_flags(2), JAX_PLATFORMS="cpu")
     subprocess.run([sys.executable, "-c", _TP_CHECK], check=True, env=env, cwd=os.path.dirname(__file__))
