@@ -34,7 +34,7 @@ class Fp8BlockTiles:
     """One launch: [block_m, block_n] output tiles (block_n divides the scale block's bn),
     num_warps, num_stages, and the dot's operand type: "bfloat16" widens the e4m3 tiles in
     registers (exact; bf16 tensor cores, Ampere on), "e4m3" hands them to FP8 tensor cores
-    (Hopper). Not yet measured on a GPU: `tiles` gives untuned values."""
+    (Hopper; 1.5-2.4x faster on the H200 at the 8B's shapes, docs/kernels.md)."""
     block_m: int
     block_n: int
     num_warps: int = 4
@@ -53,12 +53,13 @@ class Fp8BlockTiles:
 
 
 def tiles(m: int, scale_block_n: int) -> Fp8BlockTiles:
-    """The tiles of an [m, K] x [K, N] product whose weight scales cover scale_block_n rows. Untuned:
-    decode (m <= 16) takes narrow column stripes so the weight streams over many programs."""
+    """The tiles of an [m, K] x [K, N] product whose weight scales cover scale_block_n rows, on FP8
+    tensor cores. Untuned sizes: decode (m <= 16) takes narrow column stripes so the weight streams
+    over many programs."""
     if m <= 16:
-        return Fp8BlockTiles(16, divisor(scale_block_n, (64, 32, 16)))
+        return Fp8BlockTiles(16, divisor(scale_block_n, (64, 32, 16)), mma="e4m3")
     return Fp8BlockTiles(64 if m <= 64 else 128, divisor(scale_block_n, (128, 64, 32, 16)),
-                         num_warps=4 if m <= 64 else 8)
+                         num_warps=4 if m <= 64 else 8, mma="e4m3")
 
 
 def dequantize(w8, w_scale):

@@ -29,28 +29,29 @@ def median_s(run, warmup: int = 3, iters: int = 20) -> float:
 
 
 def median_loop_s(fn, arg_sets, reps: int = 7, min_loop_s: float = 0.02) -> float:
-    """Median seconds per call of fn, timed on the device: one jitted fori_loop calls fn over
-    the rotating argument sets, enough times to last `min_loop_s`, so host dispatch (about
-    50 us a call) stays out of the figure; the median of `reps` such loops. Arguments shared
-    by every set (the caches) are passed once; the others are stacked and indexed by the loop
-    counter, which also keeps XLA from hoisting the call out of the loop. The loop's length is
-    an argument, so it compiles once; a first timed loop sets it."""
+    """Median seconds per call of fn, timed on the device: one jitted fori_loop calls fn on each
+    argument set in turn, enough times to last `min_loop_s`, so host dispatch (about 50 us a call)
+    stays out of the figure; the median of `reps` such loops. Each call reads its set's own buffers:
+    an optimization barrier ties them to the loop's counter each iteration, which keeps XLA from
+    hoisting the calls out of the loop without copying anything (a stacked copy indexed by the
+    counter would be a dynamic slice, which XLA copies before a custom call: a slice of weights
+    costs as much as the matmul that reads it). The loop's length is an argument, so it compiles
+    once; a first timed loop sets it."""
     arg_sets = list(arg_sets) * (2 if len(arg_sets) == 1 else 1)
     num_sets = len(arg_sets)
-    shared = [all(a[i] is arg_sets[0][i] for a in arg_sets) for i in range(len(arg_sets[0]))]
-    args = [x if sh else jnp.stack([a[i] for a in arg_sets])
-            for i, (x, sh) in enumerate(zip(arg_sets[0], shared))]
 
     @jax.jit
-    def loop(num_calls, *args):
+    def loop(num_rounds, arg_sets):
         def body(j, acc):
-            out = fn(*[x if sh else x[j % num_sets] for x, sh in zip(args, shared)])
-            return acc + out.reshape(-1)[0].astype(jnp.float32)
-        return jax.lax.fori_loop(0, num_calls, body, jnp.float32(0))
+            sets, acc = jax.lax.optimization_barrier((arg_sets, acc))
+            for args in sets:
+                acc = acc + fn(*args).reshape(-1)[0].astype(jnp.float32)
+            return acc
+        return jax.lax.fori_loop(0, num_rounds, body, jnp.float32(0))
 
     def loop_s(num_calls: int) -> float:
         start = time.perf_counter()
-        jax.block_until_ready(loop(num_calls, *args))
+        jax.block_until_ready(loop(num_calls // num_sets, arg_sets))
         return time.perf_counter() - start
 
     loop_s(num_sets)  # compile + warm-up

@@ -86,7 +86,7 @@ def main(ns) -> int:
             x8, x_scale = jax.jit(quantize_rows, static_argnums=1)(x[:m], block)
             launches = [("w4a16", t) for t in ns.w4_tiles or [w4a16.tiles(m, n)]]
             picked = fp8_block.tiles(m, block)
-            launches += [("fp8_block", t) for t in ns.fp8_tiles or [picked, dataclasses.replace(picked, mma="e4m3")]]
+            launches += [("fp8_block", t) for t in ns.fp8_tiles or [picked, dataclasses.replace(picked, mma="bfloat16")]]
             for kind, t in launches:
                 if kind == "w4a16":
                     fn = functools.partial(w4a16.pallas_matmul, t=t, interpret=interpret)

@@ -134,8 +134,8 @@ def test_quant_matmul_checks_then_times_both_kernels_against_xla(capsys, tmp_pat
                                              "--group-size", "64", "--block", "32", "--repeats", "1"])
     assert result["failed"] == []
     assert [(r["m"], r["kernel"], r["tiles"]) for r in result["rows"]] == [
-        (3, "w4a16", "16x32:4:3"), (3, "fp8_block", "16x32:4:3:bfloat16"), (3, "fp8_block", "16x32:4:3:e4m3"),
-        (40, "w4a16", "64x32:4:3"), (40, "fp8_block", "64x32:4:3:bfloat16"), (40, "fp8_block", "64x32:4:3:e4m3")]
+        (3, "w4a16", "16x32:4:3"), (3, "fp8_block", "16x32:4:3:e4m3"), (3, "fp8_block", "16x32:4:3:bfloat16"),
+        (40, "w4a16", "64x32:4:3"), (40, "fp8_block", "64x32:4:3:e4m3"), (40, "fp8_block", "64x32:4:3:bfloat16")]
     assert all(r["rel_err"] < 1e-2 and r["ms"] > 0 for r in result["rows"])
     assert printed[-7].split()[:4] == ["K", "x", "N", "M"]
 
