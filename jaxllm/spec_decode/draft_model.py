@@ -15,7 +15,7 @@ class RunnerDrafts:
         self._drafts: dict[str, list[int]] = {}  # request id -> the drafts for after its last token
 
     def propose(self, request: Request, max_tokens: int) -> list[int]:
-        if request.num_output_placeholders:  # the step in flight makes num_speculative_tokens >= max_tokens
+        if request.num_output_placeholders:  # its step in flight makes num_speculative_tokens drafts: the first ones
             return [DRAFT_ON_DEVICE] * max_tokens
         return self._drafts.get(request.request_id, [])[:max(max_tokens, 0)]
 

@@ -10,20 +10,21 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineArgs
 from tests.conftest import tiny_model
-from tests.engine.test_speculative import check_200_requests_with_aborts
+from tests.engine.test_speculative import check_200_requests_with_aborts, check_stops_are_the_same_with_drafts
 
 # Gemma 3's hybrid cache (a window of 8 beside full attention): the draft's layers, sliding ones
 # too, read the target's full-attention group's block tables.
-ENGINE = dict(model=tiny_model("gemma3"), skip_tokenizer_init=True, max_model_len=128, max_num_seqs=8,
-              max_num_batched_tokens=32, block_size=16)
+ENGINE = dict(model=tiny_model("gemma3"), max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32,
+              block_size=16)
 SELF_DRAFT = {"method": "draft_model", "model": tiny_model("gemma3"), "num_speculative_tokens": 3}
 
 
 @pytest.fixture(scope="module")
-def llm():
-    """The tiny Gemma 3 drafting for itself, on a cache small enough to preempt."""
-    with LLM(**ENGINE, num_gpu_blocks_override=24, speculative_config=SELF_DRAFT, enable_multiprocessing=False,
-             show_progress=False) as llm:
+def llm(char_llama):
+    """The tiny Gemma 3 drafting for itself (with a character tokenizer), on a cache small enough to preempt;
+    asynchronous scheduling, the default with a draft model."""
+    with LLM(**ENGINE, tokenizer=char_llama, num_gpu_blocks_override=24, speculative_config=SELF_DRAFT,
+             enable_multiprocessing=False, show_progress=False) as llm:
         yield llm
 
 
@@ -58,6 +59,10 @@ def test_greedy_and_seeded_tokens_are_the_same_with_a_draft_model(llm):
     assert want.pop() == want
     assert all(len(w) == p.max_tokens for w, p in zip(want, params))  # max_tokens, never more
     assert scheduler(llm).num_preemptions > preemptions and 0 < num_taken < num_drafts
+
+
+def test_stops_and_lengths_are_the_same_with_a_draft_model(llm):
+    check_stops_are_the_same_with_drafts(llm)
 
 
 def test_the_target_as_its_own_draft_has_every_greedy_draft_taken(llm):
