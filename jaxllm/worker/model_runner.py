@@ -161,7 +161,7 @@ class ModelRunner:
         fp8_dots = mc.quantization is not None and mc.quantization.xla_fp8_dot
         compiler_options = {"xla_gpu_enable_triton_gemm": False} if fp8_dots else {}
         if not sc.async_scheduling and self.mesh.devices.flat[0].platform == "gpu":
-            # One step at a time (speculative decoding too): the GPU waits while the host launches
+            # One step at a time (n-gram speculative decoding too): the GPU waits while the host launches
             # the step, and XLA's CUDA graphs make the launch slower (their update costs the host
             # ~2.7 ms per 8B step); kernel by kernel, the GPU starts at the first. On an H200 the
             # 8B shape's synchronous step falls from 7.4 to 6.1 ms at batch 1 (docs/benchmarks.md).
