@@ -75,8 +75,8 @@ def make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batchi
         `token_bucket`'s BatchLayout. Returns (the greedy ids [num_sampled] int32, the logits [L, vocab]
         float32 at each sampled position (a request's last token, and its drafts'), their L rows of sampling
         words, the final hidden states [T, hidden_size] (for prompt logprobs and an EAGLE head), kv_caches),
-        with a drafter the buffer as its tokens and positions turned out (what the drafter reads), and with
-        aux_layers the states entering them [T, len(aux_layers) * hidden_size]."""
+        with a drafter the buffer [size] holding the tokens and positions the step ran (what the drafter
+        reads), and with aux_layers the states entering them [T, len(aux_layers) * hidden_size]."""
         layout = layouts[token_bucket]
         batch = layout.unpack(buffer)
         if drafter_block_size is None:
