@@ -61,6 +61,31 @@ def test_greedy_and_seeded_tokens_are_the_same_with_a_draft_model(llm):
     assert scheduler(llm).num_preemptions > preemptions and 0 < num_taken < num_drafts
 
 
+def test_penalties_bias_and_logprobs_are_the_same_with_a_draft_model(llm):
+    """The draft guesses without penalties, so the target rejects some of its drafts; the counts the
+    penalties read include the drafts before each row, which the step reads on the device."""
+    prompts = [{"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}, {"prompt_token_ids": [40, 41, 40, 41, 40]}]
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3,
+                             frequency_penalty=0.4, presence_penalty=0.2, logprobs=3),
+              SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logit_bias={41: 2.0, 40: 1.5},
+                             min_tokens=4, n=2, logprobs=2)]
+
+    def run(speculate):
+        sched = scheduler(llm)
+        proposer, sched.proposer = sched.proposer, (sched.proposer if speculate else None)
+        try:
+            return [c for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
+        finally:
+            sched.proposer = proposer
+    want, got = run(False), []
+    num_drafts, num_taken = drafts_taken(llm, lambda: got.extend(run(True)))
+    assert [c.token_ids for c in got] == [c.token_ids for c in want] and 0 < num_taken < num_drafts
+    for wc, gc in zip(want, got):
+        for wl, gl in zip(wc.logprobs, gc.logprobs):
+            assert wl.keys() == gl.keys()
+            np.testing.assert_allclose([v.logprob for v in gl.values()], [v.logprob for v in wl.values()], atol=1e-4)
+
+
 def test_stops_and_lengths_are_the_same_with_a_draft_model(llm):
     check_stops_are_the_same_with_drafts(llm)
 
