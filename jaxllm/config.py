@@ -183,7 +183,8 @@ class EngineArgs:
     # vLLM's: "auto" (the model's dtype), "bfloat16", "fp8" (= "fp8_e4m3") or "fp8_e5m2": K and V in 8 bits
     # (kernels/reference.py write_kv), read back in the attention kernels; twice the tokens per GB
     kv_cache_dtype: str = "auto"
-    # None: on, unless speculative decoding (its n-gram drafts are made from the tokens of the step before)
+    # None: on, but off with n-gram speculative decoding, whose drafts the host makes from the tokens of the
+    # step before (a draft model's or an EAGLE head's are made on the device: they run asynchronously)
     async_scheduling: bool | None = None
     # Users' LogitsProcessor classes, or their "module:Class" names (jaxllm/sample/logits_processor.py)
     logits_processors: list[type | str] | None = None
@@ -241,9 +242,11 @@ class EngineArgs:
         _check(self.num_hosts == 1 or self.data_parallel_size == 1,
                "data_parallel_size > 1 over several hosts is not built: use num_hosts with tensor parallelism")
         speculative = None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
-        _check(speculative is None or not self.async_scheduling,
-               "async_scheduling does not run with speculative_config (a step's drafts follow the tokens of the "
-               "step before): leave async_scheduling unset or False")
+        host_drafts = speculative is not None and speculative.method == "ngram"
+        _check(not (host_drafts and self.async_scheduling),
+               "async_scheduling does not run with speculative_config.method 'ngram' (its drafts are made on the "
+               "host from the tokens of the step before): leave async_scheduling unset or False, or draft with "
+               "'draft_model', 'eagle' or 'eagle3'")
         devices = devices or device_facts()
         num_devices = devices.local_device_count * self.num_hosts
         _check(self.tensor_parallel_size <= num_devices,
@@ -293,7 +296,7 @@ class EngineArgs:
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.num_gpu_blocks_override,
                               KV_CACHE_DTYPES[self.kv_cache_dtype] or dtype, self.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, batched, max_len,
-                                      speculative is None if self.async_scheduling is None else self.async_scheduling),
+                                      not host_drafts if self.async_scheduling is None else self.async_scheduling),
             parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.pipeline_parallel_size,
                                     self.num_hosts, self.host_rank, self.coordinator_address),
             attention_backend=self.attention_backend or devices.attention_backend,

@@ -42,7 +42,8 @@ class Request:
         self.seed = seed  # sampling key of this request; its samples do not depend on the batch
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        # Tokens sampled by a step still on the device: their KV slots are scheduled, their ids not yet known.
+        # Tokens a step still on the device may take: its sampled one and its drafts (all, until it lands).
+        # Their KV slots are scheduled, their ids not yet known.
         self.num_output_placeholders = 0
         self.stop_reason: int | str | None = None
         self.max_tokens = sampling_params.max_tokens

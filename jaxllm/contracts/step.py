@@ -27,10 +27,17 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     host_masked: bool = False  # its steps sample under TokenMasks from the core
 
 
+# A draft that the step in flight makes on the device: the next step reads it there. Not -1, which
+# a row of sampling words holds for "no draft" (sample/sampler.py): the runner packs drafts as they are.
+DRAFT_ON_DEVICE = -2
+
+
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One request's part of one step."""
     req_id: str
-    num_computed_tokens: int  # before this step
+    # Before this step; with drafts in the step in flight, as if the model took every one (the
+    # runner moves the step back over those it rejected, on the device).
+    num_computed_tokens: int
     num_new_tokens: int
     # The ids of positions num_computed_tokens .. + len(token_ids) - 1, as far as the core knows
     # them: a last token that the step in flight is still sampling is read on the device.
@@ -44,7 +51,8 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # SamplingParams.prompt_logprobs: the prompt positions [start, end) whose logprobs this step computes
     prompt_logprobs: tuple[int, int] | None = None
     # Speculative decoding: the guesses of the tokens after the request's next one, the last
-    # len(draft_token_ids) of num_new_tokens (their ids are not in token_ids).
+    # len(draft_token_ids) of num_new_tokens (their ids are not in token_ids). DRAFT_ON_DEVICE for
+    # each when the drafter is still making them in the step in flight (asynchronous scheduling).
     draft_token_ids: list[int] = []
 
 

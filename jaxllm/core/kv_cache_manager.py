@@ -51,12 +51,14 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int, num_computed_tokens: int = 0,
                        computed_blocks: list[Blocks] | None = None,
-                       num_lookahead_tokens: int = 0) -> list[list[int]] | None:
+                       num_lookahead_tokens: int = 0, num_unverified_tokens: int = 0) -> list[list[int]] | None:
         """Make room for `num_new_tokens` more tokens of `request`, after the prefix hit
         (`computed_blocks`, `num_computed_tokens` tokens) of a request being admitted, and for
-        `num_lookahead_tokens` after them (a draft model's KV). Returns, per group, the block
-        ids this adds to its block table (0 where the group holds no block), or None if the
-        pool is short (and then takes nothing)."""
+        `num_lookahead_tokens` after them (a draft model's KV). The last `num_unverified_tokens`
+        of its computed ones are drafts a step in flight may reject: a sliding window keeps the
+        blocks the positions before them read. Returns, per group, the block ids this adds to its
+        block table (0 where the group holds no block), or None if the pool is short (and then
+        takes nothing)."""
         request_id = request.request_id
         num_computed = request.num_computed_tokens + num_computed_tokens + num_new_tokens
         num_tokens = num_computed + num_lookahead_tokens
@@ -65,7 +67,7 @@ class KVCacheManager:
         if (self._fast_path and computed_blocks is None and num_tokens <= self._num_slots.get(request_id, 0)
                 and num_full_blocks <= self._num_full_blocks.get(request_id, 0)):
             return self._nothing_new
-        self.coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
+        self.coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens - num_unverified_tokens)
         computed = computed_blocks or self.coordinator.no_hit
         if self.coordinator.num_blocks_needed(request_id, num_tokens, computed) > self.pool.num_free_blocks:
             return None

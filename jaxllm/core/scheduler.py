@@ -23,9 +23,16 @@ length; their KV slots are the request's like any others'. When the step lands, 
 request takes the drafts the model agreed with and the token after them, one by one
 until a stop, and `num_computed_tokens` falls back to what was accepted: the KV slots
 of rejected drafts are written again by the next step. Requests under the core's token
-masks get no drafts. Speculation runs with synchronous scheduling (config.py). A draft
-model's or EAGLE head's drafts come with the step's output (the runner makes them on the device),
-and its KV is written past the step's tokens: each request holds that many slots more.
+masks get no drafts. A draft model's or EAGLE head's drafts come with the step's output (the
+runner makes them on the device), and its KV is written past the step's tokens: each request
+holds that many slots more.
+
+With those drafters scheduling stays asynchronous (n-gram drafts, made here from the tokens of
+the step before, need it synchronous: config.py). A step in flight with d drafts of a request
+counts 1 + d placeholders, as if the model took them all: the next step is scheduled from there,
+its next token and drafts on the device (DRAFT_ON_DEVICE), its blocks held for that count, and
+the runner moves its positions back over the drafts the model rejected. When the step lands,
+`num_computed_tokens` falls back one step late; a request it ended drops the next step's tokens.
 """
 import collections
 import logging
@@ -145,16 +152,20 @@ class Scheduler:
         """KVCacheManager.allocate_slots, with the proposer's lookahead slots within the model length."""
         end = request.num_computed_tokens + num_cached + num_new
         lookahead = min(self.num_lookahead_tokens, self.config.max_model_len - end)
-        return self.kv.allocate_slots(request, num_new, num_cached, computed_blocks, max(lookahead, 0))
+        # The drafts of the step in flight (its placeholders but the sampled token) may yet be rejected.
+        unverified = max(request.num_output_placeholders - 1, 0)
+        return self.kv.allocate_slots(request, num_new, num_cached, computed_blocks, max(lookahead, 0), unverified)
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
-        """The proposer's drafts for a decoding request whose tokens are all known: never more
-        than the budget, its max_tokens and the model length leave room for after its next token."""
-        if request.num_output_placeholders or request.needs_host_mask:
+        """The proposer's drafts for a decoding request: never more than the budget, its max_tokens
+        and the model length leave room for after its next token, the step in flight counted as if
+        it took every draft."""
+        if request.needs_host_mask:
             return []
-        room = min(self.num_speculative_tokens, budget - 1, self.config.max_model_len - request.num_tokens - 1)
+        num_tokens = request.num_tokens + request.num_output_placeholders
+        room = min(self.num_speculative_tokens, budget - 1, self.config.max_model_len - num_tokens - 1)
         if request.max_tokens is not None:
-            room = min(room, request.max_tokens - request.num_output_tokens - 1)
+            room = min(room, request.max_tokens - request.num_output_tokens - request.num_output_placeholders - 1)
         return self.proposer.propose(request, room) if room > 0 else []
 
     @staticmethod
@@ -178,7 +189,8 @@ class Scheduler:
                 scheduled.prompt_logprobs = (lo, hi)
                 request.next_prompt_logprob = hi
         request.num_computed_tokens += num_new
-        request.num_output_placeholders += samples
+        if samples:  # the tokens it may take: its next one, and each draft
+            request.num_output_placeholders += 1 + len(drafts)
         return scheduled
 
     @staticmethod
@@ -187,7 +199,7 @@ class Scheduler:
         return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
 
     def _awaits_last_token(self, request: Request) -> bool:
-        """True when a token still on the device will end the request by length."""
+        """True when the tokens still on the device may end the request by length (every draft taken)."""
         n = request.num_output_placeholders
         out_of_tokens = request.max_tokens is not None and len(request.output_token_ids) + n >= request.max_tokens
         return out_of_tokens or request.num_tokens + n >= self.config.max_model_len
@@ -223,7 +235,7 @@ class Scheduler:
         for i, (sched, request) in enumerate(zip(scheduler_output.scheduled, requests)):
             token_ids = runner_output.sampled_token_ids[i]
             if sched.samples:
-                request.num_output_placeholders -= 1
+                request.num_output_placeholders -= 1 + len(sched.draft_token_ids)
             if sched.draft_token_ids:
                 self._count_drafts(sched, request, len(token_ids) - 1)
             row, logprob_row = logprob_row, logprob_row + len(token_ids)
@@ -247,9 +259,10 @@ class Scheduler:
 
     def _count_drafts(self, sched: ScheduledRequest, request: Request, num_accepted: int) -> None:
         """A step's drafts of one request: the rejected ones' KV is not the request's (the next
-        step writes it again), and the acceptance goes into the stats."""
+        step writes it again), and the acceptance goes into the stats. A request preempted since
+        holds no KV to take back."""
         num_drafts = len(sched.draft_token_ids)
-        if not request.is_finished:
+        if request.status == RequestStatus.RUNNING:
             request.num_computed_tokens -= num_drafts - num_accepted
         self.spec_stats.observe(num_drafts, num_accepted)
         self.spec_totals.observe(num_drafts, num_accepted)

@@ -13,8 +13,10 @@ After each step's sampling, one executable per token bucket:
    draft's logits, each writing its KV one position further (the scheduler holds k slots
    per request past its step's tokens for them).
 
-The drafts come back with the step's output and are scheduled with the request's next
-token. Each is one guess, which verification keeps with the probability the target gives
+The drafts, with the last token each request took and how many of its drafts the model
+rejected, are the step's drafter table (worker/draft_inputs.py): the next step's forward reads it
+on the device, and it comes back with the step's output, the drafts scheduled with the request's
+next token. Each is one guess, which verification keeps with the probability the target gives
 it (model_runner.py): exact for any draft model. An EAGLE head (worker/eagle.py) is built
 the same way, and shares the helpers below.
 """
@@ -30,6 +32,7 @@ from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.sample.sampler import COLUMN
 from jaxllm.sharding import kv_cache_sharding, replicated
 from jaxllm.worker import input_batch as batching, kv_heads
+from jaxllm.worker.draft_inputs import drafter_table
 from jaxllm.worker.model_loader import ModelWeights, load_weights
 
 _POSITION, _DRAFT = COLUMN["position"], COLUMN["draft_token"]
@@ -46,6 +49,7 @@ class DraftModel:
         self.kv_layout = model_kv_layout(self.arch)
         self._mesh, self._seed = mesh, config.seed
         self.weights = load_weights(mc, self.arch, mesh, self._repeat, config.seed)
+        self.table_rows = max(layout.num_reqs for layout in layouts.values())  # the drafter table's
         kv = kv_cache_sharding(mesh)
         self.propose = jax.jit(self._propose_fn(config, attn_fn, layouts), donate_argnums=(1,), static_argnums=(5,),
                                out_shardings=(replicated(mesh), [(kv, kv)] * self.kv_layout.num_tensors))
@@ -53,7 +57,7 @@ class DraftModel:
     def _propose_fn(self, config: Config, attn_fn, layouts: dict[int, batching.BatchLayout]):
         return make_propose_fn(self.weights.graphdef, self.weights.treedef, attn_fn, layouts,
                                config.num_speculative_tokens, config.cache.block_size, self.model_config.max_model_len,
-                               len(self.kv_layout.groups))
+                               len(self.kv_layout.groups), self.table_rows)
 
     def params(self, target: ModelWeights) -> list[jax.Array]:
         """The propose executable's params: the draft's own (`target`'s weights are the runner's)."""
@@ -65,14 +69,15 @@ class DraftModel:
 
 
 def make_propose_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout],
-                    num_drafts: int, block_size: int, max_model_len: int, num_groups: int):
+                    num_drafts: int, block_size: int, max_model_len: int, num_groups: int, table_rows: int):
     """The draft executable's function (a closure: the runner is not kept alive by it)."""
     def propose(params, kv_caches, buffer, sampled, hidden, token_bucket: int):
-        """params: the draft's flat weights; kv_caches: its KV tensors; buffer: the step's inputs
-        (`token_bucket`'s BatchLayout; every token id in it: speculation schedules synchronously);
-        sampled [num_sampled] int32: the step's samples, a row per row of logits; hidden: the target's
-        hidden states, which an EAGLE head reads (not this one: jit drops it). Returns (the drafts
-        [R, num_drafts] int32 of each request that sampled, for after the token it took last, kv_caches)."""
+        """params: the draft's flat weights; kv_caches: its KV tensors; buffer: the step's inputs as the
+        forward ran them (`token_bucket`'s BatchLayout, every token id and position in it); sampled
+        [num_sampled] int32: the step's samples, a row per row of logits; hidden: the target's hidden
+        states, which an EAGLE head reads (not this one: jit drops it). Returns (the drafter table
+        [table_rows, 2 + num_drafts] int32 (draft_inputs.py): of each request that sampled, the token it
+        took last, the drafts for after it, its drafts rejected; kv_caches)."""
         batch = layouts[token_bucket].unpack(buffer)
         model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, params))
         blocks_per_group = kv_caches[0][0].shape[0] // num_groups
@@ -80,7 +85,7 @@ def make_propose_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batchi
         _, kv_caches = model(batch.input_ids, batch.positions, kv_caches,
                              drafter_groups(md, md.slot_mapping[0], md.block_tables[0], num_groups, blocks_per_group,
                                             block_size), attn_fn)
-        last = last_taken_rows(batch, sampled, num_drafts)
+        last, num_rejected = taken_rows(batch, sampled, num_drafts)
         token, position = sampled[last], batch.sampling[last, _POSITION]
         active = batch.first_rows >= 0
         table = batch.attention.block_tables[0]  # [R, max_blocks_per_seq]
@@ -96,20 +101,21 @@ def make_propose_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batchi
         # Unrolled: the k steps are one straight program, which XLA schedules across steps.
         (_, _, kv_caches), drafts = jax.lax.scan(draft_step, (token, position, kv_caches), length=num_drafts,
                                                  unroll=True)
-        return drafts.T, kv_caches
+        return drafter_table(token, drafts.T, num_rejected, table_rows), kv_caches
     return propose
 
 
-def last_taken_rows(batch: batching.StepBatch, sampled: jax.Array, num_drafts: int) -> jax.Array:
-    """[R] int32: each request's row of logits whose sample is the last token it takes this step: the
-    sample after the run of its drafts that agree with the samples before them (garbage for a
-    request that does not sample). The row's position is that token's; its logits_indices the
-    token before it."""
+def taken_rows(batch: batching.StepBatch, sampled: jax.Array, num_drafts: int) -> tuple[jax.Array, jax.Array]:
+    """Per request ([R] int32 each, garbage for one that does not sample): its row of logits whose sample
+    is the last token it takes this step, the sample after the run of its drafts that agree with the
+    samples before them (the row's position is that token's; its logits_indices the token before it);
+    and the number of its drafts after that run, which the model rejected."""
     num_rows = batch.sampling.shape[0]
     rows = jnp.clip(batch.first_rows[:, None] + jnp.arange(num_drafts + 1), 0, num_rows - 1)  # [R, 1 + k]
     drafts = batch.sampling[rows, _DRAFT]  # -1 at a request's last row: the run ends there at the latest
     accepted = jnp.sum(jnp.cumprod((sampled[rows] == drafts).astype(jnp.int32), axis=1), axis=1)
-    return jnp.clip(batch.first_rows + accepted, 0, num_rows - 1)
+    num_scheduled = jnp.argmax(drafts == -1, axis=1)  # its rows before its last
+    return jnp.clip(batch.first_rows + accepted, 0, num_rows - 1), num_scheduled - accepted
 
 
 def one_token_metadata(table: jax.Array, position: jax.Array, active: jax.Array, max_model_len: int,

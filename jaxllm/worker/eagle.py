@@ -25,7 +25,8 @@ from flax import nnx
 from jaxllm.config import Config
 from jaxllm.sample.sampler import COLUMN
 from jaxllm.worker import input_batch as batching
-from jaxllm.worker.draft_model import DraftModel, drafter_groups, last_taken_rows, one_token_metadata
+from jaxllm.worker.draft_inputs import drafter_table
+from jaxllm.worker.draft_model import DraftModel, drafter_groups, one_token_metadata, taken_rows
 from jaxllm.worker.model_loader import ModelWeights
 
 _POSITION = COLUMN["position"]
@@ -39,7 +40,7 @@ class EagleProposer(DraftModel):
     def _propose_fn(self, config: Config, attn_fn, layouts: dict[int, batching.BatchLayout]):
         return make_propose_fn(self.weights.graphdef, self.weights.treedef, len(self.weights.params), attn_fn,
                                layouts, config.num_speculative_tokens, config.cache.block_size,
-                               self.model_config.max_model_len, len(self.kv_layout.groups))
+                               self.model_config.max_model_len, len(self.kv_layout.groups), self.table_rows)
 
     def params(self, target: ModelWeights) -> list[jax.Array]:
         """The head's params, then the target's embedding and LM head (read again each step: update_weights
@@ -48,15 +49,16 @@ class EagleProposer(DraftModel):
 
 
 def make_propose_fn(graphdef, params_treedef, num_head_params: int, attn_fn, layouts: dict[int, batching.BatchLayout],
-                    num_drafts: int, block_size: int, max_model_len: int, num_groups: int):
+                    num_drafts: int, block_size: int, max_model_len: int, num_groups: int, table_rows: int):
     """The EAGLE executable's function (a closure: the runner is not kept alive by it)."""
     def propose(params, kv_caches, buffer, sampled, hidden, token_bucket: int):
         """params: the head's flat weights, then the target's embedding [V, H] and LM head [H, V] (absent
-        when tied); kv_caches: the head's KV tensors; buffer: the step's inputs (`token_bucket`'s BatchLayout,
-        every token id in it); sampled [num_sampled] int32: the step's samples, a row per row of logits;
-        hidden: the target's final hidden states [T, H] (EAGLE-1) or the states entering its three layers
-        [T, 3H] (EAGLE-3). Returns (the drafts [R, num_drafts] int32 of each request that sampled, for
-        after the token it took last, kv_caches)."""
+        when tied); kv_caches: the head's KV tensors; buffer: the step's inputs as the forward ran them
+        (`token_bucket`'s BatchLayout, every token id and position in it); sampled [num_sampled] int32: the
+        step's samples, a row per row of logits; hidden: the target's final hidden states [T, H] (EAGLE-1)
+        or the states entering its three layers [T, 3H] (EAGLE-3). Returns (the drafter table [table_rows,
+        2 + num_drafts] int32 (draft_inputs.py): of each request that sampled, the token it took last, the
+        drafts for after it, its drafts rejected; kv_caches)."""
         batch = layouts[token_bucket].unpack(buffer)
         head = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, params[:num_head_params]))
         embedding, *lm_head = params[num_head_params:]
@@ -67,7 +69,7 @@ def make_propose_fn(graphdef, params_treedef, num_head_params: int, attn_fn, lay
         def draft(x):  # the head's greedy token, as a target id
             return head.target_ids(jnp.argmax(head.compute_logits(x, target_head), axis=-1).astype(jnp.int32))
 
-        last = last_taken_rows(batch, sampled, num_drafts)
+        last, num_rejected = taken_rows(batch, sampled, num_drafts)
         token, position, taken_at = sampled[last], batch.sampling[last, _POSITION], batch.logits_indices[last]
         active = batch.first_rows >= 0
         num_tokens = batch.input_ids.shape[0]
@@ -83,7 +85,7 @@ def make_propose_fn(graphdef, params_treedef, num_head_params: int, attn_fn, lay
                                                batch.positions, kv_caches, step_md, attn_fn)
         first = draft(logit_states[taken_at])
         if num_drafts == 1:
-            return first[:, None], kv_caches
+            return drafter_table(token, first[:, None], num_rejected, table_rows), kv_caches
         table = md.block_tables[0]  # [R, max_blocks_per_seq]
 
         def draft_step(carry, _):
@@ -99,5 +101,6 @@ def make_propose_fn(graphdef, params_treedef, num_head_params: int, attn_fn, lay
         # unrolled: the k - 1 steps are one straight program, which XLA schedules across steps.
         (*_, kv_caches), rest = jax.lax.scan(draft_step, (first, states[taken_at], position, kv_caches),
                                              length=num_drafts - 1, unroll=True)
-        return jnp.concatenate([first[:, None], rest.T], axis=1), kv_caches
+        drafts = jnp.concatenate([first[:, None], rest.T], axis=1)
+        return drafter_table(token, drafts, num_rejected, table_rows), kv_caches
     return propose

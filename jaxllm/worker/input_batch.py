@@ -16,7 +16,7 @@ import math
 import jax
 import numpy as np
 
-from jaxllm.contracts.step import NewRequestData, SchedulerOutput
+from jaxllm.contracts.step import DRAFT_ON_DEVICE, NewRequestData, SchedulerOutput
 from jaxllm.kernels.attention import AttentionMetadata
 from jaxllm.sample.sampler import (COLUMN, FLOAT_COLUMNS, NUM_REQUEST_WORDS, NUM_SAMPLING_WORDS, SampleMode,
                                    needs_processors, sample_mode)
@@ -32,7 +32,8 @@ _DRAFT, _SEGMENT_START = COLUMN["draft_token"], COLUMN["segment_start"]
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
     input_ids: jax.Array       # [T] int32
-    prev_rows: jax.Array       # [T] int32: row of the previous step's sampled ids that holds this token, or -1
+    # [T] int32: where the previous step's device tokens hold this token (ModelRunner._prev_tokens), or -1
+    prev_rows: jax.Array
     positions: jax.Array       # [T] int32
     logits_indices: jax.Array  # [L] int32: the tokens whose logits are sampled: each request's last, and its drafts'
     attention: AttentionMetadata
@@ -65,6 +66,13 @@ class BatchLayout:
             offset += cdiv(math.prod(shape), _ALIGN) * _ALIGN
         self.size = offset
 
+    def replace(self, buffer: jax.Array, **fields: jax.Array) -> jax.Array:
+        """Inside the jitted step: `buffer` [size] int32 with new values of `fields`."""
+        for name, value in fields.items():
+            offset, _ = self.fields[name]
+            buffer = jax.lax.dynamic_update_slice(buffer, value.reshape(-1), (offset,))
+        return buffer
+
     def host_views(self, buffer: np.ndarray) -> dict[str, np.ndarray]:
         """numpy views of `buffer` [size] int32, one per field."""
         return {name: buffer[offset:offset + math.prod(shape)].reshape(shape)
@@ -90,11 +98,11 @@ class RequestRows:
     """The runner's persistent host state, one row per request that holds KV blocks, made from
     its NewRequestData: its block table in each KV cache group, its sampling words
     (sampling_row), SampleMode, whether the sampler runs the logits processors for it, how many
-    logprobs it wants, whether its steps wait for the core's token masks, and its row in the
-    last step's sampled ids. A step gathers its requests' rows in one copy each and writes only
-    the blocks the scheduler added: packing costs O(new blocks), not O(context). A request
-    gives its row back when it finishes or is preempted, so max_num_seqs rows always suffice
-    (and index the device's ProcessorState)."""
+    logprobs it wants, whether its steps wait for the core's token masks, and where its tokens
+    start in the last step's device tokens (prev_offset). A step gathers its requests' rows in
+    one copy each and writes only the blocks the scheduler added: packing costs O(new blocks),
+    not O(context). A request gives its row back when it finishes or is preempted, so
+    max_num_seqs rows always suffice (and index the device's ProcessorState)."""
 
     def __init__(self, max_blocks_per_seq: int, num_rows: int, num_groups: int = 1):
         self.num_rows = num_rows
@@ -104,7 +112,7 @@ class RequestRows:
         self.processed = np.zeros(num_rows, bool)
         self.num_logprobs = np.full(num_rows, -1, np.int32)  # SamplingParams.logprobs, -1 for None
         self.host_masked = np.zeros(num_rows, bool)
-        self.prev_sampled_row = np.full(num_rows, -1, np.int32)
+        self.prev_offset = np.full(num_rows, -1, np.int32)
         self._num_blocks = np.zeros((num_groups, num_rows), np.int32)  # a group's table entries of a row
         self._rows: dict[str, int] = {}  # request id -> its row
         self._free_rows = list(range(num_rows - 1, -1, -1))
@@ -209,10 +217,12 @@ def fill_padding(v: dict[str, np.ndarray]) -> None:
 
 
 def pack(sched: SchedulerOutput, rows: np.ndarray, state: RequestRows, v: dict[str, np.ndarray],
-         block_size: int) -> np.ndarray | None:
+         block_size: int, table_width: int = 0) -> np.ndarray | None:
     """Write the scheduled requests (at `rows` of `state`) into a bucket's host views `v`.
-    A request's last token may be one the previous step is still sampling on the
-    device: the step then reads it from there (`prev_rows`) instead of the host.
+    A request's last token, and with a drafter its drafts (DRAFT_ON_DEVICE), may be ones the
+    previous step is still making on the device: the step then reads them there (`prev_rows`:
+    their offsets in that step's device tokens) instead of the host. Those are its sampled ids,
+    or with a drafter its table of `table_width` (2 + k) words per request (worker/draft_inputs.py).
     Returns each request's first row of logits when a request has drafts (its rows are its
     drafts' positions and its last token's), else None (row i is request i's)."""
     reqs = sched.scheduled
@@ -222,12 +232,14 @@ def pack(sched: SchedulerOutput, rows: np.ndarray, state: RequestRows, v: dict[s
     for s in reqs:
         start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
         num_drafts = len(s.draft_token_ids)
-        known = start + len(s.token_ids) + num_drafts  # the ids the host has end here
+        drafts_known = num_drafts and s.draft_token_ids[0] != DRAFT_ON_DEVICE
+        known = start + len(s.token_ids) + (num_drafts if drafts_known else 0)  # the ids the host has end here
         numbers.append((start, end, known, s.samples, num_drafts))
         host_tokens += s.token_ids
         if num_drafts:
-            host_tokens += s.draft_token_ids
-            drafts += s.draft_token_ids
+            if drafts_known:
+                host_tokens += s.draft_token_ids
+            drafts += s.draft_token_ids  # DRAFT_ON_DEVICE ones are read on the device (draft_inputs.py)
     starts, ends, known, samples, num_drafts = np.array(numbers, np.int32).T
     decode_only = total == n  # one token per request: the positions are the starts
 
@@ -278,17 +290,6 @@ def pack(sched: SchedulerOutput, rows: np.ndarray, state: RequestRows, v: dict[s
         v["next_token_ids"][:n] = [s.next_token_id for s in reqs]
         v["next_token_ids"][n:] = -1
 
-    # Token ids: from the host, except a last token still on the device.
-    prev = v["prev_rows"]
-    prev[:] = -1
-    on_device = ends > known
-    prev[last[on_device]] = state.prev_sampled_row[rows[on_device]]
-    input_ids = v["input_ids"][:total]
-    if len(host_tokens) < total:
-        input_ids[prev[:total] < 0] = host_tokens
-    else:
-        input_ids[:] = host_tokens
-
     if decode_only:
         req_of_token, pos = np.arange(n), starts
     else:  # [2, 3] tokens of requests starting at [5, 0] -> positions [5, 6, 0, 1, 2]
@@ -299,9 +300,25 @@ def pack(sched: SchedulerOutput, rows: np.ndarray, state: RequestRows, v: dict[s
     slots[:, :total] = block_tables[:, req_of_token, pos // block_size] * block_size + pos % block_size
     slots[:, total:] = -1
 
-    # Where this step's samples land, for the next step (a request with drafts takes several: the
-    # scheduler gives it none while a step of it is in flight).
-    state.prev_sampled_row[rows] = -1
-    fed = samples & (num_drafts == 0)
-    state.prev_sampled_row[rows[fed]] = np.flatnonzero(fed) if first_rows is None else first_rows[fed]
+    # Token ids: from the host, but those past what it knows of a request, which the previous step
+    # is still making: at known 7 and offset 40, positions [7, 8, 9] -> prev_rows [40, 41, 42].
+    known_at = known[req_of_token]
+    on_device = pos >= known_at
+    prev = v["prev_rows"]
+    prev[:total] = np.where(on_device, state.prev_offset[rows[req_of_token]] + pos - known_at, -1)
+    prev[total:] = -1
+    input_ids = v["input_ids"][:total]
+    if len(host_tokens) < total:
+        input_ids[~on_device] = host_tokens
+    else:
+        input_ids[:] = host_tokens
+
+    # Where this step's tokens will be on the device, for the next step: a request's sample at its
+    # first row of logits, or with a drafter its row of the drafter's table (its last token first).
+    state.prev_offset[rows] = -1
+    if table_width:
+        state.prev_offset[rows[samples]] = np.flatnonzero(samples) * table_width
+    else:  # with host drafts (synchronous scheduling) the next step knows every token
+        fed = samples & (num_drafts == 0)
+        state.prev_offset[rows[fed]] = np.flatnonzero(fed) if first_rows is None else first_rows[fed]
     return first_rows

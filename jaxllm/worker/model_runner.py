@@ -69,7 +69,7 @@ class _Forward(NamedTuple):
     logits: jax.Array  # [L, vocab] float32
     words: jax.Array   # [L, NUM_SAMPLING_WORDS] int32: the sampler's inputs
     hidden: jax.Array  # [T, hidden_size]: for prompt logprobs
-    buffer: np.ndarray  # the step's packed inputs (a draft model reads them too)
+    draft_inputs: jax.Array | None  # with a drafter, the step's inputs as the forward ran them (draft_inputs.py)
     draft_hidden: jax.Array  # what an EAGLE head reads: `hidden`, or an EAGLE-3 head's [T, 3 * hidden_size]
 
 
@@ -149,17 +149,19 @@ class ModelRunner:
         self.logprob_buckets = sorted({0, min(8, self.num_logprobs), self.num_logprobs})
         self.fns = StepFunctions(self.weights.graphdef, self.weights.treedef, attn_fn, layouts, self.num_sampled, self.mesh,
             self.kv_layout.num_tensors, user_processors, self.num_logprobs, config.batch_invariant, num_spec,
-            self.aux_layers)
+            self.aux_layers, self.block_size if self.draft else None)
         self.processor_rows = ProcessorRows(config, user_processors, self.fns.write_rows,
                                             self.fns.processor_state_sharding)
-        self._prev_sampled = self._zero_sampled()
+        # Per request of the drafter's table (draft_inputs.py): its last token, its k drafts, its rejected count.
+        self._table_width = 2 + num_spec if self.draft else 0
+        self._prev_tokens = self._zero_prev_tokens()  # the last step's tokens on the device, for the next one
         # FP8 GEMMs go to cuBLASLt: on an H200, XLA's Triton GEMM autotuner spends ~45 s on each FP8
         # GEMM shape of 8192 tokens, cuBLASLt's 0.3 s, for a GEMM 12% slower there and 17% faster
         # at 16 tokens (docs/benchmarks.md). Part of the compilation caches' keys.
         fp8_dots = mc.quantization is not None and mc.quantization.xla_fp8_dot
         compiler_options = {"xla_gpu_enable_triton_gemm": False} if fp8_dots else {}
         if not sc.async_scheduling and self.mesh.devices.flat[0].platform == "gpu":
-            # One step at a time (speculative decoding too): the GPU waits while the host launches
+            # One step at a time (n-gram speculative decoding too): the GPU waits while the host launches
             # the step, and XLA's CUDA graphs make the launch slower (their update costs the host
             # ~2.7 ms per 8B step); kernel by kernel, the GPU starts at the first. On an H200 the
             # 8B shape's synchronous step falls from 7.4 to 6.1 ms at batch 1 (docs/benchmarks.md).
@@ -177,8 +179,11 @@ class ModelRunner:
     def kv_caches(self) -> list[tuple[jax.Array, jax.Array]]:
         return self.kv_cache.caches
 
-    def _zero_sampled(self) -> jax.Array:
-        return jax.device_put(np.zeros(self.num_sampled, np.int32), replicated(self.mesh))
+    def _zero_prev_tokens(self) -> jax.Array:
+        """What the forward reads the step before's tokens from when there was none: the step's sampled
+        ids [num_sampled], or with a drafter its table [table rows, 2 + k]."""
+        shape = (self.draft.table_rows, self._table_width) if self.draft else (self.num_sampled,)
+        return jax.device_put(np.zeros(shape, np.int32), replicated(self.mesh))
 
     def reset_kv_caches(self) -> None:
         """Fresh caches and no step history, after a failed step may have consumed the donated caches."""
@@ -186,7 +191,7 @@ class ModelRunner:
         self.kv_cache.allocate()
         self.request_rows.clear()
         self._waiting = None
-        self._prev_sampled = self._zero_sampled()
+        self._prev_tokens = self._zero_prev_tokens()
         self.processor_rows.reset()
 
     # ---- weights and memory (an engine inside a JAX program) ----
@@ -207,7 +212,7 @@ class ModelRunner:
         """Free the KV cache and the per-request state (level 1), and the weights too (level 2)."""
         self.kv_cache.delete()
         self.processor_rows.delete()
-        self._prev_sampled.delete()
+        self._prev_tokens.delete()
         for array in self._all_allowed.values():
             array.delete()
         self._all_allowed.clear()
@@ -232,7 +237,7 @@ class ModelRunner:
         if "kv_cache" in tags and self.kv_cache.caches is None:
             self.kv_cache.allocate()
             self.processor_rows.reset()
-            self._prev_sampled = self._zero_sampled()
+            self._prev_tokens = self._zero_prev_tokens()
 
     def logprobs_fn(self):
         """The model's plain full-sequence logprobs, a pure function of params (sequence_logprobs.py)."""
@@ -246,7 +251,7 @@ class ModelRunner:
             self.draft.weights.delete()
         self.kv_cache.delete()
         self.processor_rows.delete()
-        self._prev_sampled.delete()
+        self._prev_tokens.delete()
 
     # ---- the step ----
     def execute_model(self, sched: SchedulerOutput) -> StepOutput | None:
@@ -261,7 +266,7 @@ class ModelRunner:
             self.processor_rows.update_users(added, removed, failed)
         token_bucket = self._token_bucket(sched.num_scheduled_tokens)
         buffer, views = self._next_host_buffer(token_bucket)
-        first_rows = batching.pack(sched, rows, self.request_rows, views, self.block_size)
+        first_rows = batching.pack(sched, rows, self.request_rows, views, self.block_size, self._table_width)
         mode = self.request_rows.batch_sample_mode(rows)
         processed = bool(self.processor_rows.users) or bool(self.request_rows.processed[rows].any())
         most = int(self.request_rows.num_logprobs[rows].max())
@@ -294,15 +299,14 @@ class ModelRunner:
         return self._sample_step(step, bitmask)
 
     def _sample_step(self, step: _Step, bitmask: np.ndarray | None) -> StepOutput:
-        sampled, logprobs, prompt_logprobs = self._sample(step.forward, step.mode, step.processed, step.num_logprobs,
-                                                          bitmask, step.prompt_inputs, step.rows)
-        drafts = self._propose(step.forward, sampled)
+        sampled, logprobs, prompt_logprobs, table = self._sample(
+            step.forward, step.mode, step.processed, step.num_logprobs, bitmask, step.prompt_inputs, step.rows)
         for array in (sampled, *(logprobs or ()), *(a for p in prompt_logprobs for a in p)):
             array.copy_to_host_async()
-        if drafts is not None:
-            drafts.copy_to_host_async()
+        if table is not None:
+            table.copy_to_host_async()
         return StepOutput(sampled, step.sched.scheduled, step.first_rows, logprobs, prompt_logprobs,
-                          step.prompt_segments, step.failed, drafts)
+                          step.prompt_segments, step.failed, table)
 
     def _token_bucket(self, num_tokens: int) -> int:
         return next(b for b in self.token_buckets if b >= num_tokens)
@@ -316,30 +320,34 @@ class ModelRunner:
     def _forward(self, token_bucket: int, buffer: np.ndarray) -> _Forward:
         forward = self.executables.get(ExecutableKey(FORWARD, token_bucket), lambda: self._lower_forward(token_bucket))
         with TraceAnnotation("dispatch"):
-            greedy, logits, words, hidden, self.kv_cache.caches, *aux = forward(
-                self.weights.params, self.kv_cache.caches, self._prev_sampled, buffer)
-        return _Forward(token_bucket, greedy, logits, words, hidden, buffer, aux[0] if aux else hidden)
+            greedy, logits, words, hidden, self.kv_cache.caches, *drafter_inputs = forward(
+                self.weights.params, self.kv_cache.caches, self._prev_tokens, buffer)
+        draft_inputs = drafter_inputs[0] if drafter_inputs else None
+        draft_hidden = drafter_inputs[1] if len(drafter_inputs) > 1 else hidden
+        return _Forward(token_bucket, greedy, logits, words, hidden, draft_inputs, draft_hidden)
 
     def _propose(self, fwd: _Forward, sampled: jax.Array) -> jax.Array | None:
-        """With a draft model or an EAGLE head, its drafts [R, k] for after the tokens the step's requests take."""
+        """With a draft model or an EAGLE head, its table (draft_inputs.py) of the step's requests: the
+        token each took last, the drafts for after it, and how many of its drafts the model rejected."""
         if self.draft is None:
             return None
-        propose = self.executables.get(ExecutableKey(DRAFT, fwd.token_bucket),
-                                       lambda: self._lower_draft(fwd.token_bucket, fwd.draft_hidden))
+        propose = self.executables.get(ExecutableKey(DRAFT, fwd.token_bucket), lambda: self._lower_draft(
+            fwd.token_bucket, fwd.draft_inputs, sampled, fwd.draft_hidden))
         with TraceAnnotation("dispatch"):
-            drafts, self.kv_cache.draft_caches = propose(self.draft.params(self.weights), self.kv_cache.draft_caches,
-                                                         fwd.buffer, sampled, fwd.draft_hidden)
-        return drafts
+            table, self.kv_cache.draft_caches = propose(self.draft.params(self.weights), self.kv_cache.draft_caches,
+                                                        fwd.draft_inputs, sampled, fwd.draft_hidden)
+        return table
 
     def _sample(self, fwd: _Forward, mode: SampleMode, processed: bool = False, num_logprobs: int | None = None,
                 bitmask: np.ndarray | None = None, prompt_inputs=(), user_rows: np.ndarray | None = None
-                ) -> tuple[jax.Array, Logprobs | None, list[Logprobs]]:
+                ) -> tuple[jax.Array, Logprobs | None, list[Logprobs], jax.Array | None]:
         """Sample a dispatched forward: unless the batch is greedy with no logits processors, its
         sampler (with `processed`, the processors', under `bitmask` [R, bitmask_words] or none);
         if asked, the logprobs of its sampled ids, and the prompt logprobs of `prompt_inputs`
-        [(token indices [C], target ids [C])]. `user_rows`: the step's rows, for the users'
-        processors' states. Returns (the sampled ids, their Logprobs or None, the prompt inputs'
-        Logprobs)."""
+        [(token indices [C], target ids [C])]; then a drafter's next drafts. `user_rows`: the step's
+        rows, for the users' processors' states. Returns (the sampled ids, their Logprobs or None,
+        the prompt inputs' Logprobs, the drafter's table or None); the next step's forward reads its
+        tokens from the table, or without a drafter from the sampled ids."""
         num_reqs = fwd.logits.shape[0]
         if processed:
             bitmask = self._all_allowed_bitmask(num_reqs) if bitmask is None else bitmask
@@ -347,47 +355,45 @@ class ModelRunner:
             sampler = self.executables.get(ExecutableKey(SAMPLER, num_reqs, mode, True), lambda: (
                 self.fns.sample_processed.lower(fwd.logits, fwd.words, state, bitmask, user_states, mode)))
             with TraceAnnotation("dispatch"):
-                self._prev_sampled, self.processor_rows.state = sampler(fwd.logits, fwd.words, state, bitmask,
-                                                                        user_states)
+                sampled, self.processor_rows.state = sampler(fwd.logits, fwd.words, state, bitmask, user_states)
         elif mode == SampleMode.GREEDY:
-            self._prev_sampled = fwd.greedy
+            sampled = fwd.greedy
         else:
             sampler = self.executables.get(ExecutableKey(SAMPLER, num_reqs, mode, False),
                                            lambda: self.fns.sample.lower(fwd.logits, fwd.words, mode))
             with TraceAnnotation("dispatch"):
-                self._prev_sampled = sampler(fwd.logits, fwd.words)
+                sampled = sampler(fwd.logits, fwd.words)
         logprobs = None
         if num_logprobs is not None:
             fn = self.executables.get(ExecutableKey(LOGPROBS, num_reqs, num_logprobs=num_logprobs), lambda: (
-                self.fns.logprobs.lower(fwd.logits, self._prev_sampled, num_logprobs)))
+                self.fns.logprobs.lower(fwd.logits, sampled, num_logprobs)))
             with TraceAnnotation("dispatch"):
-                logprobs = Logprobs(*fn(fwd.logits, self._prev_sampled))
+                logprobs = Logprobs(*fn(fwd.logits, sampled))
         prompt_logprobs = []
         for indices, targets in prompt_inputs:
             fn = self.executables.get(ExecutableKey(PROMPT_LOGPROBS, fwd.token_bucket), lambda: (
                 self.fns.prompt_logprobs.lower(self.weights.params, fwd.hidden, indices, targets)))
             with TraceAnnotation("dispatch"):
                 prompt_logprobs.append(Logprobs(*fn(self.weights.params, fwd.hidden, indices, targets)))
-        return self._prev_sampled, logprobs, prompt_logprobs
+        table = self._propose(fwd, sampled)
+        self._prev_tokens = sampled if table is None else table
+        return sampled, logprobs, prompt_logprobs, table
 
     def _dispatch(self, token_bucket: int, buffer: np.ndarray, mode: SampleMode, processed: bool = False,
                   num_logprobs: int | None = None, prompt_inputs=()):
         """A whole step from a packed buffer, with no token masks (warm-up, a benchmark's replay),
         and a draft model's or EAGLE head's drafts after it."""
-        fwd = self._forward(token_bucket, buffer)
-        sampled = self._sample(fwd, mode, processed, num_logprobs, None, prompt_inputs)
-        return sampled, self._propose(fwd, sampled[0])
+        return self._sample(self._forward(token_bucket, buffer), mode, processed, num_logprobs, None, prompt_inputs)
 
     def _lower_forward(self, token_bucket: int) -> jax.stages.Lowered:
         buffer = self._host_buffers[token_bucket][0][0]
-        return self.fns.forward.lower(self.weights.params, self.kv_cache.caches, self._prev_sampled, buffer,
+        return self.fns.forward.lower(self.weights.params, self.kv_cache.caches, self._prev_tokens, buffer,
                                       token_bucket)
 
-    def _lower_draft(self, token_bucket: int, draft_hidden) -> jax.stages.Lowered:
-        """draft_hidden: the forward's _Forward.draft_hidden (an array or its shape)."""
-        buffer = self._host_buffers[token_bucket][0][0]
-        return self.draft.propose.lower(self.draft.params(self.weights), self.kv_cache.draft_caches, buffer,
-                                        self._prev_sampled, draft_hidden, token_bucket)
+    def _lower_draft(self, token_bucket: int, draft_inputs, sampled, draft_hidden) -> jax.stages.Lowered:
+        """The forward's draft_inputs, sampled ids and draft_hidden (arrays or their shapes)."""
+        return self.draft.propose.lower(self.draft.params(self.weights), self.kv_cache.draft_caches, draft_inputs,
+                                        sampled, draft_hidden, token_bucket)
 
     def _all_allowed_bitmask(self, num_reqs: int) -> jax.Array:
         if num_reqs not in self._all_allowed:
@@ -474,8 +480,9 @@ class ModelRunner:
         if key.kind == FORWARD:
             return self._lower_forward(key.bucket)
         sampled, logits, words, hidden = forward_info[:4]
-        if key.kind == DRAFT:
-            return self._lower_draft(key.bucket, forward_info[5] if self.aux_layers else hidden)
+        if key.kind == DRAFT:  # after the KV caches: the inputs as run, then an EAGLE-3 head's states
+            draft_hidden = forward_info[6] if self.aux_layers else hidden
+            return self._lower_draft(key.bucket, forward_info[5], sampled, draft_hidden)
         if key.kind == PROMPT_LOGPROBS:
             chunk = jax.ShapeDtypeStruct((self._prompt_logprobs_chunk(key.bucket),), jnp.int32)
             return self.fns.prompt_logprobs.lower(self.weights.params, hidden, chunk, chunk)

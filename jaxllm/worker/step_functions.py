@@ -3,6 +3,7 @@ request's last token and their argmax), the sampler with and without the logits
 processors, the logprobs of the sampled ids and of prompt positions, and the writer of
 the processors' state rows. Closures and plain functions, not methods: the runner is
 not kept alive by its executables."""
+import dataclasses
 import functools
 
 import jax
@@ -16,6 +17,7 @@ from jaxllm.sample.processors import ProcessorState
 from jaxllm.sample.sampler import ProcessorMetadata, SampleMode, SamplingMetadata, sample
 from jaxllm.sharding import kv_cache_sharding, named_sharding, replicated
 from jaxllm.worker import input_batch as batching
+from jaxllm.worker.draft_inputs import read_previous_step
 
 
 class StepFunctions:
@@ -24,18 +26,22 @@ class StepFunctions:
 
     def __init__(self, graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout],
                  num_sampled: int, mesh, num_kv_tensors: int, user_processors: tuple, num_logprobs: int,
-                 invariant: bool = False, num_speculative_tokens: int = 0, aux_layers: tuple[int, ...] = ()):
+                 invariant: bool = False, num_speculative_tokens: int = 0, aux_layers: tuple[int, ...] = (),
+                 drafter_block_size: int | None = None):
         """num_sampled: the length of the sampled ids' array (the most rows of logits a step has);
         invariant: the model traces with the batch-invariant ops (kernels/batch_invariant.py);
-        aux_layers: an EAGLE-3 head's target layers, whose input states the forward returns too."""
+        aux_layers: an EAGLE-3 head's target layers, whose input states the forward returns too;
+        drafter_block_size: with a draft model or an EAGLE head, the KV block size (draft_inputs.py)."""
         kv = kv_cache_sharding(mesh)
         rep = replicated(mesh)
         self.processor_state_sharding = ProcessorState(*[named_sharding(mesh, (None, "vocab"))] * 4)
         model_fn = _traced_invariant if invariant else (lambda fn: fn)
-        forward = model_fn(make_forward_fn(graphdef, params_treedef, attn_fn, layouts, num_sampled, aux_layers))
+        forward = model_fn(make_forward_fn(graphdef, params_treedef, attn_fn, layouts, num_sampled, aux_layers,
+                                           drafter_block_size))
         forward_shardings = (rep, named_sharding(mesh, (None, "vocab")), rep, rep, [(kv, kv)] * num_kv_tensors)
+        drafter_outputs = (rep,) * ((drafter_block_size is not None) + bool(aux_layers))
         self.forward = jax.jit(forward, donate_argnums=(1,), static_argnums=(4,),
-                               out_shardings=forward_shardings + ((rep,) if aux_layers else ()))
+                               out_shardings=forward_shardings + drafter_outputs)
         self.sample = jax.jit(functools.partial(sample_padded, num_sampled=num_sampled), static_argnums=(2,),
                               out_shardings=rep)
         # Users' processors (EngineArgs.logits_processors): every step runs them, in the processed sampler.
@@ -60,25 +66,36 @@ def _traced_invariant(fn):
 
 
 def make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout], num_sampled: int,
-                    aux_layers: tuple[int, ...] = ()):
+                    aux_layers: tuple[int, ...] = (), drafter_block_size: int | None = None):
     """The jitted forward's function (a closure, not a method: the runner is not kept alive by its executables)."""
-    def step(params, kv_caches, prev_sampled, buffer, token_bucket: int):
+    def step(params, kv_caches, prev_tokens, buffer, token_bucket: int):
         """params: flat weights; kv_caches: per KV tensor (K, V) [num_blocks, block_size, kv_heads, head_dim];
-        prev_sampled [num_sampled] int32: the previous step's ids; buffer [size] int32: this step's inputs,
-        laid out as `token_bucket`'s BatchLayout. Returns (the greedy ids [num_sampled] int32, the logits
-        [L, vocab] float32 at each sampled position (a request's last token, and its drafts'), their L
-        rows of sampling words, the final hidden states [T, hidden_size] (for prompt logprobs and an EAGLE
-        head), kv_caches), and with aux_layers the states entering them [T, len(aux_layers) * hidden_size]."""
-        batch = layouts[token_bucket].unpack(buffer)
-        input_ids = jnp.where(batch.prev_rows >= 0, prev_sampled[jnp.maximum(batch.prev_rows, 0)], batch.input_ids)
-        model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, params))
-        if aux_layers:
-            hidden, kv_caches, aux = model(input_ids, batch.positions, kv_caches, batch.attention, attn_fn, aux_layers)
+        prev_tokens: the previous step's tokens on the device, its sampled ids [num_sampled] int32, or with a
+        drafter its table (draft_inputs.py); buffer [size] int32: this step's inputs, laid out as
+        `token_bucket`'s BatchLayout. Returns (the greedy ids [num_sampled] int32, the logits [L, vocab]
+        float32 at each sampled position (a request's last token, and its drafts'), their L rows of sampling
+        words, the final hidden states [T, hidden_size] (for prompt logprobs and an EAGLE head), kv_caches),
+        with a drafter the buffer [size] holding the tokens and positions the step ran (what the drafter
+        reads), and with aux_layers the states entering them [T, len(aux_layers) * hidden_size]."""
+        layout = layouts[token_bucket]
+        batch = layout.unpack(buffer)
+        if drafter_block_size is None:
+            batch = dataclasses.replace(batch, input_ids=jnp.where(
+                batch.prev_rows >= 0, prev_tokens[jnp.maximum(batch.prev_rows, 0)], batch.input_ids))
         else:
-            hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attention, attn_fn)
+            batch = read_previous_step(batch, prev_tokens, drafter_block_size)
+        model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, params))
+        md = batch.attention
+        if aux_layers:
+            hidden, kv_caches, aux = model(batch.input_ids, batch.positions, kv_caches, md, attn_fn, aux_layers)
+        else:
+            hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, md, attn_fn)
         logits = model.compute_logits(hidden[batch.logits_indices])
         greedy = jnp.pad(jnp.argmax(logits, axis=-1).astype(jnp.int32), (0, num_sampled - logits.shape[0]))
         outputs = greedy, logits, batch.sampling, hidden, kv_caches
+        if drafter_block_size is not None:
+            outputs += (layout.replace(buffer, input_ids=batch.input_ids, positions=batch.positions,
+                                       slot_mapping=md.slot_mapping, seq_lens=md.seq_lens, sampling=batch.sampling),)
         return outputs + (aux,) if aux_layers else outputs
     return step
 

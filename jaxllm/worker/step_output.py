@@ -27,7 +27,9 @@ class StepOutput:
     prompt_logprobs: list[Logprobs] = dataclasses.field(default_factory=list)  # chunks of [C] positions
     prompt_segments: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (request index, positions)
     failed: dict[str, str] = dataclasses.field(default_factory=dict)  # request id -> why its host work failed
-    drafts: jax.Array | None = None  # [R, k] int32: a draft model's drafts for after each request's tokens
+    # A draft model's or EAGLE head's table [rows, 2 + k] int32 (worker/draft_inputs.py): per request, the
+    # token it took last, the drafts for after it, and how many of its drafts the model rejected.
+    drafter_table: jax.Array | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -36,21 +38,24 @@ class StepOutput:
     def get_output(self) -> ModelRunnerOutput:
         """The step's results on the host; blocks until the step has finished."""
         samples = np.asarray(self.sampled)
+        table = None if self.drafter_table is None else np.asarray(self.drafter_table)
         if self.first_rows is None:  # no drafts: row i is request i's
             ids = samples[:self.num_reqs].tolist()
             taken = [[t] if s.samples else [] for t, s in zip(ids, self.scheduled)]
-        else:
+        elif table is None:
             taken = [self._accepted(s, samples, int(first)) if s.samples else []
                      for s, first in zip(self.scheduled, self.first_rows)]
+        else:  # the drafter's table counts them (the drafts may be ones only the device knows)
+            taken = [samples[first:first + 1 + len(s.draft_token_ids) - rejected].tolist() if s.samples else []
+                     for s, first, rejected in zip(self.scheduled, self.first_rows.tolist(), table[:, -1].tolist())]
         drafts = None
-        if self.drafts is not None:
-            rows = np.asarray(self.drafts)
-            drafts = [rows[i].tolist() if s.samples else [] for i, s in enumerate(self.scheduled)]
+        if table is not None:
+            drafts = [table[i, 1:-1].tolist() if s.samples else [] for i, s in enumerate(self.scheduled)]
         return ModelRunnerOutput(taken, self._host_logprobs(taken), self._host_prompt_logprobs(), self.failed, drafts)
 
     @staticmethod
     def _accepted(s: ScheduledRequest, samples: np.ndarray, first: int) -> list[int]:
-        """The request's samples from its first row on, while they agree with its drafts, and the one after."""
+        """The request's samples from its first row on, while they agree with its (host) drafts, and the one after."""
         rows = samples[first:first + 1 + len(s.draft_token_ids)].tolist()
         n = 1
         while n < len(rows) and rows[n - 1] == s.draft_token_ids[n - 1]:

@@ -4,8 +4,9 @@ import pytest
 from jaxllm.config import SchedulerConfig
 from jaxllm.core.block_pool import BlockPool
 from jaxllm.core.kv_cache_manager import KVCacheManager
-from jaxllm.contracts.step import ModelRunnerOutput
+from jaxllm.contracts.step import DRAFT_ON_DEVICE, ModelRunnerOutput
 from jaxllm.core.scheduler import Scheduler
+from jaxllm.spec_decode.draft_model import RunnerDrafts
 from jaxllm.request import Request, RequestStatus
 from jaxllm.sampling_params import SamplingParams
 
@@ -189,3 +190,48 @@ def test_scheduler_output_carries_only_new_blocks_and_finished_ids():
     s.add_request(make_request(1, 2))
     out = s.schedule()
     assert out.finished_req_ids == ["0"] and s.schedule().finished_req_ids == []
+
+
+def drafting_scheduler(**kwargs) -> Scheduler:
+    """A scheduler of 3 drafts a step made on the device (a draft model's: 3 lookahead slots)."""
+    s = make_scheduler(**kwargs)
+    return Scheduler(s.config, s.kv, RunnerDrafts(3), num_speculative_tokens=3)
+
+
+def land(s: Scheduler, out, taken: list[int]):
+    """Step `out`'s one request took `taken`; the drafter made [50, 51, 52] for after them."""
+    return s.update_from_output(out, ModelRunnerOutput([taken], draft_token_ids=[[50, 51, 52]]))
+
+
+def test_a_step_in_flight_counts_as_taking_every_draft_and_falls_back_when_it_lands():
+    s = drafting_scheduler()
+    request = make_request(0, 5, max_tokens=20)
+    s.add_request(request)
+    steps = [s.schedule(), s.schedule()]  # the prefill, and its next token with drafts made after it
+    first = steps[1].scheduled[0]
+    assert (first.num_computed_tokens, first.num_new_tokens, first.draft_token_ids) == (5, 4, [DRAFT_ON_DEVICE] * 3)
+    land(s, steps[0], [10])
+    steps.append(s.schedule())  # as if the step in flight takes its 3 drafts and the token after them
+    second = steps[2].scheduled[0]
+    assert (second.num_computed_tokens, second.num_new_tokens, second.token_ids) == (9, 4, [])
+    land(s, steps[1], [11, 12])  # one draft taken, two rejected: the step in flight runs 2 positions back
+    assert (request.num_tokens, request.num_computed_tokens, request.num_output_placeholders) == (8, 11, 4)
+    land(s, steps[2], [13])
+    assert (request.num_tokens, request.num_computed_tokens, request.num_output_placeholders) == (9, 8, 0)
+    assert s.spec_totals.num_draft_tokens == 6 and s.spec_totals.num_accepted_tokens == 1
+
+
+def test_drafts_in_flight_never_take_a_request_past_max_tokens():
+    s = drafting_scheduler()
+    request = make_request(0, 5, max_tokens=6)
+    s.add_request(request)
+    prefill, drafted = s.schedule(), s.schedule()
+    assert len(drafted.scheduled[0].draft_token_ids) == 3
+    land(s, prefill, [60])
+    last = s.schedule()  # 1 token out and 4 in flight: room for one more, with no draft
+    assert (last.scheduled[0].num_new_tokens, last.scheduled[0].draft_token_ids) == (1, [])
+    land(s, drafted, [61, 62, 63, 64])  # every draft taken
+    assert s.schedule().is_empty  # the token in flight is the 6th
+    outputs = land(s, last, [65])
+    assert outputs[0].finish_reason == "length" and request.num_output_tokens == 6
+    assert s.kv.pool.num_free_blocks == 64

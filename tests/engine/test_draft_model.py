@@ -10,20 +10,21 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineArgs
 from tests.conftest import tiny_model
-from tests.engine.test_speculative import check_200_requests_with_aborts
+from tests.engine.test_speculative import check_200_requests_with_aborts, check_stops_are_the_same_with_drafts
 
 # Gemma 3's hybrid cache (a window of 8 beside full attention): the draft's layers, sliding ones
 # too, read the target's full-attention group's block tables.
-ENGINE = dict(model=tiny_model("gemma3"), skip_tokenizer_init=True, max_model_len=128, max_num_seqs=8,
-              max_num_batched_tokens=32, block_size=16)
+ENGINE = dict(model=tiny_model("gemma3"), max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32,
+              block_size=16)
 SELF_DRAFT = {"method": "draft_model", "model": tiny_model("gemma3"), "num_speculative_tokens": 3}
 
 
 @pytest.fixture(scope="module")
-def llm():
-    """The tiny Gemma 3 drafting for itself, on a cache small enough to preempt."""
-    with LLM(**ENGINE, num_gpu_blocks_override=24, speculative_config=SELF_DRAFT, enable_multiprocessing=False,
-             show_progress=False) as llm:
+def llm(char_llama):
+    """The tiny Gemma 3 drafting for itself (with a character tokenizer), on a cache small enough to preempt;
+    asynchronous scheduling, the default with a draft model."""
+    with LLM(**ENGINE, tokenizer=char_llama, num_gpu_blocks_override=24, speculative_config=SELF_DRAFT,
+             enable_multiprocessing=False, show_progress=False) as llm:
         yield llm
 
 
@@ -58,6 +59,35 @@ def test_greedy_and_seeded_tokens_are_the_same_with_a_draft_model(llm):
     assert want.pop() == want
     assert all(len(w) == p.max_tokens for w, p in zip(want, params))  # max_tokens, never more
     assert scheduler(llm).num_preemptions > preemptions and 0 < num_taken < num_drafts
+
+
+def test_penalties_bias_and_logprobs_are_the_same_with_a_draft_model(llm):
+    """The draft guesses without penalties, so the target rejects some of its drafts; the counts the
+    penalties read include the drafts before each row, which the step reads on the device."""
+    prompts = [{"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}, {"prompt_token_ids": [40, 41, 40, 41, 40]}]
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3,
+                             frequency_penalty=0.4, presence_penalty=0.2, logprobs=3),
+              SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logit_bias={41: 2.0, 40: 1.5},
+                             min_tokens=4, n=2, logprobs=2)]
+
+    def run(speculate):
+        sched = scheduler(llm)
+        proposer, sched.proposer = sched.proposer, (sched.proposer if speculate else None)
+        try:
+            return [c for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
+        finally:
+            sched.proposer = proposer
+    want, got = run(False), []
+    num_drafts, num_taken = drafts_taken(llm, lambda: got.extend(run(True)))
+    assert [c.token_ids for c in got] == [c.token_ids for c in want] and 0 < num_taken < num_drafts
+    for wc, gc in zip(want, got):
+        for wl, gl in zip(wc.logprobs, gc.logprobs):
+            assert wl.keys() == gl.keys()
+            np.testing.assert_allclose([v.logprob for v in gl.values()], [v.logprob for v in wl.values()], atol=1e-4)
+
+
+def test_stops_and_lengths_are_the_same_with_a_draft_model(llm):
+    check_stops_are_the_same_with_drafts(llm)
 
 
 def test_the_target_as_its_own_draft_has_every_greedy_draft_taken(llm):

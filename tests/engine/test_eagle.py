@@ -18,10 +18,10 @@ from jaxllm.models.loader import create_model, iter_hf_weights
 from jaxllm.sharding import make_mesh
 from tests.conftest import tiny_model
 from tests.engine import eagle_heads
-from tests.engine.test_speculative import check_200_requests_with_aborts
+from tests.engine.test_speculative import check_200_requests_with_aborts, check_stops_are_the_same_with_drafts
 
 EAGLE3_LAYERS = [0, 2, 3]  # of the four-layer tiny Llama (vLLM's default needs 7 layers for three distinct ones)
-ENGINE = dict(skip_tokenizer_init=True, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, block_size=16,
+ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, block_size=16,
               num_gpu_blocks_override=16, enable_multiprocessing=False, show_progress=False)
 
 
@@ -35,11 +35,12 @@ def folders(tmp_path_factory) -> dict[str, tuple[str, str]]:
 
 
 @pytest.fixture(scope="module", params=["eagle", "eagle3"])
-def llm(request, folders):
-    """An engine drafting with the head, on a cache small enough to preempt; .method: its method."""
+def llm(request, folders, char_llama):
+    """An engine drafting with the head (with a character tokenizer), on a cache small enough to preempt;
+    asynchronous scheduling, the default with a head; .method: its method."""
     head, target = folders[request.param]
     spec = {"method": request.param, "model": head, "num_speculative_tokens": 3}
-    with LLM(target, speculative_config=spec, **ENGINE) as llm:
+    with LLM(target, tokenizer=char_llama, speculative_config=spec, **ENGINE) as llm:
         llm.method = request.param
         yield llm
 
@@ -82,6 +83,10 @@ def test_n_sampled_sequences_are_the_same_with_an_eagle_head(llm):
     params = [SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True),
               SamplingParams(n=2, temperature=0.0, max_tokens=12, ignore_eos=True)]
     assert generate(llm, prompts, params) == generate(llm, prompts, params, speculate=False)
+
+
+def test_stops_and_lengths_are_the_same_with_an_eagle_head(llm):
+    check_stops_are_the_same_with_drafts(llm)
 
 
 def test_every_draft_is_the_heads_over_the_whole_sequence(llm, folders):

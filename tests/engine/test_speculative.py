@@ -177,6 +177,37 @@ def check_200_requests_with_aborts(engine, rng, prompt) -> None:
     assert stats_now["spec_decode_num_accepted_tokens"] > 0
 
 
+def check_stops_are_the_same_with_drafts(llm) -> None:
+    """Stop strings, stop ids with min_tokens, and max_tokens from 1 to past the drafts (greedy and
+    seeded): with the drafter's drafts each request gives the text, tokens and finish reason it
+    gives without (`llm`: an engine with a character tokenizer)."""
+    sched = llm.llm_engine.engine_core.core.scheduler
+    prompts = ["abcabcabc", "hello hello", "xyz", "0123456789"]
+    free = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    params = []
+    for i, out in enumerate(free):
+        text, ids = out.outputs[0].text, out.outputs[0].token_ids
+        params += [SamplingParams(temperature=0.0, max_tokens=30, stop=[text[8:10]], ignore_eos=True),
+                   SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[ids[5]], min_tokens=3),
+                   SamplingParams(temperature=0.8, seed=i, max_tokens=30, stop=[text[4]], ignore_eos=True,
+                                  include_stop_str_in_output=True),
+                   SamplingParams(temperature=0.0, max_tokens=1 + i, ignore_eos=True)]
+    prompts = [p for p in prompts for _ in range(4)]
+
+    def run():
+        return [(c.text, c.token_ids, c.finish_reason) for o in llm.generate(prompts, params, use_tqdm=False)
+                for c in o.outputs]
+    proposer, sched.proposer = sched.proposer, None
+    try:
+        want = run()
+    finally:
+        sched.proposer = proposer
+    accepted = sched.spec_totals.num_accepted_tokens
+    assert run() == want
+    assert sched.spec_totals.num_accepted_tokens > accepted
+    assert sum(reason == "stop" for _, _, reason in want) >= 6 and [len(w[1]) for w in want[3::4]] == [1, 2, 3, 4]
+
+
 @pytest.mark.parametrize("spec, message", [
     ({"method": "eagle7", "num_speculative_tokens": 2}, "speculative_config.method"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
@@ -190,12 +221,15 @@ def test_a_bad_speculative_config_names_its_field(spec, message):
         EngineArgs(model=tiny_model("llama"), speculative_config=spec).create_config()
 
 
-def test_speculation_runs_with_synchronous_scheduling():
-    config = EngineArgs(model=tiny_model("llama"), speculative_config=NGRAM).create_config()
-    assert not config.scheduler.async_scheduling and config.speculative.prompt_lookup_max == 3
-    assert EngineArgs(model=tiny_model("llama")).create_config().scheduler.async_scheduling
-    with pytest.raises(ValueError, match="async_scheduling"):
-        EngineArgs(model=tiny_model("llama"), speculative_config=NGRAM, async_scheduling=True).create_config()
+def test_ngram_drafts_run_with_synchronous_scheduling_and_a_draft_models_with_asynchronous():
+    def scheduling(spec, **kwargs):
+        return EngineArgs(model=tiny_model("llama"), speculative_config=spec, **kwargs).create_config().scheduler
+    draft_model = {"method": "draft_model", "model": tiny_model("llama"), "num_speculative_tokens": 2}
+    assert scheduling(None).async_scheduling and scheduling(draft_model).async_scheduling
+    assert not scheduling(NGRAM).async_scheduling
+    assert not scheduling(draft_model, async_scheduling=False).async_scheduling
+    with pytest.raises(ValueError, match="async_scheduling does not run with speculative_config.method 'ngram'"):
+        scheduling(NGRAM, async_scheduling=True)
 
 
 def test_a_request_under_token_masks_beside_drafted_requests_keeps_to_them(char_llama):

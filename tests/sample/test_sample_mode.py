@@ -70,9 +70,9 @@ def test_the_step_holds_no_conditional():
     buffer, views = runner._next_host_buffer(token_bucket)
     batching.fill_padding(views)
     params = runner.weights.params
-    forward = runner.fns.forward.lower(params, runner.kv_caches, runner._prev_sampled, buffer, token_bucket)
+    forward = runner.fns.forward.lower(params, runner.kv_caches, runner._prev_tokens, buffer, token_bucket)
     texts = [forward.as_text()]
-    _, logits, words, _, _ = runner.fns.forward.eval_shape(params, runner.kv_caches, runner._prev_sampled,
+    _, logits, words, _, _ = runner.fns.forward.eval_shape(params, runner.kv_caches, runner._prev_tokens,
                                                            buffer, token_bucket)
     texts += [runner.fns.sample.lower(logits, words, mode).as_text() for mode in list(SampleMode)[1:]]
     bitmask = runner._all_allowed_bitmask(logits.shape[0])
