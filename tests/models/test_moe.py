@@ -13,10 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineArgs
 from jaxllm.models.config import ModelArchConfig
+from jaxllm.models.loader import abstract_params
 from jaxllm.models.moe import moe_expert_parallel, moe_one_device, moe_tensor_parallel, route
 from jaxllm.sharding import make_mesh, named_sharding, replicated
 from tests.conftest import run_with_host_devices, tiny_model
@@ -64,6 +66,21 @@ def test_greedy_tokens_and_logprobs_match_hf_transformers_and_nothing_compiles_a
     np.testing.assert_allclose(logprobs, golden["greedy_logprobs"], atol=1e-4)
 
 
+@pytest.mark.parametrize("layout", ["engine", "hf"])
+def test_params_in_memory_give_the_checkpoints_outputs(layout):
+    """Qwen2-MoE's stacked experts and shared expert packed from HF-named arrays, or handed back."""
+    golden = np.load(os.path.join(tiny_model("qwen2_moe"), "golden.npz"))
+    if layout == "hf":
+        params = load_file(os.path.join(tiny_model("qwen2_moe"), "model.safetensors"))
+    else:
+        with LLM(tiny_model("qwen2_moe"), **ENGINE) as llm:
+            params = jax.tree.map(np.asarray, llm.get_params())
+    with LLM(tiny_model("qwen2_moe"), params=params, **ENGINE) as llm:
+        tokens, logprobs = greedy(llm, golden["greedy_prompt"])
+    assert tokens == golden["greedy_tokens"].tolist()
+    np.testing.assert_allclose(logprobs, golden["greedy_logprobs"], atol=1e-4)
+
+
 def test_sparse_layers_follow_mlp_only_layers_and_decoder_sparse_step():
     d = fixture_hf_config("qwen3_moe")  # 3 layers, mlp_only_layers [1]
     assert ModelArchConfig.from_hf_config(d).moe.sparse_layers == (0, 2)
@@ -71,6 +88,19 @@ def test_sparse_layers_follow_mlp_only_layers_and_decoder_sparse_step():
     assert ModelArchConfig.from_hf_config(d).moe.sparse_layers == (1,)
     mixtral = ModelArchConfig.from_hf_config(fixture_hf_config("mixtral"))
     assert (mixtral.moe.sparse_layers, mixtral.moe.renormalize) == ((0, 1), True)
+
+
+@pytest.mark.parametrize("name, num_params, num_active", [("qwen3-30b-a3b", 30.5e9, 3.3e9),
+                                                           ("mixtral-8x7b", 46.7e9, 12.9e9)])
+def test_bundled_configs_have_their_models_sizes(name, num_params, num_active):
+    """The published sizes: all params, and those one token reads (top_k of the experts)."""
+    config = EngineArgs(model=name, load_format="dummy").create_config().model.arch
+    _, params = abstract_params(config, jnp.bfloat16)
+    sizes = {path: int(np.prod(var.shape)) for path, var in params.items()}
+    experts = sum(size for path, size in sizes.items() if "experts" in path)
+    assert sum(sizes.values()) == pytest.approx(num_params, rel=0.01)
+    active = sum(sizes.values()) - experts * (1 - config.moe.top_k / config.moe.num_experts)
+    assert active == pytest.approx(num_active, rel=0.02)
 
 
 def test_route_takes_the_most_probable_experts_renormalized_where_the_model_asks():
