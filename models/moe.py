@@ -78,25 +78,23 @@ def moe_one_device(x, weights, ids, gate_up, down):
     return combine(rows.reshape(t, k, -1), weights, x.dtype)
 
 
-def moe_tensor_parallel(mesh, axes: tuple, x, weights, ids, gate_up, down):
-    """moe_one_device on each device's slices of every expert's intermediate (gate_up's axes `axes`),
-    the partial sums added up over the devices."""
-    gate_up_spec, down_spec = logical_to_spec(axes), logical_to_spec((axes[0], axes[3], axes[2]))
-    axis = gate_up_spec[3]
+def moe_tensor_parallel(mesh, x, weights, ids, gate_up, down):
+    """moe_one_device on each device's slices of every expert's intermediate (gate_up and down
+    sharded by the "mlp" rule), the partial sums added up over the devices."""
+    axis = logical_to_spec(("mlp",))[0]
 
     def local(x, weights, ids, gate_up, down):
         return jax.lax.psum(moe_one_device(x, weights, ids, gate_up, down), axis)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), gate_up_spec, down_spec), out_specs=P(),
-                         check_vma=False)(x, weights, ids, gate_up, down)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(None, None, None, axis), P(None, axis)),
+                         out_specs=P(), check_vma=False)(x, weights, ids, gate_up, down)
 
 
-def moe_expert_parallel(mesh, axes: tuple, x, weights, ids, gate_up, down):
-    """The experts whole on each device (gate_up's axes `axes`: the expert axis sharded), each
+def moe_expert_parallel(mesh, x, weights, ids, gate_up, down):
+    """The experts whole on each device (gate_up and down sharded by the "expert" rule), each
     device's share of the tokens sent to its experts' devices and back by all_to_all (the module's
     docstring). x [T, hidden], weights, ids [T, k] replicated -> [T, hidden] replicated."""
-    gate_up_spec, down_spec = logical_to_spec(axes), logical_to_spec((axes[0], axes[3], axes[2]))
-    axis = gate_up_spec[0]
+    axis = logical_to_spec(("expert",))[0]
     n, num_tokens = mesh.shape[axis], x.shape[0]
     pad = -num_tokens % n  # padding tokens take expert 0 with weight 0
     x, weights, ids = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, weights, ids))
@@ -124,9 +122,8 @@ def moe_expert_parallel(mesh, axes: tuple, x, weights, ids, gate_up, down):
         y = combine(pair_rows.reshape(t, k, -1), weights, x.dtype)
         return jax.lax.all_gather(y, axis, tiled=True)
 
-    token_spec = P(axis)
-    y = jax.shard_map(local, mesh=mesh, in_specs=(token_spec, token_spec, token_spec, gate_up_spec, down_spec),
-                      out_specs=P(), check_vma=False)(x, weights, ids, gate_up, down)
+    y = jax.shard_map(local, mesh=mesh, in_specs=(P(axis),) * 5, out_specs=P(), check_vma=False)(
+        x, weights, ids, gate_up, down)
     return y[:num_tokens]
 
 
@@ -145,8 +142,8 @@ class Experts(nnx.Module):
         e, inter = moe.num_experts, moe.intermediate_size
         # Expert parallel: whole experts on each device; tensor parallel: each expert's intermediate split.
         expert, mlp = ("expert", None) if moe.expert_parallel else (None, "mlp")
-        self.axes = (expert, "embed", None, mlp)
-        self.gate_up_proj = _expert_param(rngs, (e, hidden_size, 2, inter), self.axes, dtype, hf_axes=(0, 3, 2, 1))
+        self.gate_up_proj = _expert_param(rngs, (e, hidden_size, 2, inter), (expert, "embed", None, mlp), dtype,
+                                          hf_axes=(0, 3, 2, 1))
         self.down_proj = _expert_param(rngs, (e, inter, hidden_size), (expert, mlp, "embed"), dtype, hf_axes=(0, 2, 1))
         self.mesh, self.expert_parallel = mesh, moe.expert_parallel
 
@@ -156,7 +153,7 @@ class Experts(nnx.Module):
         if self.mesh is None or self.mesh.shape["model"] == 1:
             return moe_one_device(x, weights, ids, gate_up, down)
         run = moe_expert_parallel if self.expert_parallel else moe_tensor_parallel
-        return run(self.mesh, self.axes, x, weights, ids, gate_up, down)
+        return run(self.mesh, x, weights, ids, gate_up, down)
 
 
 class SparseMoeBlock(nnx.Module):

@@ -22,7 +22,7 @@ from jaxllm.models.loader import abstract_params
 from jaxllm.models.moe import moe_expert_parallel, moe_one_device, moe_tensor_parallel, route
 from jaxllm.sharding import make_mesh, named_sharding, replicated
 from tests.conftest import run_with_host_devices, tiny_model
-from tests.models.test_llama import golden_prompts, load_fixture, make_step, run_prompt
+from tests.models.test_llama import assert_logits_match_hf, load_fixture
 
 MOE_MODELS = ("qwen3_moe", "qwen2_moe", "mixtral")
 ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, skip_tokenizer_init=True,
@@ -37,15 +37,7 @@ def fixture_hf_config(name: str) -> dict:
 
 @pytest.mark.parametrize("name", MOE_MODELS)
 def test_logits_match_hf_transformers(name):
-    config, model, golden = load_fixture(name)
-    step = make_step(model)
-    for token_ids, hf_logits in golden_prompts(golden):
-        n = len(token_ids)
-        for chunks in [[n]] + ([[16, 16, n - 32]] if n > 32 else []):
-            logits = run_prompt(step, config, token_ids, chunks)
-            err = np.abs(logits - hf_logits).max()
-            tol = 1e-4 * max(1.0, np.abs(hf_logits).max())
-            assert err < tol, f"{name}: prompt of {n} tokens in chunks {chunks}: max error {err:.2e} > {tol:.2e}"
+    assert_logits_match_hf(name, *load_fixture(name))
 
 
 def greedy(llm, prompt) -> tuple[list[int], np.ndarray]:
@@ -162,7 +154,7 @@ def test_the_moe_layer_over_devices_equals_each_tokens_experts_one_by_one(parall
     down = jax.device_put(down, named_sharding(mesh, (axes[0], axes[3], "embed")))
     x, weights, ids = jax.device_put((x, weights, ids), replicated(mesh))
     run = moe_expert_parallel if parallel == "expert" else moe_tensor_parallel
-    got = jax.jit(lambda *a: run(mesh, axes, *a))(x, weights, ids, gate_up, down)
+    got = jax.jit(lambda *a: run(mesh, *a))(x, weights, ids, gate_up, down)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     if num_devices == 1:
         np.testing.assert_allclose(moe_one_device(x, weights, ids, gate_up, down), want, rtol=1e-5, atol=1e-5)
