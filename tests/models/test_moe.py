@@ -18,6 +18,8 @@ from safetensors.numpy import load_file
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineArgs
 from jaxllm.models.config import ModelArchConfig
+from jaxllm.models.fp8 import Fp8Linear
+from jaxllm.models.llama import Linear
 from jaxllm.models.loader import abstract_params
 from jaxllm.models.moe import moe_expert_parallel, moe_one_device, moe_tensor_parallel, route
 from jaxllm.sharding import make_mesh, named_sharding, replicated
@@ -71,6 +73,18 @@ def test_params_in_memory_give_the_checkpoints_outputs(layout):
         tokens, logprobs = greedy(llm, golden["greedy_prompt"])
     assert tokens == golden["greedy_tokens"].tolist()
     np.testing.assert_allclose(logprobs, golden["greedy_logprobs"], atol=1e-4)
+
+
+def test_fp8_quantizes_the_linears_but_not_the_routers():
+    """quantization="fp8": attention and dense MLPs in e4m3; the routers (and the experts) as loaded."""
+    golden = np.load(os.path.join(tiny_model("qwen3_moe"), "golden.npz"))
+    with LLM(tiny_model("qwen3_moe"), quantization="fp8", **ENGINE) as llm:
+        model = llm.llm_engine.engine_core.core.executor.runner.weights.model()
+        assert isinstance(model.layers[0].self_attn.qkv_proj, Fp8Linear)
+        assert isinstance(model.layers[1].mlp.down_proj, Fp8Linear)  # the dense layer
+        assert type(model.layers[0].mlp.gate) is Linear
+        tokens, _ = greedy(llm, golden["greedy_prompt"])
+    assert tokens == golden["greedy_tokens"].tolist()
 
 
 def test_sparse_layers_follow_mlp_only_layers_and_decoder_sparse_step():
