@@ -419,10 +419,9 @@ def hf_name_to_path(name: str) -> ParamPath:
     return (*module, leaf)
 
 
-def path_to_hf_names(path: ParamPath, config: ModelArchConfig | None = None) -> list[str]:
-    """The HF tensors a param is read from: its one, or a fused param's parts in packing order (a
-    MoE layer's stacked experts: expert by expert, each one's parts). config: a MoE model's (the
-    number of experts, Mixtral's names); None for a dense model."""
+def path_to_hf_names(path: ParamPath, config: ModelArchConfig) -> list[str]:
+    """The HF tensors a param of `config`'s model is read from: its one, or a fused param's parts in
+    packing order (a MoE layer's stacked experts: expert by expert, each one's parts)."""
     *module, leaf = path
     if module and module[-1] == "experts":
         parts = FUSED_PROJECTIONS.get(leaf, (leaf,))
@@ -431,7 +430,7 @@ def path_to_hf_names(path: ParamPath, config: ModelArchConfig | None = None) -> 
         names = [_hf_name((*module[:-1], part, leaf)) for part in FUSED_PROJECTIONS[module[-1]]]
     else:
         names = [_hf_name(path)]
-    if config is not None and config.architecture == "mixtral":
+    if config.architecture == "mixtral":
         names = [_mixtral_name(name) for name in names]
     return names
 

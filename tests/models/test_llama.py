@@ -190,7 +190,7 @@ def unpacked_hf_tensors(config: ModelArchConfig, model) -> dict[str, np.ndarray]
             parts = [value[:, 0].T, value[:, 1].T]
         else:
             parts = [value.T if path[-1] == "kernel" else value]
-        tensors.update(zip(path_to_hf_names(path), parts))
+        tensors.update(zip(path_to_hf_names(path, config), parts))
     return tensors
 
 
