@@ -162,6 +162,10 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # vLLM's: a mixture-of-experts model's experts whole on each of the tensor-parallel devices (E / tp
+    # each), tokens sent to them and back by all-to-all; off: every expert split over the devices as a
+    # dense MLP is (models/moe.py). The attention stays tensor parallel either way.
+    enable_expert_parallel: bool = False
     # "uni": this process drives its local devices through one mesh; "multihost": num_hosts processes,
     # one per host, joined by jax.distributed at coordinator_address ("host:port"), one mesh over all
     # their devices; host_rank 0 serves, the others run `jaxllm worker` (executor/multihost.py);
@@ -272,6 +276,7 @@ class EngineArgs:
         _check(arch.num_heads % tp == 0 and (arch.num_kv_heads % tp == 0 or tp % arch.num_kv_heads == 0),
                f"tensor_parallel_size={tp} must divide the model's attention heads ({arch.num_heads}), "
                f"and divide or be a multiple of its KV heads ({arch.num_kv_heads})")
+        arch = self._check_experts(arch, quantization)
         max_len = arch.max_position_embeddings if self.max_model_len is None else self.max_model_len
         _check(max_len <= arch.max_position_embeddings,
                f"max_model_len must be in [1, {arch.max_position_embeddings}] (the model's "
@@ -305,6 +310,27 @@ class EngineArgs:
             batch_invariant=self.batch_invariant,
             speculative=speculative,
         )
+
+    def _check_experts(self, arch: ModelArchConfig, quantization: QuantConfig | None) -> ModelArchConfig:
+        """A mixture-of-experts model's experts checked against the devices, with enable_expert_parallel
+        in its MoeConfig (whole experts per device); a dense model takes no enable_expert_parallel."""
+        tp, moe = self.tensor_parallel_size, arch.moe
+        if moe is None:
+            _check(not self.enable_expert_parallel, "enable_expert_parallel is for mixture-of-experts models "
+                   f"(Qwen2-MoE, Qwen3-MoE, Mixtral), not {arch.architecture!r}")
+            return arch
+        _check(quantization is None or not quantization.from_checkpoint,
+               f"a quantized {arch.architecture} checkpoint does not load yet (its experts are not Linears): "
+               "load its bf16 checkpoint")
+        _check(not self.batch_invariant, "batch_invariant does not run mixture-of-experts models (the experts' "
+               "grouped GEMM has no batch-invariant kernel)")
+        if self.enable_expert_parallel:
+            _check(moe.num_experts % tp == 0, f"enable_expert_parallel: tensor_parallel_size={tp} must divide the "
+                   f"model's experts ({moe.num_experts})")
+            return dataclasses.replace(arch, moe=dataclasses.replace(moe, expert_parallel=True))
+        _check(moe.intermediate_size % tp == 0, f"tensor_parallel_size={tp} must divide each expert's intermediate "
+               f"size ({moe.intermediate_size}), or enable_expert_parallel put whole experts on each device")
+        return arch
 
     def _draft_model(self, model: str, target: ModelArchConfig, max_len: int, platform: str) -> ModelConfig:
         """speculative_config.model resolved as the draft of `target`: its tokens must be the

@@ -21,6 +21,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
     ("q_heads", "model"),   # o_proj in: num_heads * head_dim, the q heads of qkv's groups, in order
     ("kv_heads", "model"),  # the KV cache's heads
     ("mlp", "model"),       # intermediate: gate_up out ([2, intermediate]), down in
+    ("expert", "model"),    # a MoE layer's stacked experts under expert parallelism (models/moe.py)
     ("norm", None),         # RMSNorm scales
 )
 _RULES = dict(LOGICAL_AXIS_RULES)

@@ -2,7 +2,8 @@
 
 One frozen dataclass covers the Llama family, Mistral, Qwen2, Qwen3, Gemma 2 and
 Gemma 3: they differ only in a few flags (qkv bias, q/k norm, sliding window, rope
-scaling; Gemma's soft-caps, query scale and local rope base).
+scaling; Gemma's soft-caps, query scale and local rope base). The mixture-of-experts
+models (Qwen2-MoE, Qwen3-MoE, Mixtral) are their attention with a MoeConfig for the MLPs.
 """
 import dataclasses
 
@@ -15,8 +16,12 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     # Gemma 3's multimodal checkpoints: we read the text model in them (text_config).
     "Gemma3ForConditionalGeneration": "gemma3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
 ROPE_TYPES = ("default", "linear", "llama3")
 _ROPE_KEYS = {"default": (), "linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
@@ -31,17 +36,44 @@ _HF_KEY_TYPES = {
     "layer_types": list, "hidden_activation": str, "query_pre_attn_scalar": float,
     "attn_logit_softcapping": float, "final_logit_softcapping": float, "rope_local_base_freq": float,
     "sliding_window_pattern": int, "text_config": dict,
+    "num_experts": int, "num_local_experts": int, "num_experts_per_tok": int, "moe_intermediate_size": int,
+    "shared_expert_intermediate_size": int, "decoder_sparse_step": int, "norm_topk_prob": bool,
+    "mlp_only_layers": list, "qkv_bias": bool,
 }
 _REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # Sizes and counts: 0 or less would divide by zero or build an empty model.
-_POSITIVE_HF_KEYS = (*_REQUIRED_HF_KEYS, "num_key_value_heads", "head_dim", "max_position_embeddings")
+_POSITIVE_HF_KEYS = (*_REQUIRED_HF_KEYS, "num_key_value_heads", "head_dim", "max_position_embeddings", "num_experts",
+                     "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "shared_expert_intermediate_size", "decoder_sparse_step")
 _JSON_TYPE_NAMES = {int: "an int", float: "a number", bool: "a bool", str: "a string", dict: "an object",
                     list: "a list"}
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """A model's mixture-of-experts MLPs (models/moe.py): each token's MLP is the weighted sum of
+    `top_k` of `num_experts` SwiGLU experts, picked by a router (softmax, then top-k)."""
+    num_experts: int
+    top_k: int  # experts per token (HF's num_experts_per_tok)
+    intermediate_size: int  # each expert's (Qwen's moe_intermediate_size; Mixtral's intermediate_size)
+    renormalize: bool  # the top-k weights divided by their sum (Qwen's norm_topk_prob; Mixtral always)
+    sparse_layers: tuple[int, ...]  # the layers whose MLP is the experts; the others' a dense MLP
+    # Qwen2-MoE: a dense expert of this size that every token takes, scaled by sigmoid(shared_expert_gate(x)); 0: none
+    shared_expert_intermediate_size: int = 0
+    # The engine's choice, not the checkpoint's (EngineArgs.enable_expert_parallel): whole experts on each
+    # device of the "model" axis, tokens sent to them by all-to-all; else each expert's intermediate split.
+    expert_parallel: bool = False
+
+    def __post_init__(self):
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"config key 'num_experts_per_tok' ({self.top_k}) must be in [1, num_experts "
+                             f"({self.num_experts})]")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelArchConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3"
+    # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3" | "qwen2_moe" | "qwen3_moe" | "mixtral"
+    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -63,6 +95,7 @@ class ModelArchConfig:
     attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
     final_logit_softcap: float | None = None  # Gemma 2: the same on the logits
     rope_local_theta: float | None = None  # Gemma 3: plain RoPE of this base on sliding layers
+    moe: MoeConfig | None = None  # the mixture-of-experts models' MLPs; None: dense MLPs
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -83,7 +116,7 @@ class ModelArchConfig:
     @property
     def o_proj_bias(self) -> bool:
         """Llama/Qwen3's attention_bias also covers o_proj; Qwen2's bias is on q/k/v only."""
-        return self.attention_bias and self.architecture != "qwen2"
+        return self.attention_bias and self.architecture not in ("qwen2", "qwen2_moe")
 
     @property
     def attn_scale(self) -> float:
@@ -150,15 +183,46 @@ class ModelArchConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", gemma),  # HF's Gemma configs tie by default
-            attention_bias=arch == "qwen2" or d.get("attention_bias", False),
-            qk_norm=arch in ("qwen3", "gemma3"),
+            # Qwen2(-MoE): q/k/v biases (transformers 5 names Qwen2-MoE's qkv_bias, default on)
+            attention_bias=arch == "qwen2" or (d.get("qkv_bias", True) if arch == "qwen2_moe"
+                                               else d.get("attention_bias", False)),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"),
             sliding_window=sliding_window,
             sliding_layers=sliding_layers,
             query_pre_attn_scalar=d.get("query_pre_attn_scalar", 256) if gemma else None,
             attn_logit_softcap=d.get("attn_logit_softcapping", attn_cap) if gemma else None,
             final_logit_softcap=d.get("final_logit_softcapping", final_cap) if gemma else None,
             rope_local_theta=rope_local_theta,
+            moe=_moe_from_hf(d, arch, num_layers),
         )
+
+
+def _moe_from_hf(d: dict, arch: str, num_layers: int) -> MoeConfig | None:
+    """The experts of a MoE architecture's config (None for a dense one). Qwen's layer i is sparse
+    unless in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0 (HF's rule); Mixtral's all are."""
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    # Qwen's key is num_experts; Mixtral's (and transformers 5's, for Qwen3-MoE) num_local_experts.
+    num_experts = d.get("num_experts") or d.get("num_local_experts")
+    size_key = "intermediate_size" if arch == "mixtral" else "moe_intermediate_size"
+    required = {"num_experts": num_experts, "num_experts_per_tok": d.get("num_experts_per_tok"),
+                size_key: d.get(size_key)}
+    if arch == "qwen2_moe":
+        required["shared_expert_intermediate_size"] = d.get("shared_expert_intermediate_size")
+    missing = [key for key, value in required.items() if value is None]
+    if missing:
+        raise ValueError(f"missing the required key(s) {missing} of a {arch} model")
+    if arch == "mixtral":
+        return MoeConfig(num_experts, d["num_experts_per_tok"], d["intermediate_size"], renormalize=True,
+                         sparse_layers=tuple(range(num_layers)))
+    mlp_only = d.get("mlp_only_layers") or []
+    if not all(isinstance(i, int) and 0 <= i < num_layers for i in mlp_only):
+        raise ValueError(f"config key 'mlp_only_layers' must hold layer indices in [0, {num_layers}), got {mlp_only!r}")
+    step = d.get("decoder_sparse_step") or 1
+    sparse = tuple(i for i in range(num_layers) if i not in mlp_only and (i + 1) % step == 0)
+    return MoeConfig(num_experts, d["num_experts_per_tok"], d["moe_intermediate_size"],
+                     renormalize=bool(d.get("norm_topk_prob", False)), sparse_layers=sparse,
+                     shared_expert_intermediate_size=d.get("shared_expert_intermediate_size") or 0)
 
 
 def _check_mlp(d: dict, arch: str) -> None:
@@ -221,7 +285,8 @@ def _sliding_from_hf(d: dict, arch: str, num_layers: int):
     is set; Qwen only with `use_sliding_window`, and only layers >= max_window_layers;
     Gemma the layers of its pattern. `layer_types`' "sliding_attention" layers win over all."""
     window = d.get("sliding_window")
-    if arch in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+    qwen = arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+    if qwen and not d.get("use_sliding_window", False):
         window = None
     if arch == "llama" or window is None:
         return None, None
@@ -230,6 +295,6 @@ def _sliding_from_hf(d: dict, arch: str, num_layers: int):
     if arch in GEMMA_ARCHITECTURES:  # HF's default: Gemma 2 alternates; Gemma 3 is full every 6th layer
         pattern = 2 if arch == "gemma2" else d.get("sliding_window_pattern") or 6
         return window, tuple(i for i in range(num_layers) if (i + 1) % pattern)
-    if arch in ("qwen2", "qwen3"):
+    if qwen:
         return window, tuple(range(d.get("max_window_layers", 0), num_layers))
     return window, None

@@ -152,8 +152,9 @@ class MLP(nnx.Module):
     [hidden, 2, intermediate]: gate at 0, up at 1)."""
     activation = staticmethod(jax.nn.silu)
 
-    def __init__(self, config: ModelArchConfig, *, dtype, rngs):
-        h, m = config.hidden_size, config.intermediate_size
+    def __init__(self, config: ModelArchConfig, *, dtype, rngs, intermediate_size: int | None = None):
+        """intermediate_size: default the config's (a MoE layer's shared expert has its own)."""
+        h, m = config.hidden_size, intermediate_size or config.intermediate_size
         self.gate_up_proj = Linear(h, (2, m), ("embed", None, "mlp"), dtype=dtype, rngs=rngs)
         self.down_proj = Linear(m, h, ("mlp", "embed"), dtype=dtype, rngs=rngs)
 
@@ -164,12 +165,13 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelArchConfig, layer: int, *, dtype, rngs):
+    def __init__(self, config: ModelArchConfig, layer: int, *, dtype, rngs, mlp: nnx.Module | None = None):
+        """mlp: default a dense MLP of the config's size (a MoE model's sparse layers pass their experts)."""
         self.kv_group, self.kv_tensor = model_kv_layout(config).layer_slot(layer)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.self_attn = Attention(config, layer, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.mlp = MLP(config, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(config, dtype=dtype, rngs=rngs) if mlp is None else mlp
 
     def __call__(self, x, cos, sin, kv_cache, md, attn_fn):
         h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, md, attn_fn)

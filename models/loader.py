@@ -7,7 +7,8 @@ each addressable device gets its shard read from just its slice of the file, so 
 memory stays near one param, not the model, and each host of a multi-host mesh reads
 only its own devices' shards. A fused param (qkv_proj, gate_up_proj) is placed once all
 its HF tensors have come, from a source that packs them lazily (QKVSource,
-GateUpSource): a device's piece is read from just its rows of each part.
+GateUpSource): a device's piece is read from just its rows of each part. A MoE model's
+stacked experts are packed so from each expert's tensors (ExpertsSource).
 """
 import functools
 import time
@@ -27,6 +28,7 @@ from jaxllm.models.gemma3 import Gemma3ForCausalLM
 from jaxllm.models.hf_checkpoint import iter_hf_weights
 from jaxllm.models.int4 import Int4Linear
 from jaxllm.models.llama import INIT_STD, Linear, LlamaForCausalLM
+from jaxllm.models.moe import MoeForCausalLM
 from jaxllm.models.quant_checkpoint import quantized_weights
 from jaxllm.models.quant_config import FP8_BLOCK, INT4, QuantConfig
 from jaxllm.sharding import named_sharding
@@ -36,6 +38,8 @@ Index = tuple[slice, ...]  # one slice per axis: the piece of a tensor one devic
 # A fused param's module and the HF projections it is packed from, in order.
 FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _FUSED_INTO = {part: fused for fused, parts in FUSED_PROJECTIONS.items() for part in parts}
+# Mixtral's HF names of its MoE block and its experts' projections (Qwen's: mlp, gate_proj, up_proj, down_proj)
+_MIXTRAL_NAMES = {".mlp.": ".block_sparse_moe.", ".gate_proj.": ".w1.", ".up_proj.": ".w3.", ".down_proj.": ".w2."}
 
 
 class TensorSource(Protocol):
@@ -52,11 +56,9 @@ def abstract_params(config: ModelArchConfig, dtype, quantization: QuantConfig | 
     the logical axes as `out_sharding` metadata). With a quantized checkpoint's `quantization`,
     its quantized Linears are the quantized modules (running on `mesh`)."""
     dtype = jnp.dtype(dtype)
-    model_class = EAGLE_HEADS.get(config.architecture) or (
-        Gemma3ForCausalLM if config.architecture in GEMMA_ARCHITECTURES else LlamaForCausalLM)
 
     def build():
-        model = model_class(config, dtype=dtype, rngs=nnx.Rngs(0))
+        model = _model(config, dtype, mesh)
         if quantization is not None and quantization.from_checkpoint:
             _quantized_linears(model, quantization, dtype, mesh)
         return model
@@ -65,9 +67,21 @@ def abstract_params(config: ModelArchConfig, dtype, quantization: QuantConfig | 
     return graphdef, dict(nnx.to_flat_state(state))
 
 
+def _model(config: ModelArchConfig, dtype, mesh: jax.sharding.Mesh | None) -> nnx.Module:
+    rngs = nnx.Rngs(0)
+    if config.architecture in EAGLE_HEADS:
+        return EAGLE_HEADS[config.architecture](config, dtype=dtype, rngs=rngs)
+    if config.moe is not None:  # its experts run per device, on `mesh`
+        return MoeForCausalLM(config, dtype=dtype, rngs=rngs, mesh=mesh)
+    model_class = Gemma3ForCausalLM if config.architecture in GEMMA_ARCHITECTURES else LlamaForCausalLM
+    return model_class(config, dtype=dtype, rngs=rngs)
+
+
 def _linears(model) -> Iterator[tuple[ParamPath, nnx.Module, str, Linear]]:
-    """(path, parent, attribute, Linear) of every Linear but the LM head."""
-    paths = [path for path, module in nnx.iter_modules(model) if isinstance(module, Linear) and path != ("lm_head",)]
+    """(path, parent, attribute, Linear) of every Linear but the LM head and a MoE layer's routers
+    (which stay in the model's dtype, as in vLLM: a quantized router would pick other experts)."""
+    paths = [path for path, module in nnx.iter_modules(model) if isinstance(module, Linear)
+             and path != ("lm_head",) and path[-1] not in ("gate", "shared_expert_gate")]
     for path in paths:
         parent = model
         for key in path[:-1]:
@@ -79,7 +93,7 @@ def _quantized_linears(model, quant: QuantConfig, dtype, mesh) -> None:
     """Each Linear the checkpoint quantizes becomes its scheme's module (models/fp8.py, models/int4.py),
     in place, with placeholder arrays (built under eval_shape: none is made)."""
     for path, parent, attr, linear in _linears(model):
-        modules = [name.removesuffix(".weight") for name in path_to_hf_names((*path, "kernel"))]
+        modules = [name.removesuffix(".weight") for name in path_to_hf_names((*path, "kernel"), model.config)]
         quantized = {module: quant.quantizes(module) for module in modules}
         if len(set(quantized.values())) > 1:
             raise ValueError(f"quantization_config quantizes some of the Linears fused into {'.'.join(map(str, path))} "
@@ -107,7 +121,7 @@ def param_shardings(params: dict[ParamPath, nnx.Variable], mesh: jax.sharding.Me
 def create_model(config: ModelArchConfig, *, dtype, mesh: jax.sharding.Mesh,
                  weights: Iterable[tuple[str, TensorSource]] | None, seed: int = 0,
                  show_progress: bool = False, values: dict | None = None,
-                 quantization: QuantConfig | None = None) -> LlamaForCausalLM | Gemma3ForCausalLM:
+                 quantization: QuantConfig | None = None) -> LlamaForCausalLM:
     """The model with params placed on `mesh` by the logical-axis rules.
 
     weights: (HF name, tensor source) pairs in HF layout (Linear weights [out, in]; a quantized
@@ -126,10 +140,11 @@ def create_model(config: ModelArchConfig, *, dtype, mesh: jax.sharding.Mesh,
     return nnx.merge(graphdef, state)
 
 
-def quantize_model(model: LlamaForCausalLM | Gemma3ForCausalLM, quantization: QuantConfig | None,
+def quantize_model(model: LlamaForCausalLM, quantization: QuantConfig | None,
                    mesh: jax.sharding.Mesh) -> None:
-    """With quantization="fp8" on an unquantized checkpoint, every Linear but the LM head becomes
-    an Fp8Linear (models/fp8.py), in place, one at a time: the bf16 and e4m3 copies of one kernel at
+    """With quantization="fp8" on an unquantized checkpoint, every Linear but the LM head and the MoE
+    routers becomes an Fp8Linear (models/fp8.py; a MoE layer's experts are not Linears and stay as
+    they are), in place, one at a time: the bf16 and e4m3 copies of one kernel at
     most are alive together. Otherwise nothing to do: a quantized checkpoint loads quantized."""
     if quantization is None or quantization.from_checkpoint:
         return
@@ -206,13 +221,13 @@ def checkpoint_params(config: ModelArchConfig, params: dict, weights: Iterable[t
         if tuple(source.shape) != expected:
             raise ValueError(f"tensor {name!r} has shape {tuple(source.shape)}, expected {expected}")
         parts[name] = source
-        names = path_to_hf_names(path)
+        names = path_to_hf_names(path, config)
         if len(parts) < len(names):
             continue  # a fused param waits for its other parts
         del arrived[path]
         done.add(path)
         yield path, _packed(config, path, [(n, parts[n]) for n in names], _fuse(params[path]))
-    missing = [name for path in params if path not in done for name in path_to_hf_names(path)
+    missing = [name for path in params if path not in done for name in path_to_hf_names(path, config)
                if name not in arrived.get(path, {})]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:8])}"
@@ -281,7 +296,7 @@ def hf_tensors(config: ModelArchConfig, params: dict) -> dict[str, tuple[ParamPa
     tensors = {}
     for path, var in params.items():
         hf_shape = tuple(var.shape[i] for i in np.argsort(hf_axes(path, var)))
-        for name, shape in zip(path_to_hf_names(path), _part_shapes(config, path, hf_shape, _fuse(var))):
+        for name, shape in zip(path_to_hf_names(path, config), _part_shapes(config, path, hf_shape, _fuse(var))):
             tensors[name] = (path, shape)
     return tensors
 
@@ -290,7 +305,10 @@ def _part_shapes(config: ModelArchConfig, path: ParamPath, hf_shape: tuple[int, 
                  fuse: str) -> list[tuple[int, ...]]:
     """The HF-layout shapes of the tensors a param of this HF-layout shape is read from."""
     if fuse != "rows":
-        return [hf_shape] * len(path_to_hf_names(path))
+        return [hf_shape] * len(path_to_hf_names(path, config))
+    if path[-2:-1] == ("experts",):  # [E, *an expert's]: gate_up's [E, I, 2, H] from each expert's gate and up [I, H]
+        expert = hf_shape[1:]
+        return ([(expert[0], *expert[2:])] * 2 if path[-1] == "gate_up_proj" else [expert]) * hf_shape[0]
     if path[-2:-1] == ("qkv_proj",):  # [num_kv_heads * (g + 2) * unit, ...], unit: head_dim (or blocks of it)
         unit = hf_shape[0] // (config.num_heads + 2 * config.num_kv_heads)
         q_rows, kv_rows = config.num_heads * unit, config.num_kv_heads * unit
@@ -306,6 +324,10 @@ def _packed(config: ModelArchConfig, path: ParamPath, parts: list[tuple[str, Ten
     sources = [source for _, source in parts]
     if fuse != "rows" and len(parts) > 1:
         return SharedSource(parts, fuse)
+    if path[-2:-1] == ("experts",):
+        if path[-1] == "gate_up_proj":  # expert e's gate and up are parts 2e and 2e + 1
+            return ExpertsSource([GateUpSource(gate, up) for gate, up in zip(sources[::2], sources[1::2])])
+        return ExpertsSource(sources)
     if path[-2:-1] == ("qkv_proj",):
         return QKVSource(*sources, num_kv_heads=config.num_kv_heads)
     if path[-2:-1] == ("gate_up_proj",):
@@ -371,6 +393,19 @@ class GateUpSource:
         return np.stack([np.asarray(part[(rows, *rest)]) for part in self.parts[which]], axis=1)
 
 
+class ExpertsSource:
+    """A MoE layer's stacked experts in HF layout, [E, *an expert's shape], from each expert's source:
+    a read of some experts reads just those, and of each just the piece asked."""
+
+    def __init__(self, experts: list[TensorSource]):
+        self.experts = experts
+        self.shape = (len(experts), *experts[0].shape)
+
+    def __getitem__(self, index: Index) -> np.ndarray:
+        which, rest = index[0], tuple(index[1:])
+        return np.stack([np.asarray(expert[rest]) for expert in self.experts[which]])
+
+
 def hf_name_to_path(name: str) -> ParamPath:
     """HF tensor name -> the path of the param it is, or is packed into (q_proj -> qkv_proj)."""
     *module, leaf = [int(p) if p.isdigit() else p for p in name.removeprefix("model.").split(".")]
@@ -378,17 +413,32 @@ def hf_name_to_path(name: str) -> ParamPath:
         return (*module, "embedding")
     if module and module[-1] in _FUSED_INTO:
         module[-1] = _FUSED_INTO[module[-1]]
-    if module and leaf == "weight" and (str(module[-1]).endswith("_proj") or module[-1] in ("lm_head", "fc")):
+    if module and leaf == "weight" and (str(module[-1]).endswith("_proj")
+                                        or module[-1] in ("lm_head", "fc", "gate", "shared_expert_gate")):
         return (*module, "kernel")
     return (*module, leaf)
 
 
-def path_to_hf_names(path: ParamPath) -> list[str]:
-    """The HF tensors a param is read from: its one, or a fused param's parts in packing order."""
+def path_to_hf_names(path: ParamPath, config: ModelArchConfig) -> list[str]:
+    """The HF tensors a param of `config`'s model is read from: its one, or a fused param's parts in
+    packing order (a MoE layer's stacked experts: expert by expert, each one's parts)."""
     *module, leaf = path
-    if module and module[-1] in FUSED_PROJECTIONS:
-        return [_hf_name((*module[:-1], part, leaf)) for part in FUSED_PROJECTIONS[module[-1]]]
-    return [_hf_name(path)]
+    if module and module[-1] == "experts":
+        parts = FUSED_PROJECTIONS.get(leaf, (leaf,))
+        names = [_hf_name((*module, e, part, "kernel")) for e in range(config.moe.num_experts) for part in parts]
+    elif module and module[-1] in FUSED_PROJECTIONS:
+        names = [_hf_name((*module[:-1], part, leaf)) for part in FUSED_PROJECTIONS[module[-1]]]
+    else:
+        names = [_hf_name(path)]
+    if config.architecture == "mixtral":
+        names = [_mixtral_name(name) for name in names]
+    return names
+
+
+def _mixtral_name(name: str) -> str:
+    for ours, mixtral in _MIXTRAL_NAMES.items():
+        name = name.replace(ours, mixtral)
+    return name
 
 
 def _hf_name(path: ParamPath) -> str:

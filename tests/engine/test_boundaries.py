@@ -195,6 +195,7 @@ ENGINE_INVALID = {
     "enable_multiprocessing": not_of(bool, type(None)),
     "enable_prefix_caching": NOT_BOOL,
     "batch_invariant": NOT_BOOL,
+    "enable_expert_parallel": st.one_of(st.just(True), NOT_BOOL),  # True: the tiny Llama has no experts
     "data_parallel_size": st.one_of(st.integers(max_value=0), not_of(int)),
     "pipeline_parallel_size": st.one_of(st.integers().filter(lambda n: n != 1), not_of(int)),
     "revision": not_of(str, type(None)),

@@ -16,7 +16,7 @@ from jaxllm.models.gguf import iter_gguf_weights, load_gguf_config, load_gguf_to
 from jaxllm.models.loader import create_model, iter_hf_weights
 from jaxllm.sharding import make_mesh
 from jaxllm.tokenizer import generation_eos_ids
-from tests.models.test_llama import golden_prompts, load_fixture, make_step, run_prompt
+from tests.models.test_llama import assert_logits_match_hf, load_fixture
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
 with open(os.path.join(FIXTURES, "gemma3_golden.json")) as f:
@@ -31,14 +31,7 @@ MAX_MODEL_LEN = 512
 def test_logits_match_hf_transformers(name):
     config, model, golden = load_fixture(name)
     assert config.sliding_window == 8  # below the 33- and 100-token prompts
-    step = make_step(model)
-    for token_ids, hf_logits in golden_prompts(golden):
-        n = len(token_ids)
-        for chunks in [[n]] + ([[16, 16, n - 32]] if n > 32 else []):
-            logits = run_prompt(step, config, token_ids, chunks)
-            err = np.abs(logits - hf_logits).max()
-            tol = 1e-4 * max(1.0, np.abs(hf_logits).max())
-            assert err < tol, f"{name}: prompt of {n} tokens in chunks {chunks}: max error {err:.2e} > {tol:.2e}"
+    assert_logits_match_hf(name, config, model, golden)
 
 
 def test_legacy_gemma3_config_keys_give_the_same_architecture():

@@ -97,18 +97,22 @@ def golden_prompts(golden):
     return [(golden[f"prompt_{n}"], golden[f"logits_{n}"]) for n in lengths]
 
 
-@pytest.mark.parametrize("name", GOLDEN_MODELS)
-def test_logits_match_hf_transformers(name):
-    config, model, golden = load_fixture(name)
+def assert_logits_match_hf(name, config, model, golden):
+    """Each golden prompt's logits, prefilled whole and (past 32 tokens) in three chunks, within
+    1e-4 of the largest HF logit."""
     step = make_step(model)
     for token_ids, hf_logits in golden_prompts(golden):
         n = len(token_ids)
-        chunkings = [[n]] + ([[16, 16, n - 32]] if n > 32 else [])
-        for chunks in chunkings:
+        for chunks in [[n]] + ([[16, 16, n - 32]] if n > 32 else []):
             logits = run_prompt(step, config, token_ids, chunks)
             err = np.abs(logits - hf_logits).max()
             tol = 1e-4 * max(1.0, np.abs(hf_logits).max())
             assert err < tol, f"{name}: prompt of {n} tokens in chunks {chunks}: max error {err:.2e} > {tol:.2e}"
+
+
+@pytest.mark.parametrize("name", GOLDEN_MODELS)
+def test_logits_match_hf_transformers(name):
+    assert_logits_match_hf(name, *load_fixture(name))
 
 
 def test_unsupported_architecture_raises():
@@ -186,7 +190,7 @@ def unpacked_hf_tensors(config: ModelArchConfig, model) -> dict[str, np.ndarray]
             parts = [value[:, 0].T, value[:, 1].T]
         else:
             parts = [value.T if path[-1] == "kernel" else value]
-        tensors.update(zip(path_to_hf_names(path), parts))
+        tensors.update(zip(path_to_hf_names(path, config), parts))
     return tensors
 
 

@@ -1,0 +1,196 @@
+"""Mixture-of-experts MLPs (Qwen2-MoE, Qwen3-MoE, Mixtral): a router picks k of E SwiGLU experts
+for each token, and the token's MLP is their outputs weighted by the router.
+
+    p = softmax(x W_router)                                  [T, E], fp32
+    w, e = top_k(p)                                          [T, k]; w / sum(w) where the model renormalizes
+    y_t = sum_j w_tj * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = e_tj
+        (+ sigmoid(x_t W_shared_gate) * shared_mlp(x_t): Qwen2-MoE's shared expert)
+
+The experts' weights are stacked, gate_up_proj [E, hidden, 2, I] (gate and up fused, as the dense
+MLP's) and down_proj [E, I, hidden]. The T * k (token, expert) pairs are sorted by expert, so each
+expert's rows are contiguous, one grouped GEMM per projection (jax.lax.ragged_dot) runs every
+expert on its rows, and the rows go back to token order to be summed with their weights.
+
+Over the mesh's "model" axis of N devices, the attention stays tensor parallel (every device
+holds every token's activations), and the experts are split one of two ways:
+- tensor parallel (the default, vLLM's): each device holds 1/N of every expert's intermediate
+  and runs all T * k rows on its slices; the partial sums are added up (psum), as a dense MLP's.
+- expert parallel (MoeConfig.expert_parallel): each device holds E/N whole experts. Device d
+  routes tokens [d * T/N, (d + 1) * T/N), sends each pair's row to the device of its expert with
+  one all_to_all, runs its experts on what it receives, sends the results back with another, sums
+  its tokens' rows, and an all_gather gives every device every token again.
+
+The all_to_all is padded: each device sends each other one block of C rows. C is the worst case,
+so no token is ever dropped and the step keeps one static shape: T/N tokens whose k experts are
+distinct, of which at most E/N live on one device, so C = T/N * min(k, E/N). The price is bytes:
+each all_to_all moves T * min(k, E/N) rows per device where a balanced routing needs T * k / N.
+Looping over a smaller capacity, or jax.lax.ragged_all_to_all (only the real rows), is what to
+measure against it on a GPU (docs/models.md).
+"""
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.models.config import ModelArchConfig, MoeConfig
+from jaxllm.models.llama import INIT_STD, MLP, DecoderLayer, LlamaForCausalLM, Linear
+from jaxllm.sharding import logical_to_spec
+
+
+def route(router_logits, top_k: int, renormalize: bool):
+    """router_logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int32): each token's k most
+    probable experts, most probable first, with their softmax probabilities (renormalized to sum to 1)."""
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, ids.astype(jnp.int32)
+
+
+def expert_mlp(rows, group_sizes, gate_up, down):
+    """The experts' SwiGLU on rows grouped by expert: rows [M, hidden], expert g's being the
+    group_sizes[g] [G] int32 rows after the groups before it; gate_up [G, hidden, 2, I], down
+    [G, I, hidden] -> [M, hidden] (a row after the last group is not defined)."""
+    g, hidden, _, inter = gate_up.shape
+    gate_up_rows = jax.lax.ragged_dot(rows, gate_up.reshape(g, hidden, 2 * inter), group_sizes).reshape(-1, 2, inter)
+    return jax.lax.ragged_dot(jax.nn.silu(gate_up_rows[:, 0]) * gate_up_rows[:, 1], down, group_sizes)
+
+
+def experts_of_rows(rows, experts, gate_up, down):
+    """Each row through its expert: rows [M, hidden], experts [M] int32 in [0, G] (G: none, its output
+    not defined) -> [M, hidden]. The rows are sorted by expert for the grouped GEMM, and back."""
+    # experts [2, 0, 2, 1] -> order [1, 3, 0, 2] (experts 0, 1, 2, 2), group sizes [1, 1, 2]
+    order = jnp.argsort(experts, stable=True)
+    out = expert_mlp(rows[order], jnp.bincount(experts, length=gate_up.shape[0]), gate_up, down)
+    return jnp.zeros_like(out).at[order].set(out)
+
+
+def combine(pair_rows, weights, dtype):
+    """Each token's rows [T, k, hidden] summed with its weights [T, k] (in fp32) -> [T, hidden] `dtype`."""
+    return jnp.einsum("tkh,tk->th", pair_rows.astype(jnp.float32), weights).astype(dtype)
+
+
+def moe_one_device(x, weights, ids, gate_up, down):
+    """x [T, hidden] through the experts (or slices of them) that gate_up and down hold, every pair's
+    rows of the T tokens (weights, ids [T, k]) -> [T, hidden]."""
+    t, k = ids.shape
+    rows = experts_of_rows(jnp.repeat(x, k, axis=0), ids.reshape(-1), gate_up, down)
+    return combine(rows.reshape(t, k, -1), weights, x.dtype)
+
+
+def moe_tensor_parallel(mesh, x, weights, ids, gate_up, down):
+    """moe_one_device on each device's slices of every expert's intermediate (gate_up and down
+    sharded by the "mlp" rule), the partial sums added up over the devices."""
+    axis = logical_to_spec(("mlp",))[0]
+
+    def local(x, weights, ids, gate_up, down):
+        return jax.lax.psum(moe_one_device(x, weights, ids, gate_up, down), axis)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(None, None, None, axis), P(None, axis)),
+                         out_specs=P(), check_vma=False)(x, weights, ids, gate_up, down)
+
+
+def moe_expert_parallel(mesh, x, weights, ids, gate_up, down):
+    """The experts whole on each device (gate_up and down sharded by the "expert" rule), each
+    device's share of the tokens sent to its experts' devices and back by all_to_all (the module's
+    docstring). x [T, hidden], weights, ids [T, k] replicated -> [T, hidden] replicated."""
+    axis = logical_to_spec(("expert",))[0]
+    n, num_tokens = mesh.shape[axis], x.shape[0]
+    pad = -num_tokens % n  # padding tokens take expert 0 with weight 0
+    x, weights, ids = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, weights, ids))
+
+    def local(x, weights, ids, gate_up, down):
+        """x [t, hidden], weights, ids [t, k]: this device's tokens; gate_up, down: its E/N experts."""
+        t, k = ids.shape
+        num_local = gate_up.shape[0]
+        capacity = t * min(k, num_local)
+        # The pairs sorted by expert, so by device; each one's slot in its device's block:
+        # devices [0, 0, 1, 1, 1] -> slots [0, 1, 0, 1, 2]
+        order = jnp.argsort(ids.reshape(-1), stable=True)
+        expert = ids.reshape(-1)[order]
+        device = expert // num_local
+        sent = jnp.bincount(device, length=n)
+        slot = jnp.arange(t * k) - (jnp.cumsum(sent) - sent)[device]
+        send_rows = jnp.zeros((n, capacity, x.shape[1]), x.dtype).at[device, slot].set(x[order // k])
+        send_experts = jnp.full((n, capacity), num_local, jnp.int32).at[device, slot].set(expert % num_local)
+        # [n, capacity, ...]: block s of what arrives is what device s sent here
+        rows = jax.lax.all_to_all(send_rows, axis, 0, 0)
+        experts = jax.lax.all_to_all(send_experts, axis, 0, 0)
+        out = experts_of_rows(rows.reshape(n * capacity, -1), experts.reshape(-1), gate_up, down)
+        back = jax.lax.all_to_all(out.reshape(n, capacity, -1), axis, 0, 0)
+        pair_rows = jnp.zeros((t * k, x.shape[1]), back.dtype).at[order].set(back[device, slot])
+        y = combine(pair_rows.reshape(t, k, -1), weights, x.dtype)
+        return jax.lax.all_gather(y, axis, tiled=True)
+
+    y = jax.shard_map(local, mesh=mesh, in_specs=(P(axis),) * 5, out_specs=P(), check_vma=False)(
+        x, weights, ids, gate_up, down)
+    return y[:num_tokens]
+
+
+def _expert_param(rngs: nnx.Rngs, shape, axes, dtype, hf_axes) -> nnx.Param:
+    """A stacked experts' param; hf_axes: it is the stack of HF's per-expert weights transposed so
+    (models/loader.py)."""
+    return nnx.Param(INIT_STD * jax.random.normal(rngs.params(), shape, dtype), out_sharding=axes,
+                     eager_sharding=False, hf_axes=hf_axes)
+
+
+class Experts(nnx.Module):
+    """E SwiGLU experts, stacked: gate_up_proj [E, hidden, 2, I] (gate at 0, up at 1) and down_proj
+    [E, I, hidden]; HF's experts.{e}.gate_proj, up_proj and down_proj (Mixtral's w1, w3, w2)."""
+
+    def __init__(self, moe: MoeConfig, hidden_size: int, *, dtype, rngs, mesh=None):
+        e, inter = moe.num_experts, moe.intermediate_size
+        # Expert parallel: whole experts on each device; tensor parallel: each expert's intermediate split.
+        expert, mlp = ("expert", None) if moe.expert_parallel else (None, "mlp")
+        self.gate_up_proj = _expert_param(rngs, (e, hidden_size, 2, inter), (expert, "embed", None, mlp), dtype,
+                                          hf_axes=(0, 3, 2, 1))
+        self.down_proj = _expert_param(rngs, (e, inter, hidden_size), (expert, mlp, "embed"), dtype, hf_axes=(0, 2, 1))
+        self.mesh, self.expert_parallel = mesh, moe.expert_parallel
+
+    def __call__(self, x, weights, ids):
+        """x [T, hidden], each token's experts ids [T, k] int32 and weights [T, k] float32 -> [T, hidden]."""
+        gate_up, down = self.gate_up_proj[...], self.down_proj[...]
+        if self.mesh is None or self.mesh.shape["model"] == 1:
+            return moe_one_device(x, weights, ids, gate_up, down)
+        run = moe_expert_parallel if self.expert_parallel else moe_tensor_parallel
+        return run(self.mesh, x, weights, ids, gate_up, down)
+
+
+class SparseMoeBlock(nnx.Module):
+    """The router (`gate`, HF's name), the experts, and Qwen2-MoE's shared expert with its gate."""
+
+    def __init__(self, config: ModelArchConfig, *, dtype, rngs, mesh=None):
+        moe, hidden = config.moe, config.hidden_size
+        self.top_k, self.renormalize = moe.top_k, moe.renormalize
+        self.gate = Linear(hidden, moe.num_experts, ("embed", None), dtype=dtype, rngs=rngs)
+        self.experts = Experts(moe, hidden, dtype=dtype, rngs=rngs, mesh=mesh)
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = MLP(config, dtype=dtype, rngs=rngs,
+                                     intermediate_size=moe.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(hidden, 1, ("embed", None), dtype=dtype, rngs=rngs)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def __call__(self, x):
+        """x [T, hidden] -> [T, hidden]."""
+        # The router's logits in the model's dtype (as HF and vLLM), its softmax in fp32.
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        y = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            y = y + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """Qwen2-MoE, Qwen3-MoE and Mixtral: Llama's model whose MLP is the experts on the config's
+    sparse layers. mesh: where the experts run per device (None: one device)."""
+
+    def __init__(self, config: ModelArchConfig, *, dtype, rngs: nnx.Rngs, mesh=None):
+        self.mesh = mesh
+        super().__init__(config, dtype=dtype, rngs=rngs)
+
+    def decoder_layer(self, config: ModelArchConfig, layer: int, *, dtype, rngs) -> DecoderLayer:
+        mlp = None
+        if layer in config.moe.sparse_layers:
+            mlp = SparseMoeBlock(config, dtype=dtype, rngs=rngs, mesh=self.mesh)
+        return DecoderLayer(config, layer, dtype=dtype, rngs=rngs, mlp=mlp)
