@@ -322,3 +322,34 @@ def pack(sched: SchedulerOutput, rows: np.ndarray, state: RequestRows, v: dict[s
         fed = samples & (num_drafts == 0)
         state.prev_offset[rows[fed]] = np.flatnonzero(fed) if first_rows is None else first_rows[fed]
     return first_rows
+
+
+_PROMPT_LOGPROBS_CHUNK = 256  # prompt positions per call of the prompt-logprobs executable
+
+
+def prompt_logprobs_chunk(token_bucket: int) -> int:
+    return min(_PROMPT_LOGPROBS_CHUNK, token_bucket)
+
+
+def prompt_logprob_inputs(sched: SchedulerOutput, v: dict[str, np.ndarray], prompts: dict[str, list[int]],
+                          token_bucket: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[tuple[int, int]]]:
+    """The step's prompt positions whose logprobs a request asked for (ScheduledRequest.prompt_logprobs),
+    from its packed views `v` and the requests' prompts, in chunks of the executable's size:
+    ([(token indices [C], prompt ids at those positions [C])], [(scheduled request index, number of positions)])."""
+    indices, targets, segments = [], [], []
+    for i, s in enumerate(sched.scheduled):
+        if s.prompt_logprobs is None:
+            continue
+        lo, hi = s.prompt_logprobs  # position p's logprobs: from the logits of token p - 1
+        first = int(v["query_start_loc"][i]) + lo - 1 - s.num_computed_tokens
+        indices.extend(range(first, first + hi - lo))
+        targets.extend(prompts[s.req_id][lo:hi])
+        segments.append((i, hi - lo))
+    chunk = prompt_logprobs_chunk(token_bucket)
+    inputs = []
+    for start in range(0, len(indices), chunk):
+        pair = np.zeros((2, chunk), np.int32)
+        part = slice(start, start + chunk)
+        pair[0, :len(indices[part])], pair[1, :len(targets[part])] = indices[part], targets[part]
+        inputs.append((pair[0], pair[1]))
+    return inputs, segments

@@ -1,8 +1,8 @@
 """ModelRunner: one step per SchedulerOutput, on the weights and the paged KV cache it holds
 on the mesh. Its parts: the weights (model_loader.py), the KV cache (kv_cache.py), the
-compiled executables (executables.py), the persistent request rows and the packing of a
-step's inputs (input_batch.py), the logits processors' per-request state (processor_state.py),
-and the jitted functions (step_functions.py).
+compiled executables (executables.py; what warm-up builds, warm_up.py), the persistent request
+rows and the packing of a step's inputs (input_batch.py), the logits processors' per-request
+state (processor_state.py), and the jitted functions (step_functions.py).
 
 A step is the forward pass to the logits at each request's last token (and, with
 speculative decoding, at each of its draft tokens: those logits check the drafts) and their argmax
@@ -28,7 +28,6 @@ sampled where one is not is drawn from the model's distribution without it. A dr
 device, in an executable of its own after the sampling, from the tokens each request took (and
 the head from the forward's hidden states).
 """
-import itertools
 import logging
 import time
 from typing import NamedTuple
@@ -38,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.profiler import TraceAnnotation
 
-from jaxllm import compilation, distributed
+from jaxllm import compilation
 from jaxllm.config import EAGLE_METHODS, Config
 from jaxllm.contracts.step import SchedulerOutput, TokenMasks
 from jaxllm.kernels.attention import get_attention_fn
@@ -56,10 +55,9 @@ from jaxllm.worker.processor_state import ProcessorRows
 from jaxllm.worker.step_functions import StepFunctions
 from jaxllm.worker.step_output import Logprobs, StepOutput
 from jaxllm.worker.step_replay import StepReplay
+from jaxllm.worker.warm_up import executable_store, run_warm_up
 
 logger = logging.getLogger(__name__)
-
-_PROMPT_LOGPROBS_CHUNK = 256  # prompt positions per call of the prompt-logprobs executable
 
 
 class _Forward(NamedTuple):
@@ -167,7 +165,7 @@ class ModelRunner:
             # 8B shape's synchronous step falls from 7.4 to 6.1 ms at batch 1 (docs/benchmarks.md).
             # (A GPU's option only: elsewhere a synchronous engine shares an asynchronous one's executables.)
             compiler_options["xla_gpu_enable_command_buffer"] = ""
-        self.executables = Executables(self._executable_store(), compiler_options)
+        self.executables = Executables(executable_store(self), compiler_options)
         self._waiting: _Step | None = None  # a step whose sampling waits for the core's token masks
         self.step_replay: StepReplay | None = None  # a benchmark's recorder, off unless armed
 
@@ -265,13 +263,14 @@ class ModelRunner:
         if self.processor_rows.users and (added or removed):
             self.processor_rows.update_users(added, removed, failed)
         token_bucket = self._token_bucket(sched.num_scheduled_tokens)
-        buffer, views = self._next_host_buffer(token_bucket)
+        buffer, views = self.next_host_buffer(token_bucket)
         first_rows = batching.pack(sched, rows, self.request_rows, views, self.block_size, self._table_width)
         mode = self.request_rows.batch_sample_mode(rows)
         processed = bool(self.processor_rows.users) or bool(self.request_rows.processed[rows].any())
         most = int(self.request_rows.num_logprobs[rows].max())
         num_logprobs = None if most < 0 else next(k for k in self.logprob_buckets if k >= most)
-        prompt_inputs, prompt_segments = self._prompt_logprob_inputs(sched, views, token_bucket)
+        prompt_inputs, prompt_segments = batching.prompt_logprob_inputs(sched, views, self.request_rows.prompts,
+                                                                        token_bucket)
         if self.step_replay is not None:
             self.step_replay.offer(len(sched.scheduled), sched.num_scheduled_tokens,
                                    (token_bucket, buffer, mode, processed, num_logprobs))
@@ -311,14 +310,14 @@ class ModelRunner:
     def _token_bucket(self, num_tokens: int) -> int:
         return next(b for b in self.token_buckets if b >= num_tokens)
 
-    def _next_host_buffer(self, token_bucket: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def next_host_buffer(self, token_bucket: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """The bucket's two host buffers in turn: with two steps in flight, a buffer
         is rewritten only once the step that read it has finished."""
         self._num_steps += 1
         return self._host_buffers[token_bucket][self._num_steps % 2]
 
     def _forward(self, token_bucket: int, buffer: np.ndarray) -> _Forward:
-        forward = self.executables.get(ExecutableKey(FORWARD, token_bucket), lambda: self._lower_forward(token_bucket))
+        forward = self.executables.get(ExecutableKey(FORWARD, token_bucket), lambda: self.lower_forward(token_bucket))
         with TraceAnnotation("dispatch"):
             greedy, logits, words, hidden, self.kv_cache.caches, *drafter_inputs = forward(
                 self.weights.params, self.kv_cache.caches, self._prev_tokens, buffer)
@@ -331,7 +330,7 @@ class ModelRunner:
         token each took last, the drafts for after it, and how many of its drafts the model rejected."""
         if self.draft is None:
             return None
-        propose = self.executables.get(ExecutableKey(DRAFT, fwd.token_bucket), lambda: self._lower_draft(
+        propose = self.executables.get(ExecutableKey(DRAFT, fwd.token_bucket), lambda: self.lower_draft(
             fwd.token_bucket, fwd.draft_inputs, sampled, fwd.draft_hidden))
         with TraceAnnotation("dispatch"):
             table, self.kv_cache.draft_caches = propose(self.draft.params(self.weights), self.kv_cache.draft_caches,
@@ -350,7 +349,7 @@ class ModelRunner:
         tokens from the table, or without a drafter from the sampled ids."""
         num_reqs = fwd.logits.shape[0]
         if processed:
-            bitmask = self._all_allowed_bitmask(num_reqs) if bitmask is None else bitmask
+            bitmask = self.all_allowed_bitmask(num_reqs) if bitmask is None else bitmask
             state, user_states = self.processor_rows.state, self.processor_rows.user_states(user_rows, num_reqs)
             sampler = self.executables.get(ExecutableKey(SAMPLER, num_reqs, mode, True), lambda: (
                 self.fns.sample_processed.lower(fwd.logits, fwd.words, state, bitmask, user_states, mode)))
@@ -379,132 +378,32 @@ class ModelRunner:
         self._prev_tokens = sampled if table is None else table
         return sampled, logprobs, prompt_logprobs, table
 
-    def _dispatch(self, token_bucket: int, buffer: np.ndarray, mode: SampleMode, processed: bool = False,
+    def dispatch(self, token_bucket: int, buffer: np.ndarray, mode: SampleMode, processed: bool = False,
                   num_logprobs: int | None = None, prompt_inputs=()):
         """A whole step from a packed buffer, with no token masks (warm-up, a benchmark's replay),
         and a draft model's or EAGLE head's drafts after it."""
         return self._sample(self._forward(token_bucket, buffer), mode, processed, num_logprobs, None, prompt_inputs)
 
-    def _lower_forward(self, token_bucket: int) -> jax.stages.Lowered:
+    def lower_forward(self, token_bucket: int) -> jax.stages.Lowered:
         buffer = self._host_buffers[token_bucket][0][0]
         return self.fns.forward.lower(self.weights.params, self.kv_cache.caches, self._prev_tokens, buffer,
                                       token_bucket)
 
-    def _lower_draft(self, token_bucket: int, draft_inputs, sampled, draft_hidden) -> jax.stages.Lowered:
+    def lower_draft(self, token_bucket: int, draft_inputs, sampled, draft_hidden) -> jax.stages.Lowered:
         """The forward's draft_inputs, sampled ids and draft_hidden (arrays or their shapes)."""
         return self.draft.propose.lower(self.draft.params(self.weights), self.kv_cache.draft_caches, draft_inputs,
                                         sampled, draft_hidden, token_bucket)
 
-    def _all_allowed_bitmask(self, num_reqs: int) -> jax.Array:
+    def all_allowed_bitmask(self, num_reqs: int) -> jax.Array:
         if num_reqs not in self._all_allowed:
             self._all_allowed[num_reqs] = jax.device_put(np.full((num_reqs, self.bitmask_words), -1, np.int32),
                                                          replicated(self.mesh))
         return self._all_allowed[num_reqs]
 
-    def _prompt_logprobs_chunk(self, token_bucket: int) -> int:
-        return min(_PROMPT_LOGPROBS_CHUNK, token_bucket)
-
-    def _prompt_logprob_inputs(self, sched: SchedulerOutput, views, token_bucket: int):
-        """The step's prompt positions whose logprobs a request asked for (ScheduledRequest.prompt_logprobs)
-        in chunks of the executable's size: ([(token indices [C], prompt ids at those positions [C])],
-        [(scheduled request index, number of positions)])."""
-        indices, targets, segments = [], [], []
-        query_start_loc = views["query_start_loc"]
-        for i, s in enumerate(sched.scheduled):
-            if s.prompt_logprobs is None:
-                continue
-            lo, hi = s.prompt_logprobs  # position p's logprobs: from the logits of token p - 1
-            first = int(query_start_loc[i]) + lo - 1 - s.num_computed_tokens
-            indices.extend(range(first, first + hi - lo))
-            targets.extend(self.request_rows.prompts[s.req_id][lo:hi])
-            segments.append((i, hi - lo))
-        chunk = self._prompt_logprobs_chunk(token_bucket)
-        inputs = []
-        for start in range(0, len(indices), chunk):
-            pair = np.zeros((2, chunk), np.int32)
-            part = slice(start, start + chunk)
-            pair[0, :len(indices[part])], pair[1, :len(targets[part])] = indices[part], targets[part]
-            inputs.append((pair[0], pair[1]))
-        return inputs, segments
-
     # ---- compilation ----
     def warm_up(self, show_progress: bool = True) -> None:
-        """Compile every executable now, so serving never compiles (executables.py), then run
-        each once: the forward and the prompt logprobs of every token bucket, and the sampler (of
-        every mode) and the logprobs of every request bucket."""
-        start = time.perf_counter()
-        split = self.executables.build(self._warm_up_keys(), self._lower, show_progress)
-        compiled_s = time.perf_counter() - start
-        distributed.barrier("jaxllm-compiled")  # other hosts may compile for longer
-        self.processor_rows.write([], {})
-        row_buckets = set()
-        for token_bucket in self.token_buckets:
-            buffer, views = self._next_host_buffer(token_bucket)
-            batching.fill_padding(views)
-            zeros = np.zeros(self._prompt_logprobs_chunk(token_bucket), np.int32)
-            # Each forward once, with the logprobs and prompt logprobs; each sampler once, after the
-            # smallest forward of its request bucket.
-            jax.block_until_ready(self._dispatch(token_bucket, buffer, SampleMode.GREEDY, False,
-                                                 num_logprobs=self.num_logprobs, prompt_inputs=[(zeros, zeros)]))
-            num_rows = self.layouts[token_bucket].num_rows
-            if num_rows not in row_buckets:
-                row_buckets.add(num_rows)
-                for mode, processed in itertools.product(SampleMode, (False, True)):
-                    if mode != SampleMode.GREEDY or processed:
-                        jax.block_until_ready(self._dispatch(token_bucket, buffer, mode, processed))
-        self.startup_s["compile"] = time.perf_counter() - start
-        self.compile_split = f"{split}, first runs {self.startup_s['compile'] - compiled_s:.1f} s"
-
-    def _warm_up_keys(self) -> list[ExecutableKey]:
-        """Every executable warm_up builds, each forward before the prompt logprobs of its token
-        bucket and the samplers and logprobs of its rows of logits."""
-        keys, row_buckets = [], set()
-        for token_bucket in self.token_buckets:
-            keys += [ExecutableKey(FORWARD, token_bucket), ExecutableKey(PROMPT_LOGPROBS, token_bucket)]
-            if self.draft:
-                keys.append(ExecutableKey(DRAFT, token_bucket))
-            num_rows = self.layouts[token_bucket].num_rows
-            if num_rows in row_buckets:
-                continue
-            row_buckets.add(num_rows)
-            for mode in SampleMode:
-                if mode != SampleMode.GREEDY:  # a greedy batch samples with the forward's argmax
-                    keys.append(ExecutableKey(SAMPLER, num_rows, mode, False))
-                keys.append(ExecutableKey(SAMPLER, num_rows, mode, True))
-            keys += [ExecutableKey(LOGPROBS, num_rows, num_logprobs=k) for k in self.logprob_buckets]
-        return keys
-
-    def _lower(self, key: ExecutableKey, forward_info) -> jax.stages.Lowered:
-        """The executable of `key`, lowered; forward_info: the out_info of the forward of its
-        token bucket (for the others than a forward)."""
-        if key.kind == FORWARD:
-            return self._lower_forward(key.bucket)
-        sampled, logits, words, hidden = forward_info[:4]
-        if key.kind == DRAFT:  # after the KV caches: the inputs as run, then an EAGLE-3 head's states
-            draft_hidden = forward_info[6] if self.aux_layers else hidden
-            return self._lower_draft(key.bucket, forward_info[5], sampled, draft_hidden)
-        if key.kind == PROMPT_LOGPROBS:
-            chunk = jax.ShapeDtypeStruct((self._prompt_logprobs_chunk(key.bucket),), jnp.int32)
-            return self.fns.prompt_logprobs.lower(self.weights.params, hidden, chunk, chunk)
-        if key.kind == LOGPROBS:
-            return self.fns.logprobs.lower(logits, sampled, key.num_logprobs)
-        if not key.processed:
-            return self.fns.sample.lower(logits, words, key.mode)
-        return self.fns.sample_processed.lower(logits, words, self.processor_rows.state,
-                                               self._all_allowed_bitmask(key.bucket),
-                                               self.processor_rows.user_states(None, key.bucket), key.mode)
-
-    def _executable_store(self) -> compilation.ExecutableStore | None:
-        """The store of this runner's executables, keyed by everything they are built from; none
-        with users' logits processors (their code is not in the key) or over several hosts."""
-        if self.processor_rows.users or self.config.parallel.num_hosts > 1:
-            return None
-        weights = [self.weights] + ([self.draft.weights] if self.draft else [])
-        params = [(w.treedef, [(p.shape, p.dtype, p.sharding) for p in w.params]) for w in weights]
-        caches = [(k.shape, k.dtype, k.sharding) for k, _ in self.kv_cache.caches + (self.kv_cache.draft_caches or [])]
-        key = "\n".join(map(repr, (self.config, params, caches,  # the buckets follow the config
-                                    compilation.source_digest())))
-        return compilation.ExecutableStore.maybe(key, list(self.mesh.devices.flat))
+        """Compile (or load) every executable and run each once (warm_up.py)."""
+        run_warm_up(self, show_progress)
 
     # ---- benchmarks ----
     def record_widest_step(self) -> None:
@@ -517,7 +416,7 @@ class ModelRunner:
         replay, self.step_replay = self.step_replay, None
         if replay is None or replay.widest is None:
             raise RuntimeError("no step was recorded: call record_widest_step before the steps to time")
-        return replay.time(self._dispatch, num_iters)
+        return replay.time(self.dispatch, num_iters)
 
     def describe(self) -> str:
         gib = self.num_blocks * self.kv_cache.bytes_per_block / 2**30

@@ -1,0 +1,100 @@
+"""Warm-up: every executable a ModelRunner can call, compiled (or loaded from the executable
+store) and run once, so that serving never compiles. What each executable is lowered from
+lives here; executables.py keeps and compiles them.
+"""
+import itertools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm import compilation, distributed
+from jaxllm.sample.sampler import SampleMode
+from jaxllm.worker import input_batch as batching
+from jaxllm.worker.executables import DRAFT, FORWARD, LOGPROBS, PROMPT_LOGPROBS, SAMPLER, ExecutableKey
+
+
+def run_warm_up(runner, show_progress: bool = True) -> None:
+    """Compile every executable of `runner`, then run each once: the forward and the prompt
+    logprobs of every token bucket, and the sampler (of every mode) and the logprobs of every
+    request bucket. Records the time in runner.startup_s["compile"] and runner.compile_split."""
+    start = time.perf_counter()
+    keys = warm_up_keys(runner.token_buckets, runner.layouts, runner.logprob_buckets, runner.draft is not None)
+    split = runner.executables.build(keys, lambda key, info: lower(runner, key, info), show_progress)
+    compiled_s = time.perf_counter() - start
+    distributed.barrier("jaxllm-compiled")  # other hosts may compile for longer
+    runner.processor_rows.write([], {})
+    row_buckets = set()
+    for token_bucket in runner.token_buckets:
+        buffer, views = runner.next_host_buffer(token_bucket)
+        batching.fill_padding(views)
+        zeros = np.zeros(batching.prompt_logprobs_chunk(token_bucket), np.int32)
+        # Each forward once, with the logprobs and prompt logprobs; each sampler once, after the
+        # smallest forward of its request bucket.
+        jax.block_until_ready(runner.dispatch(token_bucket, buffer, SampleMode.GREEDY, False,
+                                              num_logprobs=runner.num_logprobs, prompt_inputs=[(zeros, zeros)]))
+        num_rows = runner.layouts[token_bucket].num_rows
+        if num_rows not in row_buckets:
+            row_buckets.add(num_rows)
+            for mode, processed in itertools.product(SampleMode, (False, True)):
+                if mode != SampleMode.GREEDY or processed:
+                    jax.block_until_ready(runner.dispatch(token_bucket, buffer, mode, processed))
+    runner.startup_s["compile"] = time.perf_counter() - start
+    runner.compile_split = f"{split}, first runs {runner.startup_s['compile'] - compiled_s:.1f} s"
+
+
+def warm_up_keys(token_buckets: list[int], layouts: dict, logprob_buckets: list[int],
+                 with_drafter: bool) -> list[ExecutableKey]:
+    """Every executable warm-up builds, each forward before the prompt logprobs of its token
+    bucket and the samplers and logprobs of its rows of logits."""
+    keys, row_buckets = [], set()
+    for token_bucket in token_buckets:
+        keys += [ExecutableKey(FORWARD, token_bucket), ExecutableKey(PROMPT_LOGPROBS, token_bucket)]
+        if with_drafter:
+            keys.append(ExecutableKey(DRAFT, token_bucket))
+        num_rows = layouts[token_bucket].num_rows
+        if num_rows in row_buckets:
+            continue
+        row_buckets.add(num_rows)
+        for mode in SampleMode:
+            if mode != SampleMode.GREEDY:  # a greedy batch samples with the forward's argmax
+                keys.append(ExecutableKey(SAMPLER, num_rows, mode, False))
+            keys.append(ExecutableKey(SAMPLER, num_rows, mode, True))
+        keys += [ExecutableKey(LOGPROBS, num_rows, num_logprobs=k) for k in logprob_buckets]
+    return keys
+
+
+def lower(runner, key: ExecutableKey, forward_info) -> jax.stages.Lowered:
+    """The executable of `key`, lowered; forward_info: the out_info of the forward of its
+    token bucket (for the others than a forward)."""
+    if key.kind == FORWARD:
+        return runner.lower_forward(key.bucket)
+    sampled, logits, words, hidden = forward_info[:4]
+    fns = runner.fns
+    if key.kind == DRAFT:  # after the KV caches: the inputs as run, then an EAGLE-3 head's states
+        draft_hidden = forward_info[6] if runner.aux_layers else hidden
+        return runner.lower_draft(key.bucket, forward_info[5], sampled, draft_hidden)
+    if key.kind == PROMPT_LOGPROBS:
+        chunk = jax.ShapeDtypeStruct((batching.prompt_logprobs_chunk(key.bucket),), jnp.int32)
+        return fns.prompt_logprobs.lower(runner.weights.params, hidden, chunk, chunk)
+    if key.kind == LOGPROBS:
+        return fns.logprobs.lower(logits, sampled, key.num_logprobs)
+    if not key.processed:
+        return fns.sample.lower(logits, words, key.mode)
+    rows = runner.processor_rows
+    return fns.sample_processed.lower(logits, words, rows.state, runner.all_allowed_bitmask(key.bucket),
+                                      rows.user_states(None, key.bucket), key.mode)
+
+
+def executable_store(runner) -> compilation.ExecutableStore | None:
+    """The store of a runner's executables, keyed by everything they are built from; none with
+    users' logits processors (their code is not in the key) or over several hosts."""
+    if runner.processor_rows.users or runner.config.parallel.num_hosts > 1:
+        return None
+    weights = [runner.weights] + ([runner.draft.weights] if runner.draft else [])
+    params = [(w.treedef, [(p.shape, p.dtype, p.sharding) for p in w.params]) for w in weights]
+    caches = [(k.shape, k.dtype, k.sharding) for k, _ in runner.kv_cache.caches + (runner.kv_cache.draft_caches or [])]
+    key = "\n".join(map(repr, (runner.config, params, caches,  # the buckets follow the config
+                               compilation.source_digest())))
+    return compilation.ExecutableStore.maybe(key, list(runner.mesh.devices.flat))
