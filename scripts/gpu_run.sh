@@ -57,6 +57,12 @@
 #               the embedded SmolLM2 (SMOLLM2_GGUF=PATH: that .gguf file) at batch 1 and 16
 #   draft       the draft model's tests on the GPU, then bench step on the 8B shape at batch 1, 8 and 64,
 #               without drafts and with a dummy Llama-3.2-1B drafting k = DRAFT_TOKENS (default "2 4")
+#   eagle       bench step on the 8B shape at batch 1, 8 and 64 without drafts, then with a random-weight
+#               EAGLE-3 head of the 8B's published shape drafting k = DRAFT_TOKENS (default "2 4"), under
+#               asynchronous scheduling (the draft model's too in the draft part): the cost of a step
+#   moe-matmul  bench moe-matmul: the grouped GEMM at Qwen3-30B-A3B's experts
+#   moe         for each of MOE_MODELS (default "qwen3-30b-a3b llama-3.1-8b") bench step at batch 1, 64 and 256 (128/128) and bench
+#               throughput 128/128 at 1024 sequences and 16384 batched tokens (MOE_LONG=1: 1000/1000 too)
 #   kv-dtype    bench kv-dtype: decode attention over bf16 and e4m3 caches
 #   quant       the quantized checkpoints' kernels: their gpu-marked tests (W4A16, block FP8), then
 #               bench quant-matmul at the 8B's shapes (QUANT_ARGS adds flags: "--w4-tiles ...")
@@ -90,7 +96,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 ALL_PARTS=" smoke step tput tput1000 tput2048 qwen startup fp8 prefix prefill serve sampling hf-compare kernels"
-ALL_PARTS+=" check hybrid weights invariant spec draft kv-dtype quant sampler multi-gpu "
+ALL_PARTS+=" check hybrid weights invariant spec draft eagle moe-matmul moe kv-dtype quant sampler multi-gpu "
 [ ${#PARTS[@]} -gt 0 ] || { echo "name at least one part" >&2; usage 2 >&2; }
 expanded=()
 for part in "${PARTS[@]}"; do
@@ -283,6 +289,62 @@ part_draft() {
     step 150 "bench step, draft model, k=$k" "${JAXLLM[@]}" bench step "${M8[@]}" --max-model-len $len \
       --gpu-memory-utilization 0.5 "${shape[@]}" --output-json "$D/step_draft$k.json" --speculative-config \
       "{\"method\": \"draft_model\", \"model\": \"$draft\", \"num_speculative_tokens\": $k}" 2>&1 | quiet 8
+  done
+}
+
+# An EAGLE-3 head's config.json of the 8B's shape (EAGLE3-LLaMA3.1-Instruct-8B's): with
+# --load-format dummy, the engine draws its weights at random (as the target's).
+eagle3_head() {
+  local folder=$1 hidden=4096 inter=14336 heads=32 kv=8 vocab=128256 draft_vocab=32000
+  [ $TINY = 1 ] && hidden=64 inter=128 heads=4 kv=2 vocab=256 draft_vocab=64
+  [ $DRY = 1 ] && return
+  mkdir -p "$folder"
+  cat > "$folder/config.json" <<JSON
+{"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": $hidden, "intermediate_size": $inter,
+ "num_hidden_layers": 1, "num_attention_heads": $heads, "num_key_value_heads": $kv, "vocab_size": $vocab,
+ "draft_vocab_size": $draft_vocab, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 2048,
+ "hidden_act": "silu", "tie_word_embeddings": false}
+JSON
+}
+
+part_eagle() {
+  local shape=(--batch-sizes 1,8,64 --input-len 128 --output-len 64) len=2048 head=/tmp/eagle3-head method=eagle3 k
+  # The tiny Llama's 2 layers are too few for EAGLE-3's three: an EAGLE-1 head of its shape.
+  [ $TINY = 1 ] && shape=(--batch-sizes 1,8 --input-len 16 --output-len 16) len=512 method=eagle
+  eagle3_head "$head"
+  step 90 "bench step, no drafts" "${JAXLLM[@]}" bench step "${M8[@]}" --max-model-len $len --async-scheduling \
+    --gpu-memory-utilization 0.5 "${shape[@]}" --output-json "$D/step_plain.json" 2>&1 | quiet 8
+  for k in ${DRAFT_TOKENS:-2 4}; do
+    step 150 "bench step, $method head, k=$k" "${JAXLLM[@]}" bench step "${M8[@]}" --load-format dummy --max-model-len $len \
+      --gpu-memory-utilization 0.5 "${shape[@]}" --output-json "$D/step_${method}_$k.json" --speculative-config \
+      "{\"method\": \"$method\", \"model\": \"$head\", \"num_speculative_tokens\": $k}" 2>&1 | quiet 8
+  done
+}
+
+part_moe-matmul() {
+  local mm=()
+  [ $TINY = 1 ] && mm=(--experts 8 --top-k 2 --hidden-size 64 --intermediate-size 32 --tokens 1,64)
+  step 120 "bench moe-matmul" "${JAXLLM[@]}" bench moe-matmul "${mm[@]}" --output-json "$D/moe_matmul.json" 2>&1 | quiet 30
+}
+
+part_moe() {
+  local models=${MOE_MODELS:-qwen3-30b-a3b llama-3.1-8b} engine=(--max-model-len 2048) prompts=1000 model
+  local shape=(--batch-sizes 1,64,256 --input-len 128 --output-len 128) tput=(--max-num-seqs 1024 --max-num-batched-tokens 16384)
+  [ $TINY = 1 ] && models=${MOE_MODELS:-tests/fixtures/tiny/qwen3_moe} engine=(--max-model-len 512) prompts=64 tput=() \
+    shape=(--batch-sizes 1,16 --input-len 16 --output-len 16)
+  for model in $models; do
+    local weights=(--load-format dummy --dtype bfloat16) name=${model##*/}
+    [ $TINY = 1 ] && weights=(--skip-tokenizer-init)
+    step 150 "bench step, $name" "${JAXLLM[@]}" bench step --model "$model" "${weights[@]}" "${engine[@]}" \
+      "${shape[@]}" --output-json "$D/step_$name.json" 2>&1 | quiet 8
+    step 120 "throughput 128/128, $name" "${JAXLLM[@]}" bench throughput --model "$model" "${weights[@]}" "${engine[@]}" \
+      "${tput[@]}" --input-len 128 --output-len 128 --num-prompts "$prompts" --output-json "$D/tput_$name.json" \
+      2>&1 | quiet 6
+    if [ "${MOE_LONG:-0}" = 1 ]; then
+      step 200 "throughput 1000/1000, $name" "${JAXLLM[@]}" bench throughput --model "$model" "${weights[@]}" \
+        "${engine[@]}" "${tput[@]}" --input-len 1000 --output-len 1000 --num-prompts "$prompts" \
+        --output-json "$D/tput1000_$name.json" 2>&1 | quiet 6
+    fi
   done
 }
 

@@ -144,3 +144,20 @@ def test_quant_matmul_tiles_are_checked_at_the_command_line(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "quant-matmul", "--w4-tiles", "16x24:4:3"])
     assert "block_n must be a power of two" in capsys.readouterr().err
+
+
+def test_moe_matmul_checks_then_times_the_grouped_gemm_against_a_dense_dot(capsys, tmp_path, monkeypatch):
+    args = ["bench", "moe-matmul", "--experts", "8", "--top-k", "2", "--hidden-size", "64", "--intermediate-size",
+            "32", "--tokens", "1,40", "--gather-max-rows", "8", "--repeats", "1"]
+    result, printed = run(capsys, tmp_path, args)
+    assert [(r["tokens"], r["rows"], r["variant"]) for r in result["rows"]] == [
+        (1, 2, "ragged"), (1, 2, "triton"), (1, 2, "dense"), (1, 2, "gather"),
+        (40, 80, "ragged"), (40, 80, "triton"), (40, 80, "dense")]
+    assert all(r["us"] > 0 and (r["error"] is None) == (r["variant"] == "dense") for r in result["rows"])
+    assert [r["experts_hit"] for r in result["rows"]][:4] == [2] * 4  # a token's k experts are distinct
+    assert printed[-8].split()[:3] == ["T", "rows", "hit"]
+    from jaxllm.benchmarks import moe_matmul
+    plain = moe_matmul._gather_mlp
+    monkeypatch.setattr(moe_matmul, "_gather_mlp", lambda *a: plain(*a) * 1.1)  # a path 10% off fails the check
+    result, printed = run(capsys, tmp_path, args, status=1)
+    assert printed[-1].startswith("wrong: T=1 gather: relative error 1.0")

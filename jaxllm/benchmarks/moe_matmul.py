@@ -1,0 +1,120 @@
+"""`jaxllm bench moe-matmul`: the MoE layer's grouped GEMM (models/moe.py's expert_mlp: the experts'
+SwiGLU on rows sorted by expert, two jax.lax.ragged_dot) at an MoE model's expert shapes, from
+decode's few tokens to a prefill's thousands (one table, last).
+
+For each token count T, the T * k (token, expert) rows of a uniform random routing, through:
+- ragged: ragged_dot as XLA lowers it by default;
+- triton: ragged_dot through JAX's Pallas-Triton lowering (jax_ragged_dot_use_gpu_pallas_triton_lowering);
+- dense: the same rows through one expert's SwiGLU with jnp.dot, the same FLOPs: the rate a
+  grouped GEMM is held to at prefill;
+- gather (up to --gather-max-rows rows): each row's expert weights gathered and applied one row at
+  a time, which reads only the chosen experts: the small-batch path a decode step could take.
+Each variant's output is checked against ragged's (relative L2 error over 1e-2: the bench exits 1),
+then timed on the device (median_loop_s, two weight sets in rotation). The table gives each one's
+time, its TFLOP/s and, against the bytes of the experts the routing chose, its GB/s: at small T
+the layer should read only those, so a rate far under the device's copy rate means it read the others.
+"""
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.benchmarks.common import positive_int, positive_ints, write_json
+from jaxllm.benchmarks.device_timing import median_loop_s
+
+HELP = "the MoE grouped GEMM (ragged_dot, its Triton lowering, a gather path) against a dense dot of the same FLOPs"
+MAX_ERROR = 1e-2
+TRITON_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
+
+
+def add_cli_args(parser) -> None:
+    parser.add_argument("--experts", type=positive_int, default=128, help="E (default: Qwen3-30B-A3B's 128)")
+    parser.add_argument("--top-k", type=positive_int, default=8, help="k, the experts per token (default 8)")
+    parser.add_argument("--hidden-size", type=positive_int, default=2048, help="default 2048")
+    parser.add_argument("--intermediate-size", type=positive_int, default=768, help="each expert's (default 768)")
+    parser.add_argument("--tokens", type=positive_ints, default="1,4,16,64,256,1024,4096,8192", help="the T values")
+    parser.add_argument("--gather-max-rows", type=int, default=64, help="time the gather path up to this many rows")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed loops, the median taken")
+    parser.add_argument("--output-json", help="write the rows to this file")
+
+
+def _gather_mlp(rows, experts, gate_up, down):
+    """Each row through its own expert, the weights gathered per row: rows [M, hidden], experts [M]."""
+    g, hidden, _, inter = gate_up.shape
+    gu = jnp.einsum("mh,mhn->mn", rows, gate_up[experts].reshape(-1, hidden, 2 * inter)).reshape(-1, 2, inter)
+    return jnp.einsum("mi,mih->mh", jax.nn.silu(gu[:, 0]) * gu[:, 1], down[experts])
+
+
+def _dense_mlp(rows, gate_up, down):
+    gu = jnp.dot(rows, gate_up.reshape(gate_up.shape[0], -1)).reshape(rows.shape[0], 2, -1)
+    return jnp.dot(jax.nn.silu(gu[:, 0]) * gu[:, 1], down)
+
+
+@contextlib.contextmanager
+def _triton_lowering(on: bool):
+    """ragged_dot lowered through Pallas-Triton (read when a jitted function lowers) while inside."""
+    before = getattr(jax.config, TRITON_FLAG)
+    jax.config.update(TRITON_FLAG, on)
+    try:
+        yield
+    finally:
+        jax.config.update(TRITON_FLAG, before)
+
+
+def main(ns) -> int:
+    from jaxllm.models.moe import expert_mlp
+    device = jax.devices()[0].device_kind
+    print(device, jax.__version__)
+    e, k, hidden, inter = ns.experts, ns.top_k, ns.hidden_size, ns.intermediate_size
+    rng = np.random.default_rng(0)
+
+    def weights(shape):
+        return jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02, jnp.bfloat16)
+
+    sets = [(weights((e, hidden, 2, inter)), weights((e, inter, hidden))) for _ in range(2)]
+    expert_bytes = (hidden * 2 * inter + inter * hidden) * 2
+    rows_out, failed = [], []
+    for t in ns.tokens:
+        ids = np.argsort(rng.random((t, e)), axis=1)[:, :k].reshape(-1)  # k distinct experts per token
+        order = np.argsort(ids, kind="stable")
+        experts = jnp.asarray(ids[order], jnp.int32)
+        sizes = jnp.asarray(np.bincount(ids, minlength=e), jnp.int32)
+        x = jnp.asarray(rng.standard_normal((t * k, hidden), np.float32), jnp.bfloat16)
+        active = len(np.unique(ids))
+        def grouped(x, gu, d):
+            return expert_mlp(x, sizes, gu, d)
+
+        variants = {"ragged": grouped, "triton": grouped, "dense": lambda x, gu, d: _dense_mlp(x, gu[0], d[0])}
+        if t * k <= ns.gather_max_rows:
+            variants["gather"] = lambda x, gu, d: _gather_mlp(x, experts, gu, d)
+        want = np.asarray(jax.jit(grouped)(x, *sets[0]), np.float32)
+        for name, fn in variants.items():
+            error = None
+            with _triton_lowering(name == "triton"):
+                if name != "dense":
+                    try:
+                        got = np.asarray(jax.jit(fn)(x, *sets[0]), np.float32)
+                    except Exception as err:  # a lowering this device or jax version lacks: said, not fatal
+                        print(f"T={t} {name}: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+                        continue
+                    error = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+                    if error > MAX_ERROR:
+                        failed.append(f"T={t} {name}: relative error {error:.2e}")
+                s = median_loop_s(fn, [(x, *w) for w in sets], reps=ns.repeats)
+            flops = 2 * t * k * (hidden * 2 * inter + inter * hidden)
+            rows_out.append({"tokens": t, "rows": t * k, "experts_hit": active, "variant": name, "us": 1e6 * s,
+                             "TFLOPs": flops / s / 1e12, "active_GBps": active * expert_bytes / s / 1e9,
+                             "error": error})
+            print(*rows_out[-1].values(), flush=True)  # as it comes, in case the call is cut short
+    write_json(ns.output_json, {"device": device, "experts": e, "top_k": k, "hidden_size": hidden,
+                                "intermediate_size": inter, "rows": rows_out})
+    print(f"\nE={e} k={k} hidden={hidden} I={inter} ({expert_bytes / 2**20:.1f} MiB per expert, bf16)")
+    print(f"{'T':>6} {'rows':>6} {'hit':>4} {'variant':>7} {'us':>9} {'TFLOP/s':>8} {'active GB/s':>11} {'vs dense':>8}")
+    dense = {r["tokens"]: r["us"] for r in rows_out if r["variant"] == "dense"}
+    for r in rows_out:
+        print(f"{r['tokens']:>6} {r['rows']:>6} {r['experts_hit']:>4} {r['variant']:>7} {r['us']:>9.1f} "
+              f"{r['TFLOPs']:>8.1f} {r['active_GBps']:>11.0f} {dense[r['tokens']] / r['us']:>8.2f}")
+    for line in failed:
+        print("wrong:", line)
+    return 1 if failed else 0
