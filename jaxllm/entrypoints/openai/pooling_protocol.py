@@ -28,13 +28,17 @@ class EmbeddingResponseData(Loose):
     embedding: list[float] | str
 
 
-class EmbeddingResponse(Loose):
+class ListResponse(Loose):
+    """What /v1/embeddings and /score answer: their data, a list, and the prompt tokens they ran."""
     id: str
     object: str = "list"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    data: list[EmbeddingResponseData]
     usage: UsageInfo
+
+
+class EmbeddingResponse(ListResponse):
+    data: list[EmbeddingResponseData]
 
 
 class ScoreRequest(Strict):
@@ -52,10 +56,5 @@ class ScoreResponseData(Loose):
     score: float
 
 
-class ScoreResponse(Loose):
-    id: str
-    object: str = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class ScoreResponse(ListResponse):
     data: list[ScoreResponseData]
-    usage: UsageInfo
