@@ -18,8 +18,8 @@ from jaxllm.sample.sampler import SampleMode
 
 _COMPILE_THREADS = min(8, os.cpu_count() or 1)
 
-FORWARD, PROMPT_LOGPROBS, SAMPLER, LOGPROBS, DRAFT, POOL = ("forward", "prompt logprobs", "sampler", "logprobs", "draft",
-                                                           "pool")
+FORWARD, PROMPT_LOGPROBS, SAMPLER, LOGPROBS, DRAFT = "forward", "prompt logprobs", "sampler", "logprobs", "draft"
+POOL = "pool"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -286,13 +286,9 @@ class ModelRunner:
         if self.step_replay is not None:
             self.step_replay.offer(len(sched.scheduled), sched.num_scheduled_tokens,
                                    (token_bucket, buffer, mode, processed, num_logprobs))
-        pool_inputs = None if self.pooler is None else self.pooler.token_rows(sched, views["query_start_loc"],
-                                                                              token_bucket)
         forward = self._forward(token_bucket, buffer)
-        pooling = None
-        if pool_inputs:
-            token_rows, parts = pool_inputs
-            pooling = StepPooling(self._pool(forward, token_rows), parts)
+        pool_inputs = self.pooler.token_rows(sched, views) if self.pooler is not None else None
+        pooling = StepPooling(self._pool(forward, pool_inputs[0]), pool_inputs[1]) if pool_inputs else None
         step = _Step(sched, rows, first_rows, forward, mode, processed, num_logprobs, prompt_inputs, prompt_segments,
                      failed, pooling)
         if self.request_rows.host_masked[rows].any():

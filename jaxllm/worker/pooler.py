@@ -86,12 +86,12 @@ class Pooler:
                                                           self.config.pooling_type == "MEAN",
                                                           params.dimensions, normalize)
 
-    def token_rows(self, sched: SchedulerOutput, query_start_loc: np.ndarray,
-                   num_tokens: int) -> tuple[np.ndarray, list] | None:
-        """The step's token_rows [num_tokens] int32 (a fresh array: the device may read it after this
-        returns) and StepPooling's parts; None if the step pools nothing. query_start_loc: the packed
-        step's, where each scheduled request's tokens start."""
-        rows, parts = np.full(num_tokens, -1, np.int32), []
+    def token_rows(self, sched: SchedulerOutput, views: dict[str, np.ndarray]) -> tuple[np.ndarray, list] | None:
+        """The step's token_rows [T] int32 (a fresh array: the device may read it after this returns) and
+        StepPooling's parts; None if the step pools nothing. views: the step's packed inputs
+        (input_batch.pack), T tokens long."""
+        query_start_loc = views["query_start_loc"]  # where each scheduled request's tokens start
+        rows, parts = np.full(len(views["input_ids"]), -1, np.int32), []
         for i, s in enumerate(sched.scheduled):
             request = self.requests.get(s.req_id)
             if request is None:

@@ -1,8 +1,8 @@
 """The functions ModelRunner jits: the forward pass of one step (to the logits at each
 request's last token and their argmax), the sampler with and without the logits
 processors, the logprobs of the sampled ids and of prompt positions, the writer of
-the processors' state rows, and the pooling of hidden states (worker/pooler.py). Closures and plain functions, not methods: the runner is
-not kept alive by its executables."""
+the processors' state rows, and the pooling of hidden states (worker/pooler.py).
+Closures and plain functions, not methods: the runner is not kept alive by its executables."""
 import dataclasses
 import functools
 

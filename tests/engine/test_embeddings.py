@@ -143,7 +143,7 @@ def test_score_is_the_cosine_similarity_of_the_two_texts_vectors(last):
             ("the cat sat", "the cat sat down", [(0, 0)]),                  # 1:1
             ("the cat sat", texts[1:], [(0, 0), (0, 1), (0, 2)]),           # 1:N
             (texts[:2], texts[2:], [(0, 0), (1, 1)])]:                      # N:N
-        firsts, seconds = [text_1] if isinstance(text_1, str) else text_1, [text_2] if isinstance(text_2, str) else text_2
+        firsts, seconds = ([text] if isinstance(text, str) else text for text in (text_1, text_2))
         scores = last.score(text_1, text_2, use_tqdm=False)
         assert [s.outputs.score for s in scores] == pytest.approx([cosine(firsts[i], seconds[j]) for i, j in pairs],
                                                                   abs=1e-6)
