@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jaxllm import LLM, PoolingParams, SamplingParams
+from jaxllm import LLM, EngineArgs, PoolingParams, SamplingParams
 from tests.conftest import tiny_llama_with_tokenizer, tiny_model, write_char_tokenizer
 from tests.models.test_llama import golden_prompts
 
@@ -118,6 +118,8 @@ def test_dimensions_a_model_does_not_allow_are_refused_naming_the_field(last, me
         last.embed([ids(prompt)] * 2, [PoolingParams(), PoolingParams(dimensions=20)], use_tqdm=False)
     with pytest.raises(ValueError, match=r"dimensions must be >= 1, got 0"):
         PoolingParams(dimensions=0)
+    with pytest.raises(TypeError, match=r"normalize must be a bool or None, got 'yes'"):
+        PoolingParams(normalize="yes")
     (vector,) = vectors(last, [prompt])  # the engine serves on
     np.testing.assert_allclose(vector, normalized(hidden[-1]), atol=ATOL, rtol=0)
 
@@ -153,6 +155,18 @@ def test_score_is_the_cosine_similarity_of_the_two_texts_vectors(last):
         last.score(texts[:2], texts[1:], use_tqdm=False)
     with pytest.raises(ValueError, match=r"text_2 is empty"):
         last.score("a", [], use_tqdm=False)
+
+
+@pytest.mark.parametrize("args, message", [
+    (dict(pooler_config={"pooling_type": "MAX"}), r"pooler_config.pooling_type must be one of \('LAST', 'MEAN', 'CLS'\)"),
+    (dict(pooler_config={"normalise": True}), r"pooler_config has unknown keys \['normalise'\]"),
+    (dict(pooler_config={"normalize": "yes"}), r"pooler_config.normalize must be a bool"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     r"runner='pooling' does not run with speculative_config"),
+])
+def test_a_bad_pooler_config_is_refused_naming_the_key(args, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(tiny_model("llama"), runner="pooling", **args).create_config()
 
 
 def test_embed_on_a_generating_engine_raises_naming_the_runner():
