@@ -2,9 +2,9 @@
 
 Endpoints: /v1/completions, /v1/chat/completions, /v1/responses (each streams as Server-Sent
 Events), GET /v1/responses/{id}, /v1/embeddings and /score (= /v1/score) with --runner pooling,
-/v1/models, /tokenize, /detokenize, /health, /version, /metrics (Prometheus). With an API key, every /v1 route needs `Authorization: Bearer KEY`;
-the others stay open (a load balancer's health check, a Prometheus scrape). Errors are
-OpenAI's error JSON.
+/v1/models, /tokenize, /detokenize, /health, /version, /metrics (Prometheus). With an API key,
+every /v1 route needs `Authorization: Bearer KEY`; the others stay open (a load balancer's
+health check, a Prometheus scrape). Errors are OpenAI's error JSON.
 
 SIGINT or SIGTERM stops the server in a bounded time: it stops listening, gives the
 requests in flight --shutdown-timeout seconds, ends the rest (a stream with an error event

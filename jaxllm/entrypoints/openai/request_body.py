@@ -86,7 +86,7 @@ def parse_request(body: bytes, model: type[BaseModel], limits: RequestLimits) ->
 def _validated(data, model: type[BaseModel], limits: RequestLimits) -> BaseModel:
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {_json_type(data)}")
-    check_values(data, limits, getattr(model, "prompt_field", "prompt"))
+    check_values(data, limits, model.prompt_field)
     try:
         return model.model_validate(data)
     except ValidationError as e:
