@@ -20,10 +20,8 @@ pytestmark = pytest.mark.timeout(300)
 def pooling_server(matryoshka_llama, tmp_path_factory):
     server = start_server(matryoshka_llama, tmp_path_factory, "pooling_server", "--runner", "pooling",
                           "--api-key", API_KEY)
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield server  # pytest runs the rest at teardown, whatever the tests did
+    server.stop()
 
 
 @pytest.fixture(scope="module")
