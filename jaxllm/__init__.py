@@ -14,6 +14,8 @@ _EXPORTS = {
     "EngineDeadError": "jaxllm.engine.exceptions", "EngineArgs": "jaxllm.config",
     "SamplingParams": "jaxllm.sampling_params", "RequestOutputKind": "jaxllm.sampling_params",
     "RequestOutput": "jaxllm.outputs", "CompletionOutput": "jaxllm.outputs",
+    "PoolingParams": "jaxllm.pooling_params", "PoolingRequestOutput": "jaxllm.outputs",
+    "EmbeddingRequestOutput": "jaxllm.outputs", "ScoringRequestOutput": "jaxllm.outputs",
 }
 __all__ = list(_EXPORTS)
 

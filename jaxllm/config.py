@@ -13,6 +13,7 @@ from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.eagle_config import EAGLE_ARCHITECTURES, EAGLE_TARGETS, EagleArchConfig
 from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.models.quant_config import QUANTIZATIONS, QuantConfig, resolve_quantization
+from jaxllm.pooling_params import PoolerConfig
 from jaxllm.typecheck import check_field_types
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -26,6 +27,9 @@ def bundled_model_configs() -> list[str]:
     """Names of the model configs shipped in jaxllm.models.configs (for load_format="dummy")."""
     files = importlib.resources.files("jaxllm.models.configs").iterdir()
     return sorted(f.name.removesuffix(".json") for f in files if f.name.endswith(".json"))
+
+
+RUNNERS = ("auto", "generate", "pooling")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +47,7 @@ class ModelConfig:
     # EngineArgs.quantization resolved against the checkpoint's quantization_config (models/quant_config.py);
     # None: the dtype's
     quantization: QuantConfig | None = None
+    pooler_config: PoolerConfig | None = None  # with runner="pooling"; None: the engine generates only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +206,11 @@ class EngineArgs:
     # or {"method": "draft_model", "model": <a smaller model with the same tokenizer>, "num_speculative_tokens": k}
     # or {"method": "eagle" | "eagle3", "model": <an EAGLE head's HF folder>, "num_speculative_tokens": k}
     speculative_config: dict[str, typing.Any] | None = None
+    # vLLM's: "pooling" also serves embeddings (LLM.embed, LLM.score, /v1/embeddings, /score), and unlike
+    # vLLM's still generates; "auto" and "generate": generation only (every architecture here is a decoder)
+    runner: str = "auto"
+    # vLLM's, with runner="pooling": {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} (LAST, true)
+    pooler_config: dict[str, typing.Any] | None = None
 
     def create_config(self, devices: DeviceFacts | None = None) -> Config:
         """The validated Config, for the devices `devices` describes (default: those a fresh process
@@ -247,6 +257,7 @@ class EngineArgs:
                "data_parallel_size > 1 over several hosts is not built: use num_hosts with tensor parallelism")
         speculative = None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
         host_drafts = speculative is not None and speculative.method == "ngram"
+        pooler_config = self._pooler_config(speculative)
         _check(not (host_drafts and self.async_scheduling),
                "async_scheduling does not run with speculative_config.method 'ngram' (its drafts are made on the "
                "host from the tokens of the step before): leave async_scheduling unset or False, or draft with "
@@ -297,7 +308,8 @@ class EngineArgs:
             model=ModelConfig(path=path, format=fmt, hf_config=hf_config, arch=arch,
                               dtype=dtype, max_model_len=max_len,
                               load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
-                              max_logprobs=self.max_logprobs, tokenizer=tokenizer, quantization=quantization),
+                              max_logprobs=self.max_logprobs, tokenizer=tokenizer, quantization=quantization,
+                              pooler_config=pooler_config),
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.num_gpu_blocks_override,
                               KV_CACHE_DTYPES[self.kv_cache_dtype] or dtype, self.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, batched, max_len,
@@ -310,6 +322,15 @@ class EngineArgs:
             batch_invariant=self.batch_invariant,
             speculative=speculative,
         )
+
+    def _pooler_config(self, speculative: SpeculativeConfig | None) -> PoolerConfig | None:
+        _check(self.runner in RUNNERS, f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.runner != "pooling":
+            _check(self.pooler_config is None, f"pooler_config is for runner='pooling', got runner={self.runner!r}")
+            return None
+        _check(speculative is None, "runner='pooling' does not run with speculative_config yet (a drafter's KV "
+               "after a pooling request's last token would read a token that never comes)")
+        return PoolerConfig.from_dict(self.pooler_config or {})
 
     def _check_experts(self, arch: ModelArchConfig, quantization: QuantConfig | None) -> ModelArchConfig:
         """A mixture-of-experts model's experts checked against the devices, with enable_expert_parallel

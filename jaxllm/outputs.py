@@ -1,5 +1,8 @@
-"""What a user gets back: vLLM's RequestOutput / CompletionOutput."""
+"""What a user gets back: vLLM's RequestOutput / CompletionOutput, and for pooling requests its
+PoolingRequestOutput, EmbeddingRequestOutput and ScoringRequestOutput."""
 import dataclasses
+
+import numpy as np
 
 
 @dataclasses.dataclass
@@ -78,3 +81,56 @@ class RequestOutput:
                 old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
             else:
                 self.outputs[i] = new
+
+
+@dataclasses.dataclass
+class PoolingOutput:
+    data: np.ndarray  # [dimensions or hidden_size] float32: the prompt's pooled hidden state
+
+
+@dataclasses.dataclass
+class PoolingRequestOutput:
+    """A pooling request's one output (vLLM's), when its prompt has run."""
+    request_id: str
+    outputs: PoolingOutput | None  # None when the engine failed or aborted the request: `error` says why
+    prompt_token_ids: list[int]
+    finished: bool = True
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    """What LLM.embed gives per prompt (vLLM's): outputs.embedding."""
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()), output.prompt_token_ids,
+                   output.finished)
+
+
+@dataclasses.dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclasses.dataclass
+class ScoringRequestOutput:
+    """What LLM.score gives per pair (vLLM's): outputs.score; the request id and prompt token ids are the
+    pair's, joined (with the tokenizer's pad token between, if it has one)."""
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -3,6 +3,7 @@ import enum
 import logging
 
 from jaxllm.contracts.engine_core import EngineCoreRequest
+from jaxllm.pooling_params import PoolerConfig, PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,10 @@ FINISH_REASONS = {
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 eos_token_ids: tuple[int, ...], seed: int, bad_words_token_ids: list[list[int]] = ()):
+                 eos_token_ids: tuple[int, ...], seed: int, bad_words_token_ids: list[list[int]] = (),
+                 pooling_params: PoolingParams | None = None, pools_every_token: bool = False):
+        """pooling_params: a pooling request's (it ends at its prompt's end, with its pooled hidden state);
+        pools_every_token: its engine pools hidden states before the last (PoolerConfig.reads_every_token)."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -63,11 +67,18 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.block_hashes: list[bytes] = []  # of its full blocks, for the prefix cache (core/kv_cache_utils.py)
         self.num_cached_tokens = -1  # prompt tokens the prefix cache held when first scheduled; -1 until then
+        self.pooling_params = pooling_params
+        # Prompt logprobs, and a pooler that reads every prompt token's hidden state, need each prompt
+        # position computed: no prefix is read from the cache (vLLM's skip_reading_prefix_cache).
+        self.skip_reading_prefix_cache = (sampling_params.prompt_logprobs is not None
+                                          or (pooling_params is not None and pools_every_token))
 
     @classmethod
-    def from_engine_core_request(cls, request: EngineCoreRequest) -> "Request":
+    def from_engine_core_request(cls, request: EngineCoreRequest, pooler: PoolerConfig | None = None) -> "Request":
+        """pooler: the engine's (None: it does not pool)."""
         return cls(request.request_id, request.prompt_token_ids, request.sampling_params,
-                   request.eos_token_ids, request.seed, request.bad_words_token_ids)
+                   request.eos_token_ids, request.seed, request.bad_words_token_ids, request.pooling_params,
+                   pooler is not None and pooler.reads_every_token)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -15,8 +15,8 @@ import jaxllm
 # (the scheduler's core and the runner's worker) may not import each other.
 LAYERS = [
     {"base": ["jaxllm.utils", "jaxllm.typecheck", "jaxllm.sharding", "jaxllm.distributed", "jaxllm.compilation",
-              "jaxllm.kernels", "jaxllm.models", "jaxllm.sampling_params", "jaxllm.structured_output",
-              "jaxllm.outputs", "jaxllm.sample.logits_processor"]},
+              "jaxllm.kernels", "jaxllm.models", "jaxllm.sampling_params", "jaxllm.pooling_params",
+              "jaxllm.structured_output", "jaxllm.outputs", "jaxllm.sample.logits_processor"]},
     {"config": ["jaxllm.config", "jaxllm.device_facts", "jaxllm.model_hub", "jaxllm.tokenizer", "jaxllm.profiling"]},
     {"contracts": ["jaxllm.contracts"]},
     {"sample": ["jaxllm.sample"]},

@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -33,6 +34,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     arrival_time: float  # time.monotonic() in the front end
     # SamplingParams.bad_words as token ids (the front end tokenizes them): never generated
     bad_words_token_ids: list[list[int]] = []
+    # A pooling request's (its sampling_params are then pooling_params.POOLING_SAMPLING_PARAMS): it ends
+    # at its prompt's end with the prompt's pooled hidden state, and samples nothing
+    pooling_params: PoolingParams | None = None
 
 
 class LogprobsArrays(msgspec.Struct, array_like=True, gc=False):
@@ -62,6 +66,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # and how many of its prompt tokens the prefix cache held then.
     first_scheduled_time: float | None = None
     num_cached_tokens: int = 0
+    # A pooling request's vector [dimensions or hidden_size] float32, with finish_reason "stop"
+    pooling_output: np.ndarray | None = None
 
 
 class SpecDecodingStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -12,6 +12,7 @@ import msgspec
 import numpy as np
 
 from jaxllm.contracts.engine_core import LogprobsArrays
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -25,6 +26,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     output_token_ids: list[int] = []  # a request resumed after preemption has some
     banned_token_ids: list[int] = []  # one-token bad words: never sampled
     host_masked: bool = False  # its steps sample under TokenMasks from the core
+    # A pooling request's: its steps sample nothing, and the one that reaches its prompt's end pools it
+    pooling_params: PoolingParams | None = None
 
 
 # A draft that the step in flight makes on the device: the next step reads it there. Not -1, which
@@ -90,3 +93,6 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # A draft model's or EAGLE head's guesses of the tokens after each request's last one (none for a
     # request that took no token), for its next step; None without one.
     draft_token_ids: list[list[int]] | None = None
+    # Per scheduled request, a pooling request's vector if this step reached its prompt's end (else
+    # None); None if no step of a pooling request pooled.
+    pooler_output: list[np.ndarray | None] | None = None

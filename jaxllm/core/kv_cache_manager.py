@@ -37,9 +37,9 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[Blocks], int]:
         """The longest cached prefix of a request about to be admitted: (per group, its
         blocks; its length in tokens). Never the whole request: its last token is computed,
-        so the step has its logits. Requests asking for prompt logprobs compute every
-        position (as vLLM)."""
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        so the step has its logits. Requests that need every prompt position computed (prompt
+        logprobs, a pooler of every token) read no prefix (as vLLM)."""
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.coordinator.no_hit, 0
         hashes = update_block_hashes(request, self.block_size, request.num_tokens)
         hit = self.coordinator.find_longest_cache_hit(hashes, request.num_tokens - 1)

@@ -33,6 +33,10 @@ counts 1 + d placeholders, as if the model took them all: the next step is sched
 its next token and drafts on the device (DRAFT_ON_DEVICE), its blocks held for that count, and
 the runner moves its positions back over the drafts the model rejected. When the step lands,
 `num_computed_tokens` falls back one step late; a request it ended drops the next step's tokens.
+
+A pooling request (an engine with runner="pooling") is a prompt that never samples, prefilled in
+chunks like any other: the runner pools the hidden states of the step that reaches its prompt's
+end, and when that step lands the request finishes with the vector, its blocks freed.
 """
 import collections
 import logging
@@ -92,10 +96,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.num_output_placeholders and self._awaits_last_token(request):
+            pending = self._num_pending_tokens(request)
+            # Nothing pending: a pooling request whose whole prompt is scheduled waits for its vector.
+            if not pending or (request.num_output_placeholders and self._awaits_last_token(request)):
                 i += 1
                 continue
-            num_new = min(self._num_pending_tokens(request), budget)
+            num_new = min(pending, budget)
             drafts = self._drafts(request, budget) if num_new == 1 and self.proposer else []
             while (new_blocks := self._allocate(request, num_new + len(drafts))) is None:
                 if drafts:  # short of blocks: the next token alone first
@@ -133,7 +139,7 @@ class Scheduler:
             new_requests.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, request.sampling_params, request.seed,
                 request.stop_token_ids, list(request.output_token_ids), request.banned_token_ids,
-                request.needs_host_mask))
+                request.needs_host_mask, request.pooling_params))
             out.append(self._schedule(request, num_new, new_blocks))
             requests.append(request)
             budget -= num_new
@@ -160,7 +166,7 @@ class Scheduler:
         """The proposer's drafts for a decoding request: never more than the budget, its max_tokens
         and the model length leave room for after its next token, the step in flight counted as if
         it took every draft."""
-        if request.needs_host_mask:
+        if request.needs_host_mask or request.pooling_params is not None:
             return []
         num_tokens = request.num_tokens + request.num_output_placeholders
         room = min(self.num_speculative_tokens, budget - 1, self.config.max_model_len - num_tokens - 1)
@@ -172,13 +178,14 @@ class Scheduler:
     def _schedule(request: Request, num_new: int, new_blocks: list[list[int]],
                   drafts: list[int] = ()) -> ScheduledRequest:
         """num_new tokens of `request` (and its drafts after them) in this step."""
-        start = request.num_computed_tokens
-        samples = num_new == request.num_tokens + request.num_output_placeholders - start
-        known = request.token_ids(start, min(start + num_new, request.num_tokens)) if start < request.num_tokens else []
+        start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+        # A pooling request samples nothing: the step that reaches its prompt's end pools it.
+        samples = request.pooling_params is None and end == request.num_tokens + request.num_output_placeholders
+        known = request.token_ids(start, min(end, request.num_tokens)) if start < request.num_tokens else []
         scheduled = ScheduledRequest(request.request_id, start, num_new + len(drafts), known, new_blocks, samples,
                                      draft_token_ids=list(drafts))
-        if not samples:  # a prefill chunk: the token after it is known
-            scheduled.next_token_id = request.token_ids(start + num_new, start + num_new + 1)[0]
+        if end < request.num_tokens:  # a prefill chunk: the token after it is known
+            scheduled.next_token_id = request.token_ids(end, end + 1)[0]
         num_new += len(drafts)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
@@ -271,6 +278,8 @@ class Scheduler:
                         logprob_row: int, runner_output: ModelRunnerOutput) -> EngineCoreOutput | None:
         """Scheduled request i's news from the step (None: nothing to tell): the tokens it took,
         one by one until one ends it; its logprobs are rows logprob_row.. of the runner's."""
+        if request.pooling_params is not None:
+            return self._pooled(sched, request, runner_output.pooler_output, i)
         new_prompt_logprobs = None
         prompt_logprobs = runner_output.prompt_logprobs
         if prompt_logprobs is not None and prompt_logprobs[i] is not None and not request.is_finished:
@@ -301,6 +310,20 @@ class Scheduler:
             self._free(request)
             output.finish_reason, output.stop_reason = FINISH_REASONS[request.status], request.stop_reason
         return output
+
+    def _pooled(self, sched: ScheduledRequest, request: Request, pooler_output: list | None,
+                i: int) -> EngineCoreOutput | None:
+        """A pooling request's news from a step: at its prompt's end, its vector, and it finishes (even if
+        preempted since: the step computed its whole prompt)."""
+        if request.is_finished or sched.num_computed_tokens + sched.num_new_tokens < request.num_prompt_tokens:
+            return None
+        if pooler_output is None or pooler_output[i] is None:
+            raise RuntimeError("the runner pooled nothing for a prompt that ended")
+        request.status = RequestStatus.FINISHED_STOPPED
+        self._free(request)
+        return EngineCoreOutput(request.request_id, [], FINISH_REASONS[request.status], pooling_output=pooler_output[i],
+                                first_scheduled_time=request.first_scheduled_time,
+                                num_cached_tokens=request.num_cached_tokens)
 
     def in_flight_requests(self) -> list[Request]:
         """Every request of a step not yet applied."""

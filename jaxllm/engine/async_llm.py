@@ -1,5 +1,6 @@
 """AsyncLLM: the engine for asyncio code (and the server): `async for out in
-llm.generate(prompt, params, request_id)`.
+llm.generate(prompt, params, request_id)`, and on an engine with runner="pooling"
+`llm.encode(prompt, pooling_params, request_id)` for a prompt's vector.
 
 The engine core runs in its own process (AsyncMPClient). One output-handler task
 reads the core's outputs, detokenizes them and hands each request's RequestOutput
@@ -15,7 +16,8 @@ from jaxllm.engine.core_client import AsyncMPClient
 from jaxllm.engine.exceptions import EngineDeadError
 from jaxllm.engine.llm_engine import FrontEnd, data_parallel
 from jaxllm.engine.processor import PromptType
-from jaxllm.outputs import RequestOutput
+from jaxllm.outputs import PoolingRequestOutput, RequestOutput
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -73,13 +75,23 @@ class AsyncLLM(FrontEnd):
         """True once the engine core has died (no request can be served again)."""
         return self._dead is not None or self.engine_core.dead
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
-                       request_id: str) -> AsyncGenerator[RequestOutput, None]:
+    def generate(self, prompt: PromptType, sampling_params: SamplingParams,
+                 request_id: str) -> AsyncGenerator[RequestOutput, None]:
         """This request's outputs as the engine makes them, per `sampling_params.output_kind`
         (FINAL_ONLY: one). A bad request raises ValueError or TypeError before any output.
         With n > 1, a streamed output holds the samples that changed since the last one
         taken (each CompletionOutput's index says which); FINAL_ONLY's holds all n."""
-        collector = self._add_request(request_id, prompt, sampling_params)
+        return self._outputs(request_id, prompt, sampling_params)
+
+    def encode(self, prompt: PromptType, pooling_params: PoolingParams,
+               request_id: str) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """A pooling request's one output (vLLM's AsyncLLM.encode), on an engine started with
+        runner="pooling". A bad request raises ValueError or TypeError before it."""
+        return self._outputs(request_id, prompt, pooling_params)
+
+    async def _outputs(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams):
+        """A request's outputs until its last; leaving early aborts it."""
+        collector = self._add_request(request_id, prompt, params)
         finished = False
         try:
             while not finished:
@@ -90,11 +102,13 @@ class AsyncLLM(FrontEnd):
             if not finished and not self.errored:
                 self._abort([request_id])
 
-    def _add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> RequestOutputCollector:
+    def _add_request(self, request_id: str, prompt: PromptType,
+                     params: SamplingParams | PoolingParams) -> RequestOutputCollector:
         if self._dead is not None:
             raise self._dead
         requests = self._make_requests(request_id, prompt, params)
-        collector = self._collectors[request_id] = RequestOutputCollector(params.output_kind)
+        kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.FINAL_ONLY
+        collector = self._collectors[request_id] = RequestOutputCollector(kind)
         try:
             for request in requests:
                 self.engine_core.add_request(request)

@@ -73,7 +73,10 @@ class EngineCore:
             return
         try:
             check_token_ids(request, self.config.model.arch.vocab_size)
-            core_request = Request.from_engine_core_request(request)
+            pooler = self.config.model.pooler_config
+            if request.pooling_params is not None and pooler is None:
+                raise ValueError("pooling_params: this engine does not pool (start it with runner='pooling')")
+            core_request = Request.from_engine_core_request(request, pooler)
         except Exception as e:
             logger.exception("request %s: rejected", request.request_id)
             self._pending.append(EngineCoreOutput(request.request_id, [], "error", error=f"{type(e).__name__}: {e}"))

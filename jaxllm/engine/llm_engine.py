@@ -17,7 +17,8 @@ from jaxllm.engine.core_client import InprocClient, SyncMPClient
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.parallel_sampling import ParentRequest
 from jaxllm.engine.processor import Processor, PromptType
-from jaxllm.outputs import RequestOutput
+from jaxllm.outputs import PoolingRequestOutput, RequestOutput
+from jaxllm.pooling_params import POOLING_SAMPLING_PARAMS, PoolingParams
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.tokenizer import default_sampling_fields, generation_eos_ids, get_tokenizer
 from jaxllm.typecheck import check_field_types
@@ -77,7 +78,7 @@ class FrontEnd:
         # Called with the SchedulerStats that come with the core's outputs (the server's metrics).
         self.stats_listeners: list[Callable[[SchedulerStats], None]] = []
 
-    def _process(self, core_outputs: EngineCoreOutputs) -> list[RequestOutput]:
+    def _process(self, core_outputs: EngineCoreOutputs) -> list[RequestOutput | PoolingRequestOutput]:
         """The RequestOutputs of one message of the core's; the requests a stop string ended are
         aborted in the core, and the stats go to the listeners."""
         outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs, core_outputs.timestamp)
@@ -100,19 +101,20 @@ class FrontEnd:
         except (TypeError, ValueError) as e:
             raise type(e)(f"the model's default sampling params ({self.config.model.path}): {e}") from e
 
-    def _make_requests(self, request_id: str, prompt: PromptType, params: SamplingParams) -> list[EngineCoreRequest]:
+    def _make_requests(self, request_id: str, prompt: PromptType,
+                       params: SamplingParams | PoolingParams) -> list[EngineCoreRequest]:
         """Validate one request and register it with the output processor; a bad one
         raises ValueError (or TypeError) here, before it reaches the core. Returns what
         the core runs: the request, or with n > 1 its n children (ParentRequest)."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if isinstance(params, PoolingParams):
+            return [self._make_pooling_request(request_id, prompt, params)]
         processed = self.processor.process(prompt, params)
         arrival_time = time.monotonic()
         parent = ParentRequest(request_id, params, arrival_time) if params.n > 1 else None
         core_ids = parent.child_ids if parent is not None else [request_id]
-        for used in (request_id, *core_ids):
-            if self.output_processor.in_use(used):
-                raise ValueError(f"request_id {used!r} is already in use")
+        self._check_unused([request_id, *core_ids])
         requests = []
         for index, core_id in enumerate(core_ids):
             child_params = parent.child_params(index) if parent is not None else params
@@ -129,6 +131,19 @@ class FrontEnd:
             requests.append(EngineCoreRequest(core_id, processed.prompt_token_ids, child_params, self.eos_token_ids,
                                               seed, arrival_time, processed.bad_words_token_ids))
         return requests
+
+    def _make_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams) -> EngineCoreRequest:
+        processed = self.processor.process_pooling(prompt, params)
+        self._check_unused([request_id])
+        self.output_processor.add_pooling_request(request_id, processed.prompt_token_ids)
+        # A copy: the caller may change its params while the request runs in this process's core.
+        return EngineCoreRequest(request_id, processed.prompt_token_ids, POOLING_SAMPLING_PARAMS, (), 0,
+                                 time.monotonic(), pooling_params=dataclasses.replace(params))
+
+    def _check_unused(self, request_ids: list[str]) -> None:
+        for used in request_ids:
+            if self.output_processor.in_use(used):
+                raise ValueError(f"request_id {used!r} is already in use")
 
     def _forget(self, request_ids, final_outputs: list | None = None) -> list[str]:
         """Drop the requests from the output processor; returns the ids to abort in the core.
@@ -171,10 +186,11 @@ class LLMEngine(FrontEnd):
             return cls(SyncMPClient(config, show_progress))
         return cls(InprocClient(args.create_config(live_device_facts()), show_progress))
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams) -> None:
         """Validate and queue one request (with n > 1, its n children); a bad one raises
         ValueError and leaves the rest untouched. With n > 1 the RequestOutputs carry this
-        request_id, and each CompletionOutput its child's index."""
+        request_id, and each CompletionOutput its child's index. With PoolingParams (an engine
+        with runner="pooling"), a pooling request: one PoolingRequestOutput, with its vector."""
         for request in self._make_requests(request_id, prompt, params):
             self.engine_core.add_request(request)
 
@@ -182,7 +198,7 @@ class LLMEngine(FrontEnd):
         """Abort one request id or several (a parent's: all its children)."""
         self.engine_core.abort_requests(self._forget(request_ids))
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """The outputs of the next engine step (it blocks while the core computes)."""
         if not self.has_unfinished_requests():
             return []

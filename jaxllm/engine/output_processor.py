@@ -1,4 +1,5 @@
-"""OutputProcessor: incremental detokenization, stop strings, RequestOutputs."""
+"""OutputProcessor: incremental detokenization, stop strings, RequestOutputs (and pooling requests'
+PoolingRequestOutputs)."""
 import dataclasses
 import logging
 import time
@@ -8,8 +9,8 @@ from tokenizers.decoders import DecodeStream
 
 from jaxllm.contracts.engine_core import EngineCoreOutput, LogprobsArrays
 from jaxllm.engine.parallel_sampling import ParentRequest
-from jaxllm.outputs import (CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput,
-                            SampleLogprobs)
+from jaxllm.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, PromptLogprobs,
+                            RequestMetrics, RequestOutput, SampleLogprobs)
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -151,6 +152,11 @@ class RequestState:
                 return True
         return False
 
+    def aborted(self) -> RequestOutput | None:
+        """Its last output, with finish_reason "abort" (None when the output kind has nothing to say)."""
+        self.finish_reason = "abort"
+        return self.output()
+
     def output(self) -> RequestOutput | None:
         """This step's RequestOutput, or None when the output kind has nothing to say."""
         finished = self.finish_reason is not None
@@ -185,10 +191,26 @@ class RequestState:
                              num_cached_tokens=self.num_cached_tokens)
 
 
+class PoolingRequestState:
+    """A pooling request: its one output comes with its vector, or when it ends without one."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int]):
+        self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
+
+    def finished(self, co: EngineCoreOutput) -> PoolingRequestOutput:
+        if co.pooling_output is not None:
+            return PoolingRequestOutput(self.request_id, PoolingOutput(co.pooling_output), self.prompt_token_ids)
+        error = co.error or f"the request ended with finish_reason {co.finish_reason!r} and no vector"
+        return PoolingRequestOutput(self.request_id, None, self.prompt_token_ids, error=error)
+
+    def aborted(self) -> PoolingRequestOutput:
+        return PoolingRequestOutput(self.request_id, None, self.prompt_token_ids, error="the request was aborted")
+
+
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.states: dict[str, RequestState] = {}  # by the core's request ids (a parent's children)
+        self.states: dict[str, RequestState | PoolingRequestState] = {}  # by the core's ids (a parent's children)
         self.parents: dict[str, ParentRequest] = {}
         self._added_tokens: dict[int, str] = {}  # for spaces_between_special_tokens
         if tokenizer is not None:
@@ -210,18 +232,27 @@ class OutputProcessor:
         self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer,
                                                arrival_time, parent, index, prompt_logprobs, self._added_tokens)
 
+    def add_pooling_request(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        self.states[request_id] = PoolingRequestState(request_id, prompt_token_ids)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
 
     def process_outputs(self, core_outputs: list[EngineCoreOutput],
-                        timestamp: float) -> tuple[list[RequestOutput], list[str]]:
-        """RequestOutputs of the updated requests, and the ids a stop string finished
-        (the engine core must abort those). `timestamp`: when the core made these."""
+                        timestamp: float) -> tuple[list[RequestOutput | PoolingRequestOutput], list[str]]:
+        """RequestOutputs of the updated requests (PoolingRequestOutputs of the finished pooling ones),
+        and the ids a stop string finished (the engine core must abort those). `timestamp`: when the core
+        made these."""
         outputs, stopped = [], []
         for co in core_outputs:
             state = self.states.get(co.request_id)
             if state is None:
                 continue  # aborted here, or ended by a stop string, while the core ran on
+            if isinstance(state, PoolingRequestState):
+                if co.finish_reason is not None:
+                    outputs.append(state.finished(co))
+                    del self.states[co.request_id]
+                continue
             try:
                 out, stop = self._process(state, co, timestamp)
             except Exception as e:  # this request's text or logprobs: it alone ends, with the error
@@ -266,7 +297,7 @@ class OutputProcessor:
             state.finish_reason, state.stop_reason, state.error = co.finish_reason, co.stop_reason, co.error
         return state.output(), stopped
 
-    def abort(self, request_ids: list[str], outputs: list[RequestOutput] | None = None) -> list[str]:
+    def abort(self, request_ids: list[str], outputs: list | None = None) -> list[str]:
         """Forget the requests; returns the ids the core must abort (a parent's: its children's).
         With `outputs`, each unfinished request's last RequestOutput (finish_reason "abort") goes there."""
         core_ids = []
@@ -277,8 +308,7 @@ class OutputProcessor:
                 state = self.states.pop(core_id, None)
                 core_ids.append(core_id)
                 if state is not None and outputs is not None:
-                    state.finish_reason = "abort"
-                    last = state.output() or last  # a parent's FINAL_ONLY output comes with its last child
+                    last = state.aborted() or last  # a parent's FINAL_ONLY output comes with its last child
             if last is not None:
                 outputs.append(last)
         return core_ids

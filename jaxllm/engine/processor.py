@@ -2,6 +2,7 @@
 import dataclasses
 
 from jaxllm.config import Config
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 PromptType = str | dict
@@ -29,6 +30,8 @@ class Processor:
         self.max_model_len = config.model.max_model_len
         self.vocab_size = config.model.arch.vocab_size
         self.max_logprobs = config.model.max_logprobs
+        self.hf_config, self.hidden_size = config.model.hf_config, config.model.arch.hidden_size
+        self.pools = config.model.pooler_config is not None
         self.tokenizer = tokenizer
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedRequest:
@@ -41,6 +44,37 @@ class Processor:
         if params.truncate_prompt_tokens is not None:
             keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
             token_ids = token_ids[-keep:]
+        self._check_prompt(token_ids)
+        return ProcessedRequest(text, token_ids, self._bad_words_token_ids(params.bad_words or []))
+
+    def process_pooling(self, prompt: PromptType, params: PoolingParams) -> ProcessedRequest:
+        """As process, for a pooling request (an engine started with runner="pooling")."""
+        if not isinstance(params, PoolingParams):
+            raise TypeError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+        if not self.pools:
+            raise ValueError("pooling_params: this engine generates only; embeddings and scores need an engine "
+                             "started with runner='pooling' (vLLM's --runner pooling)")
+        params.validate()
+        self._check_dimensions(params.dimensions)
+        text, token_ids = self._tokenize(prompt)
+        self._check_prompt(token_ids)
+        return ProcessedRequest(text, token_ids, [])
+
+    def _check_dimensions(self, dimensions: int | None) -> None:
+        """Matryoshka truncation where vLLM allows it: the model's config.json sets is_matryoshka, or lists
+        matryoshka_dimensions (then only those)."""
+        if dimensions is None:
+            return
+        listed = self.hf_config.get("matryoshka_dimensions")
+        if not listed and not self.hf_config.get("is_matryoshka"):
+            raise ValueError("dimensions is for a Matryoshka model, and this model's config.json sets neither "
+                             f"is_matryoshka nor matryoshka_dimensions: leave it unset (all {self.hidden_size} values)")
+        if listed and dimensions not in listed:
+            raise ValueError(f"dimensions must be one of the model's matryoshka_dimensions {listed}, got {dimensions}")
+        if dimensions > self.hidden_size:
+            raise ValueError(f"dimensions must be <= the model's hidden size ({self.hidden_size}), got {dimensions}")
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("prompt is empty: it must hold at least one token")
         if len(token_ids) > self.max_model_len:
@@ -48,7 +82,6 @@ class Processor:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids hold ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        return ProcessedRequest(text, token_ids, self._bad_words_token_ids(params.bad_words or []))
 
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: the limits of this engine and its model."""

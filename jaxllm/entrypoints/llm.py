@@ -1,4 +1,5 @@
-"""LLM: offline batch inference, vLLM's class and method names."""
+"""LLM: offline batch inference, vLLM's class and method names (generate, chat, and on an engine
+started with runner="pooling" embed and score)."""
 import collections
 import dataclasses
 import logging
@@ -14,7 +15,9 @@ from jaxllm.engine.exceptions import EngineDeadError
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.processor import PromptType
 from jaxllm.entrypoints.chat_utils import chat_messages
-from jaxllm.outputs import RequestOutput
+from jaxllm.entrypoints.score_utils import check_score_inputs, cosine_scores
+from jaxllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput, ScoringRequestOutput
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 Messages = list[dict]
@@ -22,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 class LLM:
-    """An engine for offline generation.
+    """An engine for offline generation, and with runner="pooling" for embeddings (embed, score).
 
     LLM(model=None) runs the embedded SmolLM2-135M-Instruct; `model` may be an HF
     folder, a .gguf file, or (with load_format="dummy") a bundled config name.
@@ -153,14 +156,44 @@ class LLM:
 
         A request the engine failed (a model step that raised) comes back with
         finish_reason "error" and its `error` set, and a warning is logged."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}")
+        prompts = _prompt_list(prompts, "prompts")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = self._params_list(sampling_params, len(prompts))
-        return self._run(list(prompts), params, use_tqdm)
+        return self._run(prompts, params, use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Each prompt's vector (vLLM's LLM.embed), in the prompts' order, on an engine started with
+        runner="pooling": the final hidden states of its prompt pooled as the engine's pooler_config says
+        (by default the last token's, normalized). A bad prompt or params raise as generate's do, naming the
+        prompt; a request the engine failed raises RuntimeError."""
+        return [EmbeddingRequestOutput.from_base(out) for out in self._pool(prompts, pooling_params, use_tqdm)]
+
+    def score(self, text_1: PromptType | Sequence[PromptType], text_2: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | None = None, use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score with an embedding model: the cosine similarity of the vectors (embed's) of
+        text_1's and text_2's prompts, one score per pair: 1:1, the one text_1 against each text_2 (1:N),
+        or pair by pair (N:N)."""
+        texts_1, texts_2 = _prompt_list(text_1, "text_1"), _prompt_list(text_2, "text_2")
+        check_score_inputs(len(texts_1), len(texts_2))
+        vectors = self._pool(texts_1 + texts_2, pooling_params, use_tqdm)
+        pad_token_id = getattr(self.get_tokenizer(), "pad_token_id", None)
+        return cosine_scores(vectors[:len(texts_1)], vectors[len(texts_1):], pad_token_id)
+
+    def _pool(self, prompts, pooling_params, use_tqdm: bool) -> list[PoolingRequestOutput]:
+        if self.llm_engine.config.model.pooler_config is None:
+            raise ValueError("LLM.embed and LLM.score need an engine started with runner='pooling' "
+                             "(vLLM's --runner pooling): LLM(model, runner='pooling')")
+        prompts = _prompt_list(prompts, "prompts")
+        params = self._params_list(PoolingParams() if pooling_params is None else pooling_params, len(prompts),
+                                   PoolingParams)
+        outputs = self._run(prompts, params, use_tqdm)
+        for i, out in enumerate(outputs):
+            if out.error is not None:
+                raise RuntimeError(f"prompt {i}: the engine failed the request: {out.error}")
+        return outputs
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -186,27 +219,29 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     @staticmethod
-    def _params_list(sampling_params, n: int) -> list[SamplingParams]:
-        """One SamplingParams per prompt, each asking only for the final output."""
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * n
-        if not isinstance(sampling_params, (list, tuple)):
-            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, "
-                            f"got {type(sampling_params).__name__}")
-        if len(sampling_params) != n:
-            raise ValueError(f"got {len(sampling_params)} sampling_params for {n} prompts")
+    def _params_list(params, n: int, kind: type = SamplingParams) -> list:
+        """One `kind` (SamplingParams, asking only for the final output, or PoolingParams) per prompt."""
+        name = "sampling_params" if kind is SamplingParams else "pooling_params"
+        if isinstance(params, kind):
+            params = [params] * n
+        if not isinstance(params, (list, tuple)):
+            raise TypeError(f"{name} must be a {kind.__name__} or a list of them, got {type(params).__name__}")
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} {name} for {n} prompts")
+        fields = {"output_kind": RequestOutputKind.FINAL_ONLY} if kind is SamplingParams else {}
         final = {}  # copy each distinct object once; the caller's stays as it was
-        for i, p in enumerate(sampling_params):
-            if not isinstance(p, SamplingParams):
-                raise TypeError(f"prompt {i}: sampling_params must be a SamplingParams, got {type(p).__name__}")
+        for i, p in enumerate(params):
+            if not isinstance(p, kind):
+                raise TypeError(f"prompt {i}: {name} must be a {kind.__name__}, got {type(p).__name__}")
             if id(p) not in final:
                 try:  # replace validates again: the caller may have changed p since it was made
-                    final[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                    final[id(p)] = dataclasses.replace(p, **fields)
                 except (ValueError, TypeError) as e:
                     raise _prompt_error(i, e) from e
-        return [final[id(p)] for p in sampling_params]
+        return [final[id(p)] for p in params]
 
-    def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list, params: list[SamplingParams | PoolingParams],
+             use_tqdm: bool) -> list[RequestOutput | PoolingRequestOutput]:
         if self._paused:
             raise ValueError("generation is paused: resume_generation() first")
         if self._asleep:
@@ -228,7 +263,7 @@ class LLM:
                 self._take_back(ids)
                 raise
 
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         start, in_tokens, out_tokens = time.perf_counter(), 0, 0
         try:
@@ -240,7 +275,8 @@ class LLM:
                     out = inbox.get()
                     finished[out.request_id] = out
                     in_tokens += len(out.prompt_token_ids)
-                    out_tokens += sum(len(o.token_ids) for o in out.outputs)
+                    if isinstance(out, RequestOutput):
+                        out_tokens += sum(len(o.token_ids) for o in out.outputs)
                     elapsed = time.perf_counter() - start
                     bar.set_postfix_str(f"input: {in_tokens / elapsed:.1f} toks/s, "
                                         f"output: {out_tokens / elapsed:.1f} toks/s")
@@ -251,8 +287,7 @@ class LLM:
             raise
         finally:
             bar.close()
-        failed = collections.Counter(o.error for o in finished.values()
-                                     if any(c.finish_reason == "error" for c in o.outputs))
+        failed = collections.Counter(o.error for o in finished.values() if _failed(o))
         for error, count in failed.items():
             logger.warning("%d of %d requests failed: %s", count, len(ids), error)
         return [finished[i] for i in ids]
@@ -275,6 +310,20 @@ class LLM:
             self.llm_engine.abort_request(request_ids)
         except EngineDeadError:
             pass  # its requests died with the core
+
+
+def _prompt_list(prompts, name: str) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"{name} must be a str, a dict or a list of them, got {type(prompts).__name__}")
+    return list(prompts)
+
+
+def _failed(out: RequestOutput | PoolingRequestOutput) -> bool:
+    if isinstance(out, PoolingRequestOutput):
+        return out.error is not None
+    return any(c.finish_reason == "error" for c in out.outputs)
 
 
 def _prompt_error(i: int, error: Exception) -> Exception:

@@ -19,11 +19,12 @@ from jaxllm.sample.sampler import SampleMode
 _COMPILE_THREADS = min(8, os.cpu_count() or 1)
 
 FORWARD, PROMPT_LOGPROBS, SAMPLER, LOGPROBS, DRAFT = "forward", "prompt logprobs", "sampler", "logprobs", "draft"
+POOL = "pool"
 
 
 @dataclasses.dataclass(frozen=True)
 class ExecutableKey:
-    kind: str  # FORWARD, PROMPT_LOGPROBS and DRAFT per token bucket; SAMPLER and LOGPROBS per request bucket
+    kind: str  # FORWARD, PROMPT_LOGPROBS, DRAFT and POOL per token bucket; SAMPLER and LOGPROBS per request bucket
     bucket: int
     mode: SampleMode | None = None  # SAMPLER: the least work that samples the batch right
     processed: bool = False         # SAMPLER: with the logits processors

@@ -10,7 +10,9 @@ speculative decoding, at each of its draft tokens: those logits check the drafts
 every request is greedy with no logits processors, the sampler (one executable per request
 bucket, SampleMode and whether it runs the processors of jaxllm/sample/processors.py), and,
 when a request asks for them, the logprobs of the sampled ids (per request bucket and number
-of top tokens; jaxllm/sample/logprobs.py) and of its prompt (per token bucket).
+of top tokens; jaxllm/sample/logprobs.py) and of its prompt (per token bucket). With pooling
+requests (runner="pooling"), their tokens' hidden states are pooled too (per token bucket;
+worker/pooler.py).
 
 A step is dispatched without waiting for the previous one: its sampled ids stay on the
 device, padded to the widest bucket's rows of logits, and the next step reads from there a
@@ -48,9 +50,11 @@ from jaxllm.utils import cdiv
 from jaxllm.worker import input_batch as batching, kv_heads, model_loader
 from jaxllm.worker.draft_model import DraftModel
 from jaxllm.worker.eagle import EagleProposer
-from jaxllm.worker.executables import DRAFT, FORWARD, LOGPROBS, PROMPT_LOGPROBS, SAMPLER, ExecutableKey, Executables
+from jaxllm.worker.executables import (DRAFT, FORWARD, LOGPROBS, POOL, PROMPT_LOGPROBS, SAMPLER, ExecutableKey,
+                                      Executables)
 from jaxllm.worker.kv_cache import KVCache
 from jaxllm.worker.model_loader import load_weights
+from jaxllm.worker.pooler import Pooler, StepPooling
 from jaxllm.worker.processor_state import ProcessorRows
 from jaxllm.worker.step_functions import StepFunctions
 from jaxllm.worker.step_output import Logprobs, StepOutput
@@ -83,6 +87,7 @@ class _Step(NamedTuple):
     prompt_inputs: list
     prompt_segments: list
     failed: dict[str, str]
+    pooling: StepPooling | None
 
 
 class ModelRunner:
@@ -130,6 +135,7 @@ class ModelRunner:
         self.startup_s["kv_cache"] = time.perf_counter() - start
 
         self.request_rows = batching.RequestRows(self.max_blocks_per_seq, sc.max_num_seqs, num_groups)
+        self.pooler = Pooler(mc.pooler_config) if mc.pooler_config is not None else None
         # The sampled ids' array: as long as the widest bucket's rows of logits (max_num_seqs without drafts).
         self.num_sampled = layouts[self.token_buckets[-1]].num_rows
         self._host_buffers = {t: [(b, layout.host_views(b)) for b in (np.zeros(layout.size, np.int32),
@@ -188,6 +194,8 @@ class ModelRunner:
         self.kv_cache.delete()
         self.kv_cache.allocate()
         self.request_rows.clear()
+        if self.pooler is not None:
+            self.pooler.clear()
         self._waiting = None
         self._prev_tokens = self._zero_prev_tokens()
         self.processor_rows.reset()
@@ -215,6 +223,8 @@ class ModelRunner:
             array.delete()
         self._all_allowed.clear()
         self.request_rows.clear()
+        if self.pooler is not None:
+            self.pooler.clear()
         self._waiting = None
         if level == 2:
             self.weights.delete()
@@ -256,6 +266,8 @@ class ModelRunner:
         """Dispatch one step and return at once; its sampled ids land later. None when the step's
         sampling waits for the core's token masks (then sample_tokens dispatches it)."""
         rows, added, removed = self.request_rows.update(sched)
+        if self.pooler is not None:
+            self.pooler.update(sched)
         failed: dict[str, str] = {}  # request id -> why its host work failed: only it ends, with the error
         new_processed = [(row, new) for row, new in added if self.request_rows.processed[row]]
         if new_processed:
@@ -274,8 +286,11 @@ class ModelRunner:
         if self.step_replay is not None:
             self.step_replay.offer(len(sched.scheduled), sched.num_scheduled_tokens,
                                    (token_bucket, buffer, mode, processed, num_logprobs))
-        step = _Step(sched, rows, first_rows, self._forward(token_bucket, buffer), mode, processed, num_logprobs,
-                     prompt_inputs, prompt_segments, failed)
+        forward = self._forward(token_bucket, buffer)
+        pool_inputs = self.pooler.token_rows(sched, views) if self.pooler is not None else None
+        pooling = StepPooling(self._pool(forward, pool_inputs[0]), pool_inputs[1]) if pool_inputs else None
+        step = _Step(sched, rows, first_rows, forward, mode, processed, num_logprobs, prompt_inputs, prompt_segments,
+                     failed, pooling)
         if self.request_rows.host_masked[rows].any():
             self._waiting = step
             return None
@@ -305,7 +320,7 @@ class ModelRunner:
         if table is not None:
             table.copy_to_host_async()
         return StepOutput(sampled, step.sched.scheduled, step.first_rows, logprobs, prompt_logprobs,
-                          step.prompt_segments, step.failed, table)
+                          step.prompt_segments, step.failed, table, step.pooling)
 
     def _token_bucket(self, num_tokens: int) -> int:
         return next(b for b in self.token_buckets if b >= num_tokens)
@@ -324,6 +339,17 @@ class ModelRunner:
         draft_inputs = drafter_inputs[0] if drafter_inputs else None
         draft_hidden = drafter_inputs[1] if len(drafter_inputs) > 1 else hidden
         return _Forward(token_bucket, greedy, logits, words, hidden, draft_inputs, draft_hidden)
+
+    def _pool(self, fwd: _Forward, token_rows: np.ndarray) -> jax.Array:
+        """The forward's hidden states summed into a row per request (worker/pooler.py), on their way to the
+        host: [R, hidden_size] float32."""
+        num_rows = self.layouts[fwd.token_bucket].num_reqs
+        pool = self.executables.get(ExecutableKey(POOL, fwd.token_bucket), lambda: (
+            self.fns.pool.lower(fwd.hidden, token_rows, num_rows)))
+        with TraceAnnotation("dispatch"):
+            sums = pool(fwd.hidden, token_rows)
+        sums.copy_to_host_async()
+        return sums
 
     def _propose(self, fwd: _Forward, sampled: jax.Array) -> jax.Array | None:
         """With a draft model or an EAGLE head, its table (draft_inputs.py) of the step's requests: the
@@ -379,10 +405,12 @@ class ModelRunner:
         return sampled, logprobs, prompt_logprobs, table
 
     def dispatch(self, token_bucket: int, buffer: np.ndarray, mode: SampleMode, processed: bool = False,
-                  num_logprobs: int | None = None, prompt_inputs=()):
+                  num_logprobs: int | None = None, prompt_inputs=(), token_rows: np.ndarray | None = None):
         """A whole step from a packed buffer, with no token masks (warm-up, a benchmark's replay),
-        and a draft model's or EAGLE head's drafts after it."""
-        return self._sample(self._forward(token_bucket, buffer), mode, processed, num_logprobs, None, prompt_inputs)
+        and a draft model's or EAGLE head's drafts after it; with `token_rows` [T] its pooling too."""
+        forward = self._forward(token_bucket, buffer)
+        pooled = None if token_rows is None else self._pool(forward, token_rows)
+        return self._sample(forward, mode, processed, num_logprobs, None, prompt_inputs), pooled
 
     def lower_forward(self, token_bucket: int) -> jax.stages.Lowered:
         buffer = self._host_buffers[token_bucket][0][0]

@@ -1,8 +1,8 @@
 """The functions ModelRunner jits: the forward pass of one step (to the logits at each
 request's last token and their argmax), the sampler with and without the logits
-processors, the logprobs of the sampled ids and of prompt positions, and the writer of
-the processors' state rows. Closures and plain functions, not methods: the runner is
-not kept alive by its executables."""
+processors, the logprobs of the sampled ids and of prompt positions, the writer of
+the processors' state rows, and the pooling of hidden states (worker/pooler.py).
+Closures and plain functions, not methods: the runner is not kept alive by its executables."""
 import dataclasses
 import functools
 
@@ -18,6 +18,7 @@ from jaxllm.sample.sampler import ProcessorMetadata, SampleMode, SamplingMetadat
 from jaxllm.sharding import kv_cache_sharding, named_sharding, replicated
 from jaxllm.worker import input_batch as batching
 from jaxllm.worker.draft_inputs import read_previous_step
+from jaxllm.worker.pooler import pool_hidden
 
 
 class StepFunctions:
@@ -54,6 +55,7 @@ class StepFunctions:
         self.logprobs = jax.jit(model_fn(compute_logprobs), static_argnums=(2,), out_shardings=rep)
         self.prompt_logprobs = jax.jit(model_fn(make_prompt_logprobs_fn(graphdef, params_treedef, num_logprobs)),
                                        out_shardings=rep)
+        self.pool = jax.jit(pool_hidden, static_argnums=(2,), out_shardings=rep)
 
 
 def _traced_invariant(fn):

@@ -1,5 +1,5 @@
-"""What a dispatched step hands back: its sampled ids and logprobs, on the device until the
-core asks for them as a ModelRunnerOutput."""
+"""What a dispatched step hands back: its sampled ids, logprobs and pooled hidden states, on the
+device until the core asks for them as a ModelRunnerOutput."""
 import dataclasses
 from typing import NamedTuple
 
@@ -8,6 +8,7 @@ import numpy as np
 
 from jaxllm.contracts.engine_core import LogprobsArrays
 from jaxllm.contracts.step import ModelRunnerOutput, ScheduledRequest
+from jaxllm.worker.pooler import StepPooling
 
 
 class Logprobs(NamedTuple):
@@ -30,6 +31,7 @@ class StepOutput:
     # A draft model's or EAGLE head's table [rows, 2 + k] int32 (worker/draft_inputs.py): per request, the
     # token it took last, the drafts for after it, and how many of its drafts the model rejected.
     drafter_table: jax.Array | None = None
+    pooling: StepPooling | None = None  # with pooling requests whose tokens pooled in the step
 
     @property
     def num_reqs(self) -> int:
@@ -51,7 +53,9 @@ class StepOutput:
         drafts = None
         if table is not None:
             drafts = [table[i, 1:-1].tolist() if s.samples else [] for i, s in enumerate(self.scheduled)]
-        return ModelRunnerOutput(taken, self._host_logprobs(taken), self._host_prompt_logprobs(), self.failed, drafts)
+        pooled = None if self.pooling is None else self.pooling.outputs(self.num_reqs)
+        return ModelRunnerOutput(taken, self._host_logprobs(taken), self._host_prompt_logprobs(), self.failed, drafts,
+                                 pooled)
 
     @staticmethod
     def _accepted(s: ScheduledRequest, samples: np.ndarray, first: int) -> list[int]:

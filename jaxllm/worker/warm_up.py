@@ -12,15 +12,17 @@ import numpy as np
 from jaxllm import compilation, distributed
 from jaxllm.sample.sampler import SampleMode
 from jaxllm.worker import input_batch as batching
-from jaxllm.worker.executables import DRAFT, FORWARD, LOGPROBS, PROMPT_LOGPROBS, SAMPLER, ExecutableKey
+from jaxllm.worker.executables import DRAFT, FORWARD, LOGPROBS, POOL, PROMPT_LOGPROBS, SAMPLER, ExecutableKey
 
 
 def run_warm_up(runner, show_progress: bool = True) -> None:
-    """Compile every executable of `runner`, then run each once: the forward and the prompt
-    logprobs of every token bucket, and the sampler (of every mode) and the logprobs of every
-    request bucket. Records the time in runner.startup_s["compile"] and runner.compile_split."""
+    """Compile every executable of `runner`, then run each once: the forward, the prompt logprobs
+    (and with a pooler, the pooling) of every token bucket, and the sampler (of every mode) and the
+    logprobs of every request bucket. Records the time in runner.startup_s["compile"] and
+    runner.compile_split."""
     start = time.perf_counter()
-    keys = warm_up_keys(runner.token_buckets, runner.layouts, runner.logprob_buckets, runner.draft is not None)
+    keys = warm_up_keys(runner.token_buckets, runner.layouts, runner.logprob_buckets, runner.draft is not None,
+                        runner.pooler is not None)
     split = runner.executables.build(keys, lambda key, info: lower(runner, key, info), show_progress)
     compiled_s = time.perf_counter() - start
     distributed.barrier("jaxllm-compiled")  # other hosts may compile for longer
@@ -30,10 +32,12 @@ def run_warm_up(runner, show_progress: bool = True) -> None:
         buffer, views = runner.next_host_buffer(token_bucket)
         batching.fill_padding(views)
         zeros = np.zeros(batching.prompt_logprobs_chunk(token_bucket), np.int32)
-        # Each forward once, with the logprobs and prompt logprobs; each sampler once, after the
-        # smallest forward of its request bucket.
+        token_rows = np.full(token_bucket, -1, np.int32) if runner.pooler is not None else None
+        # Each forward once, with the logprobs, prompt logprobs and pooling; each sampler once, after
+        # the smallest forward of its request bucket.
         jax.block_until_ready(runner.dispatch(token_bucket, buffer, SampleMode.GREEDY, False,
-                                              num_logprobs=runner.num_logprobs, prompt_inputs=[(zeros, zeros)]))
+                                              num_logprobs=runner.num_logprobs, prompt_inputs=[(zeros, zeros)],
+                                              token_rows=token_rows))
         num_rows = runner.layouts[token_bucket].num_rows
         if num_rows not in row_buckets:
             row_buckets.add(num_rows)
@@ -45,14 +49,16 @@ def run_warm_up(runner, show_progress: bool = True) -> None:
 
 
 def warm_up_keys(token_buckets: list[int], layouts: dict, logprob_buckets: list[int],
-                 with_drafter: bool) -> list[ExecutableKey]:
-    """Every executable warm-up builds, each forward before the prompt logprobs of its token
-    bucket and the samplers and logprobs of its rows of logits."""
+                 with_drafter: bool, with_pooler: bool = False) -> list[ExecutableKey]:
+    """Every executable warm-up builds, each forward before the prompt logprobs (drafter, pooling)
+    of its token bucket and the samplers and logprobs of its rows of logits."""
     keys, row_buckets = [], set()
     for token_bucket in token_buckets:
         keys += [ExecutableKey(FORWARD, token_bucket), ExecutableKey(PROMPT_LOGPROBS, token_bucket)]
         if with_drafter:
             keys.append(ExecutableKey(DRAFT, token_bucket))
+        if with_pooler:
+            keys.append(ExecutableKey(POOL, token_bucket))
         num_rows = layouts[token_bucket].num_rows
         if num_rows in row_buckets:
             continue
@@ -75,6 +81,9 @@ def lower(runner, key: ExecutableKey, forward_info) -> jax.stages.Lowered:
     if key.kind == DRAFT:  # after the KV caches: the inputs as run, then an EAGLE-3 head's states
         draft_hidden = forward_info[6] if runner.aux_layers else hidden
         return runner.lower_draft(key.bucket, forward_info[5], sampled, draft_hidden)
+    if key.kind == POOL:
+        token_rows = jax.ShapeDtypeStruct((key.bucket,), jnp.int32)
+        return fns.pool.lower(hidden, token_rows, runner.layouts[key.bucket].num_reqs)
     if key.kind == PROMPT_LOGPROBS:
         chunk = jax.ShapeDtypeStruct((batching.prompt_logprobs_chunk(key.bucket),), jnp.int32)
         return fns.prompt_logprobs.lower(runner.weights.params, hidden, chunk, chunk)

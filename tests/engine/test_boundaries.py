@@ -206,6 +206,9 @@ ENGINE_INVALID = {
     "num_hosts": st.one_of(st.integers(max_value=0), st.integers(min_value=2), not_of(int)),  # 2+: no backend
     "host_rank": st.one_of(st.integers(max_value=-1), st.integers(min_value=1), not_of(int)),
     "coordinator_address": not_of(str, type(None)),
+    "runner": st.one_of(st.text(max_size=8).filter(lambda s: s not in config_module.RUNNERS), not_of(str)),
+    # With the default runner any pooler_config is one too many.
+    "pooler_config": st.one_of(st.dictionaries(st.text(max_size=4), st.integers(), max_size=2), not_of(type(None))),
 }
 
 

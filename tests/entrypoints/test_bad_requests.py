@@ -73,3 +73,10 @@ def test_malformed_json_is_a_400_and_the_server_serves_on(client):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     r = client.post(CHAT, json=chat(max_tokens=2, ignore_eos=True, stream=True))
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+
+
+def test_a_generating_server_answers_embeddings_and_score_with_a_400_naming_the_runner(client):
+    for route, body in [("/v1/embeddings", {"model": MODEL_NAME, "input": "hello"}),
+                        ("/score", {"model": MODEL_NAME, "text_1": "a", "text_2": "b"})]:
+        r = client.post(route, json=body)
+        assert r.status_code == 400 and "--runner pooling" in r.json()["error"]["message"], r.text

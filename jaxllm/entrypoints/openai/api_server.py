@@ -1,10 +1,10 @@
 """`jaxllm serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over AsyncLLM.
 
 Endpoints: /v1/completions, /v1/chat/completions, /v1/responses (each streams as Server-Sent
-Events), GET /v1/responses/{id}, /v1/models, /tokenize, /detokenize, /health, /version,
-/metrics (Prometheus). With an API key, every /v1 route needs `Authorization: Bearer KEY`;
-the others stay open (a load balancer's health check, a Prometheus scrape). Errors are
-OpenAI's error JSON.
+Events), GET /v1/responses/{id}, /v1/embeddings and /score (= /v1/score) with --runner pooling,
+/v1/models, /tokenize, /detokenize, /health, /version, /metrics (Prometheus). With an API key,
+every /v1 route needs `Authorization: Bearer KEY`; the others stay open (a load balancer's
+health check, a Prometheus scrape). Errors are OpenAI's error JSON.
 
 SIGINT or SIGTERM stops the server in a bounded time: it stops listening, gives the
 requests in flight --shutdown-timeout seconds, ends the rest (a stream with an error event
@@ -28,12 +28,14 @@ from jaxllm.entrypoints.openai.cli_args import (MAX_REQUEST_BODY_BYTES, MAX_SEQS
                                                 ChatFeatures)
 from jaxllm.entrypoints.openai.errors import APIError, engine_dead_error
 from jaxllm.entrypoints.openai.metrics import ServerMetrics, log_stats_periodically
+from jaxllm.entrypoints.openai.pooling_protocol import EmbeddingRequest, ScoreRequest
 from jaxllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                 ModelCard, ModelList, TokenizeRequest)
 from jaxllm.entrypoints.openai.request_body import RequestLimits, parse_request, read_body
 from jaxllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from jaxllm.entrypoints.openai.serving import MAX_TOKENIZE_TOKENS, OpenAIServing
 from jaxllm.entrypoints.openai.serving_chat import ChatServing
+from jaxllm.entrypoints.openai.serving_pooling import PoolingServing
 from jaxllm.entrypoints.openai.serving_responses import ResponsesServing
 
 logger = logging.getLogger(__name__)
@@ -116,6 +118,7 @@ def build_app(engine, model_names: list[str], api_key: str | None = None, chat_t
     serving = OpenAIServing(engine, model_names, metrics, chat_template, max_log_len, max_seqs_per_request)
     chat = ChatServing(serving, features)
     responses = ResponsesServing(chat, features.max_stored_responses)
+    pooling = PoolingServing(serving)
     limits = RequestLimits(max_request_body_bytes, max_seqs_per_request, engine.config.model.max_model_len)
 
     @contextlib.asynccontextmanager
@@ -168,6 +171,17 @@ def build_app(engine, model_names: list[str], api_key: str | None = None, chat_t
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):
         return JSONResponse(responses.get_response(response_id))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        body = await body_as(request, EmbeddingRequest)
+        return _respond(await _unless_disconnected(request, pooling.create_embedding(body)))
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(request: Request):
+        body = await body_as(request, ScoreRequest)
+        return _respond(await _unless_disconnected(request, pooling.create_score(body)))
 
     @app.get("/v1/models")
     async def models():

@@ -8,7 +8,7 @@ and `"max_tokens": 2.0` are errors, not 1, 2 and 2. Every value has been checked
 """
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
@@ -19,6 +19,7 @@ def random_id(prefix: str) -> str:
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+    prompt_field: ClassVar[str] = "prompt"  # the field request_body.py checks as prompts (token ids in bulk)
 
 
 class Loose(BaseModel):

@@ -86,7 +86,7 @@ def parse_request(body: bytes, model: type[BaseModel], limits: RequestLimits) ->
 def _validated(data, model: type[BaseModel], limits: RequestLimits) -> BaseModel:
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {_json_type(data)}")
-    check_values(data, limits)
+    check_values(data, limits, model.prompt_field)
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -158,15 +158,16 @@ class _BadValue(ValueError):
         self.message, self.path = message, []
 
 
-def check_values(data: dict, limits: RequestLimits) -> None:
+def check_values(data: dict, limits: RequestLimits, prompt_field: str = "prompt") -> None:
     """Every value of the request, as parsed from JSON: integers within 64 bits, finite
-    floats, UTF-8 text (keys too), at most _MAX_DEPTH deep; the bulk token-id fields within
-    max_model_len (and a prompt list within max_seqs), the rest at most _MAX_VALUES values."""
+    floats, UTF-8 text (keys too), at most _MAX_DEPTH deep; the bulk token-id fields (the
+    prompts, `prompt_field`, and tokens) within max_model_len (and a list of prompts within
+    max_seqs), the rest at most _MAX_VALUES values."""
     budget = [_MAX_VALUES]
     for field, value in data.items():
         try:
             _check_text(field)
-            if field == "prompt":
+            if field == prompt_field:
                 _check_prompt(value, limits)
             elif field == "tokens":
                 _check_token_ids(value, limits.max_model_len)
@@ -226,9 +227,9 @@ def _digits(value: int) -> str:
 
 
 def _check_prompt(prompt, limits: RequestLimits) -> None:
-    """A completion's prompt: a string, a list of strings, a list of token ids or a list of
-    token-id lists; at most max_seqs prompts, each list at most max_model_len ids. pydantic
-    leaves it to this check (a list of millions of ids would hold the interpreter there)."""
+    """A completion's prompt (an embedding's input): a string, a list of strings, a list of token
+    ids or a list of token-id lists; at most max_seqs prompts, each list at most max_model_len
+    ids. pydantic leaves it to this check (a list of millions of ids would hold the interpreter there)."""
     if isinstance(prompt, str):
         return _check_text(prompt)
     if not isinstance(prompt, list):

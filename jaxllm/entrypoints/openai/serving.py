@@ -29,6 +29,7 @@ from jaxllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogp
                                                 CompletionResponse, SamplingRequest, UsageInfo, random_id)
 from jaxllm.entrypoints.openai.request_streams import RequestStreams, ServerShuttingDown
 from jaxllm.outputs import CompletionOutput, RequestOutput
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -226,6 +227,16 @@ class OpenAIServing:
         self._running.add(requests)
         return requests
 
+    def start_pooling(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
+                      params: PoolingParams) -> RequestStreams:
+        """As `start`, for pooling requests (AsyncLLM.encode): one output each."""
+        self.check_alive()
+        streams = [self.engine.encode({"prompt_token_ids": token_ids}, params, f"{request_id}-{i}")
+                   for i, (_, token_ids) in enumerate(prompts)]
+        requests = RequestStreams(streams)
+        self._running.add(requests)
+        return requests
+
     @staticmethod
     async def first_outputs(requests: RequestStreams, fields) -> list[RequestOutput]:
         """Each request's first output (for FINAL_ONLY, its only one). The engine's own checks
@@ -245,27 +256,26 @@ class OpenAIServing:
                            f"a request may start ({self.max_seqs_per_request}: jaxllm serve --max-seqs-per-request)",
                            param="n")
 
-    # ---- /v1/completions ----
-    def _completion_prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
-        """In a worker thread: the prompts (their shape checked in request_body.py), tokenized."""
-        prompt = request.prompt
+    def tokenized_prompts(self, prompt, field: str, n: int = 1,
+                          add_special_tokens: bool = True) -> list[tuple[str | None, list[int]]]:
+        """In a worker thread: a completion's prompt or an embedding's input (its shape checked in
+        request_body.py), as (its text or None, its token ids) per prompt."""
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and isinstance(prompt[0], int):
             prompt = [prompt]
         if not prompt:
-            raise APIError(400, "prompt is empty", param="prompt")
-        self.check_num_seqs(len(prompt), request.n)
+            raise APIError(400, f"{field} is empty", param=field)
+        self.check_num_seqs(len(prompt), n)
         prompts = []
         for p in prompt:
-            if isinstance(p, str):
-                prompts.append((p, self.tokenize_text(p, "prompt")))
-            elif not p:
-                raise APIError(400, "prompt is empty: it must hold at least one token", param="prompt")
-            else:
-                prompts.append((None, list(p)))
+            token_ids = self.tokenize_text(p, field, add_special_tokens) if isinstance(p, str) else list(p)
+            if not token_ids:
+                raise APIError(400, f"{field} is empty: it must hold at least one token", param=field)
+            prompts.append((p if isinstance(p, str) else None, token_ids))
         return prompts
 
+    # ---- /v1/completions ----
     async def create_completion(self, request: CompletionRequest):
         """A CompletionResponse, or for stream=true an async iterator of SSE lines."""
         self.check_model(request.model)
@@ -302,7 +312,7 @@ class OpenAIServing:
 
     def _prepare_completion(self, request: CompletionRequest):
         """In a worker thread: the prompts, max_tokens and SamplingParams (its grammar compiled)."""
-        prompts = self._completion_prompts(request)
+        prompts = self.tokenized_prompts(request.prompt, "prompt", request.n)
         longest = max(len(ids) for _, ids in prompts)
         max_tokens = self.max_tokens(request.max_tokens, "max_tokens", longest, "prompt",
                                      self.default_fields.get("max_tokens") or _COMPLETION_DEFAULT_MAX_TOKENS)
