@@ -9,6 +9,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.kernels import reference
+from jaxllm.sharding import logical_to_spec
 
 
 @jax.tree_util.register_dataclass
@@ -32,10 +33,11 @@ class AttentionMetadata:
 BACKENDS = ("reference", "pallas", "triton", "mosaic")
 
 
-def get_attention_fn(name: str, mesh=None, batch_invariant: bool = False):
+def get_attention_fn(name: str, mesh=None, batch_invariant: bool = False, cache_head_axis: str | None = "kv_heads"):
     """The ragged paged attention function of backend `name`. With a mesh whose
     "model" axis spans several devices, each device runs it on its own q and KV heads
-    (a kernel is one custom call: left to XLA, it would gather every head first).
+    (a kernel is one custom call: left to XLA, it would gather every head first), or with
+    cache_head_axis None on its q heads over the whole cache (latent attention's one latent).
     batch_invariant: a token's result does not depend on the others' (kernels/batch_invariant.py):
     the reference in fixed blocks of tokens, or a GPU backend without split-K."""
     fn = _backend(name)
@@ -44,11 +46,11 @@ def get_attention_fn(name: str, mesh=None, batch_invariant: bool = False):
         fn = invariant.reference_attention if name == "reference" else invariant.pallas_attention
     if mesh is None or mesh.shape["model"] == 1:
         return fn
-    return _per_device_heads(fn, mesh)
+    return _per_device_heads(fn, mesh, cache_head_axis)
 
 
-def _per_device_heads(fn, mesh):
-    heads, cache, replicated = P(None, "model", None), P(None, None, "model", None), P()
+def _per_device_heads(fn, mesh, cache_head_axis):
+    heads, cache, replicated = P(None, "model", None), logical_to_spec((None, None, cache_head_axis, None)), P()
 
     def attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs, *,
                   scale, sliding_window=None, soft_cap=None):
@@ -85,3 +87,4 @@ def default_backend() -> str:
 
 
 write_kv = reference.write_kv
+write_slots = reference.write_slots

@@ -20,7 +20,7 @@ from flax import nnx
 from jaxllm.kernels import reference
 from jaxllm.kernels.attention import AttentionMetadata
 from jaxllm.models.config import ModelArchConfig
-from jaxllm.models.kv_layout import model_kv_layout
+from jaxllm.models.kv_layout import model_kv_layout, model_kv_spec
 from jaxllm.models.llama import LlamaForCausalLM, rope_inv_freq
 from jaxllm.models.loader import create_model, hf_tensors, iter_hf_weights, path_to_hf_names
 from jaxllm.sharding import make_mesh, named_sharding
@@ -51,11 +51,11 @@ def run_prompt(step, config: ModelArchConfig, token_ids, chunks, cache_sharding=
     """Prefill one request in chunks (sizes summing to len(token_ids)) through a paged
     cache whose block tables are out of order (each KV cache group its own blocks);
     returns logits [len, vocab]."""
-    layout = model_kv_layout(config)
+    layout, spec = model_kv_layout(config), model_kv_spec(config)
     num_groups = len(layout.groups)
-    shape = (NUM_BLOCKS * num_groups, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+    shape = (NUM_BLOCKS * num_groups, BLOCK_SIZE, spec.num_heads, spec.head_dim)
     zeros = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=cache_sharding)
-    kv_caches = [(zeros(), zeros()) for _ in range(layout.num_tensors)]
+    kv_caches = [tuple(zeros() for _ in range(spec.num_arrays)) for _ in range(layout.num_tensors)]
     tables = np.stack([g * NUM_BLOCKS + np.arange(NUM_BLOCKS, dtype=np.int32)[::-1] for g in range(num_groups)])
     block_tables = np.zeros((num_groups, MAX_NUM_REQS, NUM_BLOCKS), np.int32)
     block_tables[:, 0] = tables
