@@ -130,19 +130,21 @@ TINY_MOE_MODELS = {
 # over groups by their two best experts' sum, renormalized (q LoRA). 8 heads: 2, 4 and 8 devices split them.
 _DEEPSEEK_COMMON = dict(_COMMON, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=8,
                         num_key_value_heads=8, kv_lora_rank=16, qk_rope_head_dim=8, n_routed_experts=8,
-                        moe_intermediate_size=16, first_k_dense_replace=1, n_group=4, topk_group=2,
-                        tie_word_embeddings=False)
+                        moe_intermediate_size=16, first_k_dense_replace=1, tie_word_embeddings=False)
 _YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128, beta_fast=32,
              beta_slow=1)
 TINY_DEEPSEEK_MODELS = {
     "deepseek_v2": transformers.DeepseekV2Config(
         **_DEEPSEEK_COMMON, q_lora_rank=None, qk_nope_head_dim=8, v_head_dim=12, n_shared_experts=2,
-        num_experts_per_tok=2, topk_method="group_limited_greedy", routed_scaling_factor=1.5, norm_topk_prob=False,
+        # both experts from the best of 2 groups of 4: often not the two best (picking 2 groups by their best
+        # expert never changes the top 2)
+        n_group=2, topk_group=1, num_experts_per_tok=2, topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+        norm_topk_prob=False,
         # mscale != mscale_all_dim: YaRN's attention factor scales cos and sin too
         rope_parameters=dict(_YARN, mscale=0.9, mscale_all_dim=0.7),
     ),
     "deepseek_v3": transformers.DeepseekV3Config(
-        **_DEEPSEEK_COMMON, q_lora_rank=24, qk_nope_head_dim=12, v_head_dim=8, n_shared_experts=1,
+        **_DEEPSEEK_COMMON, q_lora_rank=24, qk_nope_head_dim=12, v_head_dim=8, n_shared_experts=1, n_group=4, topk_group=2,
         num_experts_per_tok=3, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
         rope_parameters=dict(_YARN, mscale=1.0, mscale_all_dim=1.0),
     ),
