@@ -49,7 +49,7 @@ def get_attention_fn(name: str, mesh=None, batch_invariant: bool = False, cache_
     return _per_device_heads(fn, mesh, cache_head_axis)
 
 
-def _per_device_heads(fn, mesh, cache_head_axis):
+def _per_device_heads(fn, mesh, cache_head_axis: str | None = "kv_heads"):
     heads, cache, replicated = P(None, "model", None), logical_to_spec((None, None, cache_head_axis, None)), P()
 
     def attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs, *,

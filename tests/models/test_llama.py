@@ -122,8 +122,8 @@ def test_unsupported_architecture_raises():
 
 def test_unknown_rope_type_raises():
     d = json.loads(importlib.resources.files("jaxllm.models.configs").joinpath("llama-3.1-8b.json").read_text())
-    d["rope_scaling"]["rope_type"] = "yarn"
-    with pytest.raises(ValueError, match="yarn"):
+    d["rope_scaling"]["rope_type"] = "longrope"
+    with pytest.raises(ValueError, match="longrope"):
         ModelArchConfig.from_hf_config(d)
 
 
