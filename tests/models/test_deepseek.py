@@ -18,7 +18,7 @@ from jaxllm.kernels import reference
 from jaxllm.kernels.attention import AttentionMetadata
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.llama import rope_cos_sin, rope_inv_freq
-from jaxllm.models.loader import abstract_params
+from jaxllm.models.loader import abstract_params, checkpoint_params, iter_hf_weights
 from jaxllm.models.yarn import yarn_attention_factor
 from tests.conftest import run_with_host_devices, tiny_model
 from tests.models.test_llama import assert_logits_match_hf, load_fixture
@@ -215,6 +215,19 @@ def test_bundled_configs_have_their_models_sizes(name, num_params, num_active):
 def test_bad_config_keys_are_a_clear_error_naming_the_key(name, change, message):
     with pytest.raises(ValueError, match=message):
         ModelArchConfig.from_hf_config({**fixture_hf_config(name), **change})
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_v3_checkpoints_multi_token_prediction_layer_is_skipped_and_nothing_else(name):
+    """model.layers.3 of a 3-layer model: V3's multi-token prediction module, an unexpected tensor in V2."""
+    config = ModelArchConfig.from_hf_config(fixture_hf_config(name))
+    _, params = abstract_params(config, jnp.float32)
+    weights = [*iter_hf_weights(tiny_model(name)), ("model.layers.3.eh_proj.weight", np.zeros((32, 64), np.float32))]
+    if name == "deepseek_v3":
+        assert {path for path, _ in checkpoint_params(config, params, weights)} == set(params)
+    else:
+        with pytest.raises(ValueError, match="unexpected tensor 'model.layers.3.eh_proj.weight'"):
+            list(checkpoint_params(config, params, weights))
 
 
 @pytest.mark.parametrize("args, message", [
