@@ -312,7 +312,8 @@ def _deepseek_moe_from_hf(d: dict, arch: str, num_layers: int) -> MoeConfig:
     if num_shared < 0:
         raise ValueError(f"config key 'n_shared_experts' must be >= 0, got {num_shared}")
     return MoeConfig(d["n_routed_experts"], d["num_experts_per_tok"], d["moe_intermediate_size"],
-                     renormalize=v3 and bool(d.get("norm_topk_prob")), sparse_layers=tuple(range(first_dense, num_layers)),
+                     renormalize=v3 and bool(d.get("norm_topk_prob")),
+                     sparse_layers=tuple(range(first_dense, num_layers)),
                      shared_expert_intermediate_size=num_shared * d["moe_intermediate_size"], scoring=scoring,
                      score_bias=v3, num_groups=d["n_group"] if grouped else 1,
                      topk_groups=d["topk_group"] if grouped else 1, group_score="top2" if v3 else "max",

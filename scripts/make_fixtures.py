@@ -144,8 +144,8 @@ TINY_DEEPSEEK_MODELS = {
         rope_parameters=dict(_YARN, mscale=0.9, mscale_all_dim=0.7),
     ),
     "deepseek_v3": transformers.DeepseekV3Config(
-        **_DEEPSEEK_COMMON, q_lora_rank=24, qk_nope_head_dim=12, v_head_dim=8, n_shared_experts=1, n_group=4, topk_group=2,
-        num_experts_per_tok=3, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+        **_DEEPSEEK_COMMON, q_lora_rank=24, qk_nope_head_dim=12, v_head_dim=8, n_shared_experts=1, n_group=4,
+        topk_group=2, num_experts_per_tok=3, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
         rope_parameters=dict(_YARN, mscale=1.0, mscale_all_dim=1.0),
     ),
 }

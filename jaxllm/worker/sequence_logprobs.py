@@ -32,7 +32,8 @@ def make_logprobs_fn(runner):
         num_seqs, n = batch.shape
         per_seq, num_groups = cdiv(n, block_size), len(layout.groups)
         shape = (num_seqs * per_seq, block_size, spec.num_heads, spec.head_dim)
-        caches = [tuple(jnp.zeros(shape, cache_dtype) for _ in range(spec.num_arrays)) for _ in range(layout.num_tensors)]
+        caches = [tuple(jnp.zeros(shape, cache_dtype) for _ in range(spec.num_arrays))
+                  for _ in range(layout.num_tensors)]
         # Sequence b's blocks are b * per_seq .. (b + 1) * per_seq - 1, its tokens' slots from b * per_seq * block_size.
         slots = (jnp.arange(num_seqs, dtype=jnp.int32)[:, None] * per_seq * block_size
                  + jnp.arange(n, dtype=jnp.int32)[None, :]).reshape(-1)
