@@ -315,17 +315,19 @@ class EngineArgs:
     def _attention_backend(self, arch: ModelArchConfig, quantization: QuantConfig | None, speculative,
                            devices: DeviceFacts) -> str:
         """The one asked for, else the platform's fastest. Latent attention (DeepSeek, models/deepseek.py) runs
-        on the reference, which reads its latents of any width, and without what it does not take yet."""
+        on its own backends (kernels/attention.py, LATENT_BACKENDS; the reference unless asked), and without what
+        it does not take yet."""
         if arch.mla is None:
             return self.attention_backend or devices.attention_backend
+        from jaxllm.kernels.attention import LATENT_BACKENDS
         name = arch.architecture
-        _check(self.attention_backend in (None, "reference"), f"attention_backend={self.attention_backend!r} has no "
-               f"latent-attention kernel yet: the {name} model runs on 'reference' (leave attention_backend unset)")
+        _check(self.attention_backend in (None, *LATENT_BACKENDS), f"attention_backend={self.attention_backend!r} "
+               f"has no latent-attention kernel: the {name} model runs on one of {LATENT_BACKENDS}")
         _check(quantization is None, f"quantization does not run the {name} model yet (its latent attention reads "
                "kv_b_proj's weights whole): load its bf16 checkpoint without quantization")
         _check(speculative is None or speculative.method == "ngram", f"speculative_config.method "
                f"{speculative and speculative.method!r} does not run with the {name} model yet: use 'ngram'")
-        return "reference"
+        return self.attention_backend or "reference"
 
     def _check_experts(self, arch: ModelArchConfig, quantization: QuantConfig | None) -> ModelArchConfig:
         """A mixture-of-experts model's experts checked against the devices, with enable_expert_parallel

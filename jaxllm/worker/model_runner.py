@@ -114,7 +114,8 @@ class ModelRunner:
                    for t in self.token_buckets}
         self.layouts = layouts
         kv_spec = model_kv_spec(self.arch)
-        attn_fn = get_attention_fn(config.attention_backend, self.mesh, config.batch_invariant, kv_spec.head_axis)
+        attn_fn = get_attention_fn(config.attention_backend, self.mesh, config.batch_invariant,
+                                   latent=self.arch.mla is not None)
         self.draft = None
         if config.speculative is not None and config.speculative.draft is not None:
             self.draft = (EagleProposer if eagle else DraftModel)(config, self.mesh, attn_fn, layouts)

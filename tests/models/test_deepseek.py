@@ -231,7 +231,7 @@ def test_v3_checkpoints_multi_token_prediction_layer_is_skipped_and_nothing_else
 
 
 @pytest.mark.parametrize("args, message", [
-    (dict(attention_backend="pallas"), "no latent-attention kernel yet"),
+    (dict(attention_backend="mosaic"), "has no latent-attention kernel"),
     (dict(quantization="fp8"), "quantization does not run the deepseek_v3 model"),
     (dict(speculative_config={"method": "draft_model", "model": tiny_model("llama"), "num_speculative_tokens": 2}),
      "'draft_model' does not run with the deepseek_v3 model"),

@@ -97,10 +97,10 @@ def golden_prompts(golden):
     return [(golden[f"prompt_{n}"], golden[f"logits_{n}"]) for n in lengths]
 
 
-def assert_logits_match_hf(name, config, model, golden):
+def assert_logits_match_hf(name, config, model, golden, attn_fn=reference.ragged_paged_attention):
     """Each golden prompt's logits, prefilled whole and (past 32 tokens) in three chunks, within
     1e-4 of the largest HF logit."""
-    step = make_step(model)
+    step = make_step(model, attn_fn)
     for token_ids, hf_logits in golden_prompts(golden):
         n = len(token_ids)
         for chunks in [[n]] + ([[16, 16, n - 32]] if n > 32 else []):
