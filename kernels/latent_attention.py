@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxllm.kernels.reference import token_positions
+from jaxllm.kernels.tiling import check_tiles
 
 _MASKED = -1e30
 
@@ -37,10 +38,7 @@ class LatentTiles:
     num_stages: int = 2
 
     def __post_init__(self):
-        for name in ("block_h", "tile"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"LatentTiles.{name} must be a power of two >= 16, got {value}")
+        check_tiles(self, ("block_h", "tile"))
 
 
 def split_dim(dim: int) -> tuple[int, int]:

@@ -55,3 +55,8 @@ def test_gpu_kernel_matches_the_reference_at_deepseeks_shapes(num_heads, cache_d
     out = latent_paged_attention(q, cache, *rest, scale=576 ** -0.5)
     assert_matches(out, reference.ragged_paged_attention(q, cache, cache, *rest, scale=576 ** -0.5), batch,
                    jnp.bfloat16)
+
+
+def test_launch_shapes_that_triton_cannot_take_are_a_clear_error():
+    with pytest.raises(ValueError, match="LatentTiles.tile must be a power of two >= 16"):
+        LatentTiles(tile=24)
