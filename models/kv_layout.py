@@ -12,7 +12,7 @@ fall out of its window, and another group (or request) takes them.
 
 What each KV tensor holds is the model's KVCacheSpec: K and V for attention, or multi-head latent
 attention's one latent a token (DeepSeek-V3: 576 values where its 128 heads' K and V would take
-49,152). The scheduler sees blocks only: a latent layer's blocks are full attention's.
+40,960). The scheduler sees blocks only: a latent layer's blocks are full attention's.
 """
 import dataclasses
 
