@@ -20,6 +20,7 @@ from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.llama import rope_cos_sin, rope_inv_freq
 from jaxllm.models.loader import abstract_params, checkpoint_params, iter_hf_weights
 from jaxllm.models.yarn import yarn_attention_factor
+from jaxllm.utils import cdiv
 from tests.conftest import run_with_host_devices, tiny_model
 from tests.models.test_llama import assert_logits_match_hf, load_fixture
 from tests.models.test_moe import ENGINE, assert_greedy_is_hfs, fixture_hf_config
@@ -135,21 +136,22 @@ def reference_mla(attn, config: ModelArchConfig, x):
 def run_schedule(attn, config: ModelArchConfig, xs, rng):
     """Each request's tokens through the layer in SCHEDULE's ragged steps, over a latent cache of
     junk whose blocks each request holds in shuffled order. Returns each request's outputs [L, hidden]."""
-    tables_len = -(-max(LENGTHS) // BLOCK_SIZE) + 1
-    num_blocks = sum(-(-n // BLOCK_SIZE) for n in LENGTHS) + 2
-    perm = rng.permutation(num_blocks)
-    tables = np.full((NUM_REQS, tables_len), num_blocks - 1, np.int32)  # unused entries: a junk block
-    used = 0
-    for i, n in enumerate(LENGTHS):
-        tables[i, :-(-n // BLOCK_SIZE)] = perm[used:used + -(-n // BLOCK_SIZE)]
-        used += -(-n // BLOCK_SIZE)
+    blocks = [cdiv(n, BLOCK_SIZE) for n in LENGTHS]
+    num_blocks = sum(blocks) + 1
+    perm = rng.permutation(num_blocks - 1)
+    junk = num_blocks - 1  # what unused table entries name
+    tables = np.full((len(LENGTHS), max(blocks) + 1), junk, np.int32)
+    for i, n in enumerate(blocks):
+        tables[i, :n] = perm[sum(blocks[:i]):sum(blocks[:i + 1])]
     cache = jnp.asarray(rng.standard_normal((num_blocks, BLOCK_SIZE, 1, config.mla.latent_dim)), jnp.float32)
     layer = jax.jit(lambda x, cos, sin, cache, md: attn(x, cos, sin, (cache,), md, reference.ragged_paged_attention))
     done, outputs = [0] * len(LENGTHS), [[] for _ in LENGTHS]
     for step in SCHEDULE:
         reqs = sorted(step)
-        x, positions, slots = np.zeros((TOKEN_BUCKET, xs[0].shape[1]), np.float32), np.zeros(TOKEN_BUCKET, np.int32), \
-            np.full(TOKEN_BUCKET, -1, np.int32)
+        x = np.zeros((TOKEN_BUCKET, xs[0].shape[1]), np.float32)
+        positions, slots = np.zeros(TOKEN_BUCKET, np.int32), np.full(TOKEN_BUCKET, -1, np.int32)
+        step_tables = np.full((NUM_REQS, tables.shape[1]), junk, np.int32)
+        step_tables[:len(reqs)] = tables[reqs]
         qsl, seq_lens, t = [0], np.zeros(NUM_REQS, np.int32), 0
         for row, i in enumerate(reqs):
             pos = np.arange(done[i], done[i] + step[i])
@@ -158,8 +160,7 @@ def run_schedule(attn, config: ModelArchConfig, xs, rng):
             t += len(pos)
             qsl.append(t)
             seq_lens[row] = done[i] + step[i]
-        md = AttentionMetadata(slot_mapping=jnp.asarray(slots), block_tables=jnp.asarray(tables[reqs + [
-                                   i for i in range(NUM_REQS) if i not in reqs]][:NUM_REQS]),
+        md = AttentionMetadata(slot_mapping=jnp.asarray(slots), block_tables=jnp.asarray(step_tables),
                                query_start_loc=jnp.asarray(qsl + [t] * (NUM_REQS - len(reqs)), jnp.int32),
                                seq_lens=jnp.asarray(seq_lens), num_seqs=jnp.asarray([len(reqs)], jnp.int32))
         cos, sin = rope_cos_sin(config, jnp.asarray(positions))
