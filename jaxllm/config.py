@@ -287,6 +287,7 @@ class EngineArgs:
         _check(arch.num_heads % tp == 0 and (arch.num_kv_heads % tp == 0 or tp % arch.num_kv_heads == 0),
                f"tensor_parallel_size={tp} must divide the model's attention heads ({arch.num_heads}), "
                f"and divide or be a multiple of its KV heads ({arch.num_kv_heads})")
+        backend = self._attention_backend(arch, quantization, speculative, devices)
         arch = self._check_experts(arch, quantization)
         max_len = arch.max_position_embeddings if self.max_model_len is None else self.max_model_len
         _check(max_len <= arch.max_position_embeddings,
@@ -316,7 +317,7 @@ class EngineArgs:
                                       not host_drafts if self.async_scheduling is None else self.async_scheduling),
             parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.pipeline_parallel_size,
                                     self.num_hosts, self.host_rank, self.coordinator_address),
-            attention_backend=self.attention_backend or devices.attention_backend,
+            attention_backend=backend,
             seed=self.seed,
             logits_processors=logits_processors,
             batch_invariant=self.batch_invariant,
@@ -331,6 +332,23 @@ class EngineArgs:
         _check(speculative is None, "runner='pooling' does not run with speculative_config yet (a drafter's KV "
                "after a pooling request's last token would read a token that never comes)")
         return PoolerConfig.from_dict(self.pooler_config or {})
+
+    def _attention_backend(self, arch: ModelArchConfig, quantization: QuantConfig | None, speculative,
+                           devices: DeviceFacts) -> str:
+        """The one asked for, else the platform's fastest. Latent attention (DeepSeek, models/deepseek.py) runs
+        on its own backends (kernels/attention.py, LATENT_BACKENDS; the reference unless asked), and without what
+        it does not take yet."""
+        if arch.mla is None:
+            return self.attention_backend or devices.attention_backend
+        from jaxllm.kernels.attention import LATENT_BACKENDS
+        name = arch.architecture
+        _check(self.attention_backend in (None, *LATENT_BACKENDS), f"attention_backend={self.attention_backend!r} "
+               f"has no latent-attention kernel: the {name} model runs on one of {LATENT_BACKENDS}")
+        _check(quantization is None, f"quantization does not run the {name} model yet (its latent attention reads "
+               "kv_b_proj's weights whole): load its bf16 checkpoint without quantization")
+        _check(speculative is None or speculative.method == "ngram", f"speculative_config.method "
+               f"{speculative and speculative.method!r} does not run with the {name} model yet: use 'ngram'")
+        return self.attention_backend or "reference"
 
     def _check_experts(self, arch: ModelArchConfig, quantization: QuantConfig | None) -> ModelArchConfig:
         """A mixture-of-experts model's experts checked against the devices, with enable_expert_parallel

@@ -32,23 +32,26 @@ class AttentionMetadata:
 BACKENDS = ("reference", "pallas", "triton", "mosaic")
 
 
-def get_attention_fn(name: str, mesh=None, batch_invariant: bool = False):
+def get_attention_fn(name: str, mesh=None, batch_invariant: bool = False, latent: bool = False):
     """The ragged paged attention function of backend `name`. With a mesh whose
     "model" axis spans several devices, each device runs it on its own q and KV heads
     (a kernel is one custom call: left to XLA, it would gather every head first).
     batch_invariant: a token's result does not depend on the others' (kernels/batch_invariant.py):
-    the reference in fixed blocks of tokens, or a GPU backend without split-K."""
-    fn = _backend(name)
+    the reference in fixed blocks of tokens, or a GPU backend without split-K.
+    latent: over a latent cache (DeepSeek's MLA: one KV head whose values are its keys, replicated
+    under tensor parallelism, each device's q heads reading it whole): the reference or the Pallas
+    latent kernel (kernels/latent_attention.py)."""
+    fn = _latent_backend(name) if latent else _backend(name)
     if batch_invariant:
         from jaxllm.kernels import batch_invariant as invariant
         fn = invariant.reference_attention if name == "reference" else invariant.pallas_attention
     if mesh is None or mesh.shape["model"] == 1:
         return fn
-    return _per_device_heads(fn, mesh)
+    return _per_device_heads(fn, mesh, latent)
 
 
-def _per_device_heads(fn, mesh):
-    heads, cache, replicated = P(None, "model", None), P(None, None, "model", None), P()
+def _per_device_heads(fn, mesh, latent: bool = False):
+    heads, cache, replicated = P(None, "model", None), P() if latent else P(None, None, "model", None), P()
 
     def attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs, *,
                   scale, sliding_window=None, soft_cap=None):
@@ -75,6 +78,18 @@ def _backend(name: str):
     raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
 
 
+LATENT_BACKENDS = ("reference", "pallas")
+
+
+def _latent_backend(name: str):
+    if name == "reference":
+        return reference.ragged_paged_attention
+    if name == "pallas":
+        from jaxllm.kernels import latent_attention
+        return latent_attention.ragged_paged_attention
+    raise ValueError(f"attention_backend over a latent cache must be one of {LATENT_BACKENDS}, got {name!r}")
+
+
 def default_backend() -> str:
     """The fastest backend for the current platform (docs/kernels.md): on Hopper,
     Mosaic GPU prefill with Pallas decode; Pallas on other GPUs; else the reference."""
@@ -85,3 +100,4 @@ def default_backend() -> str:
 
 
 write_kv = reference.write_kv
+write_slots = reference.write_slots

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxllm.kernels.tiling import divisor, pad_rows
+from jaxllm.kernels.tiling import check_tiles, divisor, pad_rows
 
 _MMA_DTYPES = {"e4m3": None, "bfloat16": jnp.bfloat16}  # None: the e4m3 operands as they are
 
@@ -42,12 +42,7 @@ class Fp8BlockTiles:
     mma: str = "bfloat16"
 
     def __post_init__(self):
-        for name in ("block_m", "block_n"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"Fp8BlockTiles.{name} must be a power of two >= 16, got {value}")
-        if self.num_warps not in (2, 4, 8) or not 1 <= self.num_stages <= 8:
-            raise ValueError(f"Fp8BlockTiles: num_warps in 2, 4, 8 and num_stages in 1..8, got {self}")
+        check_tiles(self, ("block_m", "block_n"))
         if self.mma not in _MMA_DTYPES:
             raise ValueError(f"Fp8BlockTiles.mma must be one of {tuple(_MMA_DTYPES)}, got {self.mma!r}")
 

@@ -103,12 +103,15 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
     k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int32,
     negative for padding tokens, whose writes are dropped.
     """
-    num_blocks, block_size = k_cache.shape[:2]
+    return write_slots(k_cache, k, slot_mapping), write_slots(v_cache, v, slot_mapping)
+
+
+def write_slots(cache, x, slot_mapping):
+    """cache [num_blocks, block_size, heads, dim] with new tokens' x [num_tokens, heads, dim] at their
+    slots (a negative slot: a padding token's, dropped)."""
+    num_blocks, block_size = cache.shape[:2]
     slot = jnp.where(slot_mapping < 0, num_blocks * block_size, slot_mapping)
-    block, offset = slot // block_size, slot % block_size
-    k_cache = k_cache.at[block, offset].set(to_cache_dtype(k, k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[block, offset].set(to_cache_dtype(v, v_cache.dtype), mode="drop")
-    return k_cache, v_cache
+    return cache.at[slot // block_size, slot % block_size].set(to_cache_dtype(x, cache.dtype), mode="drop")
 
 
 def to_cache_dtype(x, dtype):

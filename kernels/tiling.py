@@ -1,5 +1,17 @@
-"""Helpers the matmul kernels share to fit a launch's tiles to an operand's shape."""
+"""Helpers the Pallas kernels share: a launch's tiles checked, and fitted to an operand's shape."""
 import jax.numpy as jnp
+
+
+def check_tiles(tiles, names: tuple[str, ...]) -> None:
+    """A launch's frozen dataclass: its fields `names` powers of two >= 16 (a tensor-core dot), its
+    num_warps 2, 4 or 8 and num_stages 1..8; a ValueError naming the field otherwise."""
+    kind = type(tiles).__name__
+    for name in names:
+        value = getattr(tiles, name)
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{kind}.{name} must be a power of two >= 16 (a tensor-core dot), got {value}")
+    if tiles.num_warps not in (2, 4, 8) or not 1 <= tiles.num_stages <= 8:
+        raise ValueError(f"{kind}: num_warps in 2, 4, 8 and num_stages in 1..8, got {tiles}")
 
 
 def divisor(n: int, choices=(64, 32, 16, 8)) -> int:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxllm.kernels.tiling import divisor, pad_rows
+from jaxllm.kernels.tiling import check_tiles, divisor, pad_rows
 
 @dataclasses.dataclass(frozen=True)
 class W4A16Tiles:
@@ -40,12 +40,7 @@ class W4A16Tiles:
     num_stages: int = 3
 
     def __post_init__(self):
-        for name in ("block_m", "block_n"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"W4A16Tiles.{name} must be a power of two >= 16 (a tensor-core dot), got {value}")
-        if self.num_warps not in (2, 4, 8) or not 1 <= self.num_stages <= 8:
-            raise ValueError(f"W4A16Tiles: num_warps in 2, 4, 8 and num_stages in 1..8, got {self}")
+        check_tiles(self, ("block_m", "block_n"))
 
 
 def tiles(m: int, n: int) -> W4A16Tiles:

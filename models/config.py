@@ -3,9 +3,12 @@
 One frozen dataclass covers the Llama family, Mistral, Qwen2, Qwen3, Gemma 2 and
 Gemma 3: they differ only in a few flags (qkv bias, q/k norm, sliding window, rope
 scaling; Gemma's soft-caps, query scale and local rope base). The mixture-of-experts
-models (Qwen2-MoE, Qwen3-MoE, Mixtral) are their attention with a MoeConfig for the MLPs.
+models (Qwen2-MoE, Qwen3-MoE, Mixtral) are their attention with a MoeConfig for the MLPs;
+DeepSeek-V2 and V3 are experts too, with multi-head latent attention (an MlaConfig).
 """
 import dataclasses
+
+from jaxllm.models.yarn import softmax_mscale
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -19,12 +22,16 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
-MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
-ROPE_TYPES = ("default", "linear", "llama3")
+MLA_ARCHITECTURES = ("deepseek_v2", "deepseek_v3")
+MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral", *MLA_ARCHITECTURES)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _ROPE_KEYS = {"default": (), "linear": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+              "yarn": ("factor", "original_max_position_embeddings")}
 # The config.json keys read here and their JSON types (a float key takes an int). A null
 # passes (HF configs write null for keys left unset), except for the required keys.
 _HF_KEY_TYPES = {
@@ -39,12 +46,17 @@ _HF_KEY_TYPES = {
     "num_experts": int, "num_local_experts": int, "num_experts_per_tok": int, "moe_intermediate_size": int,
     "shared_expert_intermediate_size": int, "decoder_sparse_step": int, "norm_topk_prob": bool,
     "mlp_only_layers": list, "qkv_bias": bool,
+    "q_lora_rank": int, "kv_lora_rank": int, "qk_nope_head_dim": int, "qk_rope_head_dim": int, "v_head_dim": int,
+    "rope_interleave": bool, "n_routed_experts": int, "n_shared_experts": int, "first_k_dense_replace": int,
+    "moe_layer_freq": int, "topk_method": str, "scoring_func": str, "n_group": int, "topk_group": int,
+    "routed_scaling_factor": float,
 }
 _REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # Sizes and counts: 0 or less would divide by zero or build an empty model.
 _POSITIVE_HF_KEYS = (*_REQUIRED_HF_KEYS, "num_key_value_heads", "head_dim", "max_position_embeddings", "num_experts",
                      "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-                     "shared_expert_intermediate_size", "decoder_sparse_step")
+                     "shared_expert_intermediate_size", "decoder_sparse_step", "q_lora_rank", "kv_lora_rank",
+                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_group", "topk_group")
 _JSON_TYPE_NAMES = {int: "an int", float: "a number", bool: "a bool", str: "a string", dict: "an object",
                     list: "a list"}
 
@@ -63,16 +75,49 @@ class MoeConfig:
     # The engine's choice, not the checkpoint's (EngineArgs.enable_expert_parallel): whole experts on each
     # device of the "model" axis, tokens sent to them by all-to-all; else each expert's intermediate split.
     expert_parallel: bool = False
+    # DeepSeek's routing (models/moe.py, route); the defaults are Qwen's and Mixtral's.
+    scoring: str = "softmax"  # the experts' scores: "softmax" over them, or each one's "sigmoid" (V3)
+    score_bias: bool = False  # V3's e_score_correction_bias, added to the scores to choose the experts only
+    num_groups: int = 1  # the experts in equal groups; a token chooses only in its topk_groups best groups
+    topk_groups: int = 1
+    group_score: str = "max"  # a group's score: its best expert's ("max", V2) or its best two's sum ("top2", V3)
+    routed_scaling_factor: float = 1.0  # the factor on the routed experts' weights
 
     def __post_init__(self):
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"config key 'num_experts_per_tok' ({self.top_k}) must be in [1, num_experts "
                              f"({self.num_experts})]")
+        group_size, least = self.num_experts // self.num_groups, 2 if self.group_score == "top2" else 1
+        if self.num_experts % self.num_groups or group_size < least:
+            raise ValueError(f"config key 'n_group' ({self.num_groups}) must divide the {self.num_experts} experts "
+                             f"into groups of at least {least}")
+        if not 1 <= self.topk_groups <= self.num_groups or self.top_k > self.topk_groups * group_size:
+            raise ValueError(f"config key 'topk_group' ({self.topk_groups}) must be in [1, n_group "
+                             f"({self.num_groups})], its groups holding num_experts_per_tok ({self.top_k}) experts")
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2 and V3; models/deepseek.py): a token's keys and values
+    are one latent of kv_lora_rank values, shared by every head and expanded by kv_b_proj, beside one
+    key part with rope that every head shares too. The KV cache holds just those (latent_dim a token)."""
+    kv_lora_rank: int
+    qk_nope_head_dim: int  # a head's query and key dimensions without rope
+    qk_rope_head_dim: int  # ... and with it
+    v_head_dim: int
+    q_lora_rank: int | None = None  # the queries through a low-rank bottleneck of this size; None: one projection
+    rope_interleave: bool = True  # rope on pairs (x0, x1), (x2, x3), ... (DeepSeek's layout); else on halves
+
+    @property
+    def latent_dim(self) -> int:
+        """What the KV cache holds for a token and a layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelArchConfig:
     # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3" | "qwen2_moe" | "qwen3_moe" | "mixtral"
+    # | "deepseek_v2" | "deepseek_v3"
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -83,7 +128,7 @@ class ModelArchConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", ...}; None: plain RoPE
+    rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3"|"yarn", ...}; None: plain RoPE
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
@@ -96,6 +141,7 @@ class ModelArchConfig:
     final_logit_softcap: float | None = None  # Gemma 2: the same on the logits
     rope_local_theta: float | None = None  # Gemma 3: plain RoPE of this base on sliding layers
     moe: MoeConfig | None = None  # the mixture-of-experts models' MLPs; None: dense MLPs
+    mla: MlaConfig | None = None  # DeepSeek's latent attention (num_kv_heads = num_heads, head_dim its rope part's)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -120,7 +166,9 @@ class ModelArchConfig:
 
     @property
     def attn_scale(self) -> float:
-        """The factor on q.k scores."""
+        """The factor on q.k scores (latent attention's: its query dimensions' and YaRN's mscale, as DeepSeek)."""
+        if self.mla is not None:
+            return (self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim) ** -0.5 * softmax_mscale(self.rope_scaling)
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def layer_rope(self, layer: int) -> tuple[float, dict | None]:
@@ -163,6 +211,9 @@ class ModelArchConfig:
                              f"'num_key_value_heads' ({num_kv_heads})")
         head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
         num_layers = d["num_hidden_layers"]
+        mla = _mla_from_hf(d, arch)
+        if mla is not None:  # every head its own keys and values, expanded from the latent; the rope on part of them
+            num_kv_heads, head_dim = num_heads, mla.qk_rope_head_dim
         rope_theta, rope_scaling, rope_local_theta = _rope_from_hf(d, arch)
         sliding_window, sliding_layers = _sliding_from_hf(d, arch, num_layers)
         gemma = arch in GEMMA_ARCHITECTURES
@@ -194,6 +245,7 @@ class ModelArchConfig:
             final_logit_softcap=d.get("final_logit_softcapping", final_cap) if gemma else None,
             rope_local_theta=rope_local_theta,
             moe=_moe_from_hf(d, arch, num_layers),
+            mla=mla,
         )
 
 
@@ -202,6 +254,8 @@ def _moe_from_hf(d: dict, arch: str, num_layers: int) -> MoeConfig | None:
     unless in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0 (HF's rule); Mixtral's all are."""
     if arch not in MOE_ARCHITECTURES:
         return None
+    if arch in MLA_ARCHITECTURES:
+        return _deepseek_moe_from_hf(d, arch, num_layers)
     # Qwen's key is num_experts; Mixtral's (and transformers 5's, for Qwen3-MoE) num_local_experts.
     num_experts = d.get("num_experts") or d.get("num_local_experts")
     size_key = "intermediate_size" if arch == "mixtral" else "moe_intermediate_size"
@@ -223,6 +277,61 @@ def _moe_from_hf(d: dict, arch: str, num_layers: int) -> MoeConfig | None:
     return MoeConfig(num_experts, d["num_experts_per_tok"], d["moe_intermediate_size"],
                      renormalize=bool(d.get("norm_topk_prob", False)), sparse_layers=sparse,
                      shared_expert_intermediate_size=d.get("shared_expert_intermediate_size") or 0)
+
+
+def _deepseek_moe_from_hf(d: dict, arch: str, num_layers: int) -> MoeConfig:
+    """DeepSeek's experts, on every layer from first_k_dense_replace on (HF's rule), beside
+    n_shared_experts * moe_intermediate_size of shared experts. V2 routes by softmax, its greedy
+    topk_method over every expert or group_limited_greedy over its topk_group best groups (by their best
+    expert); V3 by sigmoid, choosing with e_score_correction_bias in its topk_group best groups (by their
+    best two), the weights renormalized where norm_topk_prob says. Both scale by routed_scaling_factor."""
+    required = {key: d.get(key) for key in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")}
+    v3 = arch == "deepseek_v3"
+    method = d.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    grouped = v3 or method == "group_limited_greedy"
+    if grouped:
+        required.update(n_group=d.get("n_group"), topk_group=d.get("topk_group"))
+    missing = [key for key, value in required.items() if value is None]
+    if missing:
+        raise ValueError(f"missing the required key(s) {missing} of a {arch} model")
+    methods, scoring = (("noaux_tc",), "sigmoid") if v3 else (("greedy", "group_limited_greedy"), "softmax")
+    if method not in methods:
+        raise ValueError(f"config key 'topk_method' must be one of {methods} for {arch}, got {method!r}")
+    if d.get("scoring_func", scoring) != scoring:
+        raise ValueError(f"config key 'scoring_func' must be {scoring!r} for {arch}, got {d['scoring_func']!r}")
+    if d.get("moe_layer_freq", 1) != 1:
+        raise ValueError(f"config key 'moe_layer_freq' must be 1 (every layer from first_k_dense_replace on "
+                         f"is sparse), got {d['moe_layer_freq']!r}")
+    if not v3 and d.get("norm_topk_prob"):
+        # transformers ignores it for V2, DeepSeek's own code renormalizes and drops routed_scaling_factor
+        raise ValueError("config key 'norm_topk_prob' must be false for deepseek_v2 (its meaning there is not settled)")
+    first_dense = d.get("first_k_dense_replace") or 0
+    if not 0 <= first_dense <= num_layers:
+        raise ValueError(f"config key 'first_k_dense_replace' must be in [0, {num_layers}], got {first_dense!r}")
+    num_shared = d.get("n_shared_experts") or 0
+    if num_shared < 0:
+        raise ValueError(f"config key 'n_shared_experts' must be >= 0, got {num_shared}")
+    return MoeConfig(d["n_routed_experts"], d["num_experts_per_tok"], d["moe_intermediate_size"],
+                     renormalize=v3 and bool(d.get("norm_topk_prob")),
+                     sparse_layers=tuple(range(first_dense, num_layers)),
+                     shared_expert_intermediate_size=num_shared * d["moe_intermediate_size"], scoring=scoring,
+                     score_bias=v3, num_groups=d["n_group"] if grouped else 1,
+                     topk_groups=d["topk_group"] if grouped else 1, group_score="top2" if v3 else "max",
+                     routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0))
+
+
+def _mla_from_hf(d: dict, arch: str) -> MlaConfig | None:
+    if arch not in MLA_ARCHITECTURES:
+        return None
+    keys = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    missing = [key for key in keys if d.get(key) is None]
+    if missing:
+        raise ValueError(f"missing the required key(s) {missing} of a {arch} model")
+    if d["qk_rope_head_dim"] % 2:
+        raise ValueError(f"config key 'qk_rope_head_dim' must be even (rope turns pairs), got {d['qk_rope_head_dim']}")
+    # V2's rope is always on interleaved pairs; V3's unless rope_interleave says otherwise (HF's default: on)
+    interleave = arch == "deepseek_v2" or d.get("rope_interleave", True) is not False
+    return MlaConfig(*(d[key] for key in keys), q_lora_rank=d.get("q_lora_rank"), rope_interleave=interleave)
 
 
 def _check_mlp(d: dict, arch: str) -> None:
@@ -275,7 +384,7 @@ def _one_rope(d: dict, params: dict) -> tuple[float, dict | None]:
         raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {ROPE_TYPES}")
     if rope_type == "default":
         return theta, None
-    if rope_type == "llama3":
+    if rope_type in ("llama3", "yarn"):
         params.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
     return theta, {"rope_type": rope_type, **params}
 
@@ -288,7 +397,7 @@ def _sliding_from_hf(d: dict, arch: str, num_layers: int):
     qwen = arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
     if qwen and not d.get("use_sliding_window", False):
         window = None
-    if arch == "llama" or window is None:
+    if arch == "llama" or arch in MLA_ARCHITECTURES or window is None:
         return None, None
     if d.get("layer_types"):
         return window, tuple(i for i, t in enumerate(d["layer_types"]) if t == "sliding_attention")

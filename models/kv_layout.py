@@ -9,14 +9,38 @@ fall out of its window, and another group (or request) takes them.
     Gemma 3 270M: 18 layers, full attention at 5, 11, 17 -> groups of 3 layers:
     (5, 11, 17) full, (0, 1, 2) (3, 4, 6) ... (14, 15, 16) sliding: 6 groups, 3 tensors.
     Llama: one group of every layer, one tensor per layer.
+
+What each KV tensor holds is the model's KVCacheSpec: K and V for attention, or multi-head latent
+attention's one latent a token (DeepSeek-V3: 576 values where its 128 heads' K and V would take
+40,960). The scheduler sees blocks only: a latent layer's blocks are full attention's.
 """
 import dataclasses
+
+from jaxllm.sharding import kv_cache_sharding
 
 
 @dataclasses.dataclass(frozen=True)
 class KVCacheGroup:
     sliding_window: int | None  # None: full attention
     layers: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+    """What one KV tensor holds: `num_arrays` arrays [num_blocks, block_size, num_heads, head_dim]:
+    attention's K and V, sharded over the KV heads, or latent attention's one latent per token
+    ([.., 1, kv_lora_rank + qk_rope_head_dim]), which every head reads: replicated."""
+    num_arrays: int
+    num_heads: int
+    head_dim: int
+    head_axis: str | None  # the logical axis the heads shard over (None: replicated)
+
+    def bytes_per_block(self, block_size: int, itemsize: int) -> int:
+        return self.num_arrays * block_size * self.num_heads * self.head_dim * itemsize
+
+    def shardings(self, mesh) -> tuple:
+        """The arrays' NamedShardings on `mesh`."""
+        return (kv_cache_sharding(mesh, self.head_axis),) * self.num_arrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +54,13 @@ class KVCacheLayout:
             if layer in group.layers:
                 return g, group.layers.index(layer)
         raise ValueError(f"layer {layer} is in no KV cache group")
+
+
+def model_kv_spec(config) -> KVCacheSpec:
+    """What a ModelArchConfig's KV tensors hold."""
+    if config.mla is not None:
+        return KVCacheSpec(1, 1, config.mla.latent_dim, None)
+    return KVCacheSpec(2, config.num_kv_heads, config.head_dim, "kv_heads")
 
 
 def model_kv_layout(config) -> KVCacheLayout:

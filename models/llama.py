@@ -23,6 +23,7 @@ from jaxllm.kernels import batch_invariant
 from jaxllm.kernels.attention import AttentionMetadata, write_kv
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.kv_layout import model_kv_layout
+from jaxllm.models.yarn import yarn_attention_factor, yarn_inv_freq
 
 INIT_STD = 0.02  # HF's initializer_range; keeps random-weight activations sane
 
@@ -78,7 +79,7 @@ class RMSNorm(nnx.Module):
 
 
 def rope_inv_freq(config: ModelArchConfig) -> np.ndarray:
-    """[head_dim // 2] float32 inverse frequencies, with linear or Llama 3.1 scaling."""
+    """[head_dim // 2] float32 inverse frequencies, with linear, Llama 3.1 or YaRN scaling."""
     dim = config.head_dim
     inv_freq = 1.0 / config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
     scaling = config.rope_scaling or {}
@@ -94,13 +95,17 @@ def rope_inv_freq(config: ModelArchConfig) -> np.ndarray:
         blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
         inv_freq = np.where(wavelen > old_len / low, inv_freq / factor,
                             np.where(wavelen < old_len / high, inv_freq, blended))
+    elif rope_type == "yarn":
+        inv_freq = yarn_inv_freq(dim, config.rope_theta, scaling)
     return inv_freq.astype(np.float32)
 
 
 def rope_cos_sin(config: ModelArchConfig, positions):
-    """cos, sin [num_tokens, head_dim // 2] fp32 of positions [num_tokens] int32."""
+    """cos, sin [num_tokens, head_dim // 2] fp32 of positions [num_tokens] int32 (times YaRN's attention factor)."""
     angles = positions.astype(jnp.float32)[:, None] * rope_inv_freq(config)[None, :]
-    return jnp.cos(angles), jnp.sin(angles)
+    scaling = config.rope_scaling or {}
+    factor = yarn_attention_factor(scaling) if scaling.get("rope_type") == "yarn" else 1.0
+    return jnp.cos(angles) * factor, jnp.sin(angles) * factor
 
 
 def apply_rope(x, cos, sin):
@@ -165,11 +170,13 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelArchConfig, layer: int, *, dtype, rngs, mlp: nnx.Module | None = None):
-        """mlp: default a dense MLP of the config's size (a MoE model's sparse layers pass their experts)."""
+    def __init__(self, config: ModelArchConfig, layer: int, *, dtype, rngs, mlp: nnx.Module | None = None,
+                 attention: nnx.Module | None = None):
+        """mlp: default a dense MLP of the config's size (a MoE model's sparse layers pass their experts);
+        attention: default Attention (DeepSeek's layers pass their latent attention)."""
         self.kv_group, self.kv_tensor = model_kv_layout(config).layer_slot(layer)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.self_attn = Attention(config, layer, dtype=dtype, rngs=rngs)
+        self.self_attn = Attention(config, layer, dtype=dtype, rngs=rngs) if attention is None else attention
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.mlp = MLP(config, dtype=dtype, rngs=rngs) if mlp is None else mlp
 

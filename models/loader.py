@@ -22,6 +22,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxllm.models.config import GEMMA_ARCHITECTURES, ModelArchConfig
+from jaxllm.models.deepseek import DeepseekForCausalLM
 from jaxllm.models.eagle import EAGLE_HEADS
 from jaxllm.models.fp8 import BlockFp8Linear, Fp8Linear, quantize_kernel
 from jaxllm.models.gemma3 import Gemma3ForCausalLM
@@ -72,7 +73,8 @@ def _model(config: ModelArchConfig, dtype, mesh: jax.sharding.Mesh | None) -> nn
     if config.architecture in EAGLE_HEADS:
         return EAGLE_HEADS[config.architecture](config, dtype=dtype, rngs=rngs)
     if config.moe is not None:  # its experts run per device, on `mesh`
-        return MoeForCausalLM(config, dtype=dtype, rngs=rngs, mesh=mesh)
+        model_class = DeepseekForCausalLM if config.mla is not None else MoeForCausalLM
+        return model_class(config, dtype=dtype, rngs=rngs, mesh=mesh)
     model_class = Gemma3ForCausalLM if config.architecture in GEMMA_ARCHITECTURES else LlamaForCausalLM
     return model_class(config, dtype=dtype, rngs=rngs)
 
@@ -208,9 +210,9 @@ def checkpoint_params(config: ModelArchConfig, params: dict, weights: Iterable[t
     for name, source in weights:
         name = _text_model_name(name)
         if (name is None or name.endswith("rotary_emb.inv_freq")
-                or (config.tie_word_embeddings and name == "lm_head.weight")):
-            continue  # a multimodal model's vision tower; a buffer some checkpoints save; or
-            # the head a tied model does not use
+                or (config.tie_word_embeddings and name == "lm_head.weight") or _is_mtp_layer(name, config)):
+            continue  # a multimodal model's vision tower; a buffer some checkpoints save; the head a
+            # tied model does not use; or DeepSeek-V3's multi-token prediction layer
         if name not in tensors:
             raise ValueError(f"unexpected tensor {name!r} in checkpoint: the {config.architecture} "
                              f"model has no param {'.'.join(map(str, hf_name_to_path(name)))}")
@@ -250,6 +252,14 @@ def place_source(source: TensorSource, shape: tuple[int, ...], dtype, sharding: 
 
     # Blocking keeps at most one param's host pieces alive.
     return jax.block_until_ready(jax.make_array_from_callback(shape, sharding, read))
+
+
+def _is_mtp_layer(name: str, config: ModelArchConfig) -> bool:
+    """DeepSeek-V3 checkpoints hold their multi-token prediction module as the layers after the last
+    (model.layers.61 of 61), which transformers does not load either."""
+    parts = name.split(".")
+    return (config.architecture == "deepseek_v3" and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+            and int(parts[2]) >= config.num_layers)
 
 
 # A multimodal Gemma 3 checkpoint's text model, as transformers 4 and 5 name it.
@@ -413,8 +423,8 @@ def hf_name_to_path(name: str) -> ParamPath:
         return (*module, "embedding")
     if module and module[-1] in _FUSED_INTO:
         module[-1] = _FUSED_INTO[module[-1]]
-    if module and leaf == "weight" and (str(module[-1]).endswith("_proj")
-                                        or module[-1] in ("lm_head", "fc", "gate", "shared_expert_gate")):
+    if module and leaf == "weight" and (str(module[-1]).endswith("_proj") or module[-1] in (
+            "lm_head", "fc", "gate", "shared_expert_gate", "kv_a_proj_with_mqa")):
         return (*module, "kernel")
     return (*module, leaf)
 

@@ -1,10 +1,14 @@
-"""Mixture-of-experts MLPs (Qwen2-MoE, Qwen3-MoE, Mixtral): a router picks k of E SwiGLU experts
-for each token, and the token's MLP is their outputs weighted by the router.
+"""Mixture-of-experts MLPs (Qwen2-MoE, Qwen3-MoE, Mixtral; DeepSeek's in models/deepseek.py): a
+router picks k of E SwiGLU experts for each token, and the token's MLP is their outputs weighted by
+the router.
 
-    p = softmax(x W_router)                                  [T, E], fp32
+    p = softmax(x W_router)                                  [T, E], fp32 (DeepSeek-V3: sigmoid of each)
     w, e = top_k(p)                                          [T, k]; w / sum(w) where the model renormalizes
     y_t = sum_j w_tj * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = e_tj
         (+ sigmoid(x_t W_shared_gate) * shared_mlp(x_t): Qwen2-MoE's shared expert)
+
+DeepSeek's routers choose among groups of experts, V3's with a bias on the scores, and scale the
+weights (route's arguments say how).
 
 The experts' weights are stacked, gate_up_proj [E, hidden, 2, I] (gate and up fused, as the dense
 MLP's) and down_proj [E, I, hidden]. The T * k (token, expert) pairs are sorted by expert, so each
@@ -37,14 +41,35 @@ from jaxllm.models.llama import INIT_STD, MLP, DecoderLayer, LlamaForCausalLM, L
 from jaxllm.sharding import logical_to_spec
 
 
-def route(router_logits, top_k: int, renormalize: bool):
-    """router_logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int32): each token's k most
-    probable experts, most probable first, with their softmax probabilities (renormalized to sum to 1)."""
-    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    weights, ids = jax.lax.top_k(probs, top_k)
+def route(router_logits, top_k: int, renormalize: bool, score_bias=None, *, sigmoid: bool = False,
+          num_groups: int = 1, topk_groups: int = 1, group_score: str = "max", scaling_factor: float = 1.0):
+    """router_logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int32): each token's k
+    best-scored experts, best first, with their scores (renormalized to sum to 1), times scaling_factor.
+
+    The scores are the softmax of the logits, or each one's sigmoid (DeepSeek-V3). The choice is by
+    the scores plus score_bias [E] (V3's e_score_correction_bias; the weights stay the scores), among
+    the experts of each token's topk_groups best of num_groups equal groups, a group scored by its best
+    expert ("max": V2's group_limited_greedy) or its best two's sum ("top2": V3)."""
+    logits = router_logits.astype(jnp.float32)
+    scores = jax.nn.sigmoid(logits) if sigmoid else jax.nn.softmax(logits, axis=-1)
+    choice = scores if score_bias is None else scores + score_bias.astype(jnp.float32)
+    if num_groups > 1:
+        choice = _within_best_groups(choice, num_groups, topk_groups, group_score)
+    _, ids = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, ids.astype(jnp.int32)
+    return weights * scaling_factor, ids.astype(jnp.int32)
+
+
+def _within_best_groups(choice, num_groups: int, topk_groups: int, group_score: str):
+    """choice [T, E] with each token's experts outside its topk_groups best groups at -inf."""
+    t, e = choice.shape
+    grouped = choice.reshape(t, num_groups, e // num_groups)
+    scores = jax.lax.top_k(grouped, 2)[0].sum(-1) if group_score == "top2" else grouped.max(-1)  # [T, groups]
+    _, best = jax.lax.top_k(scores, topk_groups)
+    keep = jnp.zeros((t, num_groups), bool).at[jnp.arange(t)[:, None], best].set(True)
+    return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(t, e)
 
 
 def expert_mlp(rows, group_sizes, gate_up, down):
@@ -154,6 +179,17 @@ class Experts(nnx.Module):
             return moe_one_device(x, weights, ids, gate_up, down)
         run = moe_expert_parallel if self.expert_parallel else moe_tensor_parallel
         return run(self.mesh, x, weights, ids, gate_up, down)
+
+
+class Router(Linear):
+    """A MoE layer's router (`gate`, HF's name): the experts' logits, x @ kernel [hidden, E], and with
+    MoeConfig.score_bias DeepSeek-V3's e_score_correction_bias [E], in fp32 as HF keeps it."""
+
+    def __init__(self, moe: MoeConfig, hidden_size: int, *, dtype, rngs):
+        super().__init__(hidden_size, moe.num_experts, ("embed", None), dtype=dtype, rngs=rngs)
+        bias = jnp.zeros((moe.num_experts,), jnp.float32)
+        self.e_score_correction_bias = (nnx.Param(bias, out_sharding=(None,), eager_sharding=False)
+                                        if moe.score_bias else None)
 
 
 class SparseMoeBlock(nnx.Module):

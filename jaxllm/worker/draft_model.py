@@ -28,9 +28,9 @@ from flax import nnx
 
 from jaxllm.config import Config
 from jaxllm.kernels.attention import AttentionMetadata
-from jaxllm.models.kv_layout import model_kv_layout
+from jaxllm.models.kv_layout import model_kv_layout, model_kv_spec
 from jaxllm.sample.sampler import COLUMN
-from jaxllm.sharding import kv_cache_sharding, replicated
+from jaxllm.sharding import replicated
 from jaxllm.worker import input_batch as batching, kv_heads
 from jaxllm.worker.draft_inputs import drafter_table
 from jaxllm.worker.model_loader import ModelWeights, load_weights
@@ -50,9 +50,9 @@ class DraftModel:
         self._mesh, self._seed = mesh, config.seed
         self.weights = load_weights(mc, self.arch, mesh, self._repeat, config.seed)
         self.table_rows = max(layout.num_reqs for layout in layouts.values())  # the drafter table's
-        kv = kv_cache_sharding(mesh)
+        kv_shardings = [model_kv_spec(self.arch).shardings(mesh)] * self.kv_layout.num_tensors
         self.propose = jax.jit(self._propose_fn(config, attn_fn, layouts), donate_argnums=(1,), static_argnums=(5,),
-                               out_shardings=(replicated(mesh), [(kv, kv)] * self.kv_layout.num_tensors))
+                               out_shardings=(replicated(mesh), kv_shardings))
 
     def _propose_fn(self, config: Config, attn_fn, layouts: dict[int, batching.BatchLayout]):
         return make_propose_fn(self.weights.graphdef, self.weights.treedef, attn_fn, layouts,

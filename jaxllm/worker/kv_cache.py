@@ -1,7 +1,9 @@
 """The paged KV cache on the mesh: how many blocks the memory budget holds, and the caches
-themselves, per KV tensor (K, V) [num_blocks, block_size, kv_heads, head_dim], sharded over
-KV heads. A block id means one block in one layer of each KV cache group
-(models/kv_layout.py), and in each of a draft model's KV tensors (worker/draft_model.py)."""
+themselves, per KV tensor the arrays its KVCacheSpec names (models/kv_layout.py): (K, V)
+[num_blocks, block_size, kv_heads, head_dim], sharded over KV heads, or latent attention's
+(latent,) [num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim], replicated. A block id
+means one block in one layer of each KV cache group (models/kv_layout.py), and in each of a
+draft model's KV tensors (worker/draft_model.py)."""
 import functools
 
 import jax
@@ -11,9 +13,8 @@ import numpy as np
 from jaxllm import distributed
 from jaxllm.config import Config
 from jaxllm.models.config import ModelArchConfig
-from jaxllm.models.kv_layout import KVCacheLayout
+from jaxllm.models.kv_layout import KVCacheLayout, model_kv_spec
 from jaxllm.sample.processors import ProcessorState
-from jaxllm.sharding import kv_cache_sharding
 from jaxllm.utils import cdiv
 
 _CPU_KV_CACHE_BYTES = 512 << 20  # CPU devices report no memory: cap the cache at 512 MiB
@@ -26,6 +27,7 @@ class KVCache:
         model's architecture and layout, whose KV tensors (`draft_caches`) take the same block ids."""
         self.config, self.arch, self.layout, self.mesh = config, arch, layout, mesh
         self._models = [(arch, layout)] + ([draft] if draft else [])
+        self._specs = [model_kv_spec(a) for a, _ in self._models]
         # Blocks per block id in each model's tensors: the draft's groups each take one (draft_model.py).
         self._blocks_per_id = [1] + ([len(draft[1].groups)] if draft else [])
         self.block_size = config.cache.block_size
@@ -35,20 +37,20 @@ class KVCache:
                 f"the KV cache has {self.num_blocks} blocks, fewer than one request of max_model_len "
                 f"({config.model.max_model_len}) tokens takes ({self.blocks_per_request()}): raise "
                 "gpu_memory_utilization or num_gpu_blocks_override, or lower max_model_len")
-        self.caches: list[tuple[jax.Array, jax.Array]] | None = None
-        self.draft_caches: list[tuple[jax.Array, jax.Array]] | None = None
+        self.caches: list[tuple[jax.Array, ...]] | None = None
+        self.draft_caches: list[tuple[jax.Array, ...]] | None = None
         # Compiled once and kept: a cache made again (after a failed step, a wake-up) compiles nothing.
-        self._zeros = [jax.jit(functools.partial(jnp.zeros, (self.num_blocks * blocks, self.block_size, a.num_kv_heads,
-                                                             a.head_dim), config.cache.cache_dtype),
-                               out_shardings=kv_cache_sharding(mesh)).lower().compile()
-                       for (a, _), blocks in zip(self._models, self._blocks_per_id)]
+        self._zeros = [jax.jit(functools.partial(jnp.zeros, (self.num_blocks * blocks, self.block_size, spec.num_heads,
+                                                             spec.head_dim), config.cache.cache_dtype),
+                               out_shardings=spec.shardings(mesh)[0]).lower().compile()
+                       for spec, blocks in zip(self._specs, self._blocks_per_id)]
 
     @property
     def bytes_per_block(self) -> int:
         """A block id holds one block in each KV tensor (a layer of each group), the draft's too."""
         itemsize = jnp.dtype(self.config.cache.cache_dtype).itemsize
-        return sum(2 * layout.num_tensors * blocks * self.block_size * arch.num_kv_heads * arch.head_dim * itemsize
-                   for (arch, layout), blocks in zip(self._models, self._blocks_per_id))
+        return sum(layout.num_tensors * blocks * spec.bytes_per_block(self.block_size, itemsize)
+                   for (_, layout), spec, blocks in zip(self._models, self._specs, self._blocks_per_id))
 
     @property
     def num_tokens(self) -> int:
@@ -89,6 +91,8 @@ class KVCache:
                          + 2 * (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim)
         if arch.moe is not None:  # a token's k rows through the experts: copied, sorted, sent, combined in fp32
             per_token += 4 * arch.moe.top_k * (4 * arch.hidden_size + 3 * arch.moe.intermediate_size)
+        if arch.mla is not None:  # latent attention in fp32: absorbed queries, accumulator, output, a gathered block
+            per_token += 4 * arch.mla.latent_dim * (3 * arch.num_heads + self.block_size)
         logits = 4 * min(tokens, sc.max_num_seqs) * arch.vocab_size * 4
         return 2 * (tokens * per_token + logits) + (256 << 20)
 
@@ -98,8 +102,9 @@ class KVCache:
     def allocate(self) -> None:
         """Zeroed caches on the mesh (a block's old contents never matter: a step writes a
         slot before any step reads it)."""
-        self.caches, *draft = jax.block_until_ready([[(zeros(), zeros()) for _ in range(layout.num_tensors)]
-                                                     for zeros, (_, layout) in zip(self._zeros, self._models)])
+        self.caches, *draft = jax.block_until_ready(
+            [[tuple(zeros() for _ in range(spec.num_arrays)) for _ in range(layout.num_tensors)]
+             for zeros, spec, (_, layout) in zip(self._zeros, self._specs, self._models)])
         self.draft_caches = draft[0] if draft else None
 
     def delete(self) -> None:

@@ -43,7 +43,7 @@ from jaxllm import compilation
 from jaxllm.config import EAGLE_METHODS, Config
 from jaxllm.contracts.step import SchedulerOutput, TokenMasks
 from jaxllm.kernels.attention import get_attention_fn
-from jaxllm.models.kv_layout import model_kv_layout
+from jaxllm.models.kv_layout import model_kv_layout, model_kv_spec
 from jaxllm.sample.sampler import SampleMode
 from jaxllm.sharding import make_mesh, replicated
 from jaxllm.utils import cdiv
@@ -116,7 +116,9 @@ class ModelRunner:
                                            num_groups, batching.logit_rows(t, sc.max_num_seqs, num_spec), eagle)
                    for t in self.token_buckets}
         self.layouts = layouts
-        attn_fn = get_attention_fn(config.attention_backend, self.mesh, config.batch_invariant)
+        kv_spec = model_kv_spec(self.arch)
+        attn_fn = get_attention_fn(config.attention_backend, self.mesh, config.batch_invariant,
+                                   latent=self.arch.mla is not None)
         self.draft = None
         if config.speculative is not None and config.speculative.draft is not None:
             self.draft = (EagleProposer if eagle else DraftModel)(config, self.mesh, attn_fn, layouts)
@@ -152,8 +154,8 @@ class ModelRunner:
         # costs a fifth of one of 20 at [256, 128k] on an H200 (above 16, XLA sorts the rows).
         self.logprob_buckets = sorted({0, min(8, self.num_logprobs), self.num_logprobs})
         self.fns = StepFunctions(self.weights.graphdef, self.weights.treedef, attn_fn, layouts, self.num_sampled, self.mesh,
-            self.kv_layout.num_tensors, user_processors, self.num_logprobs, config.batch_invariant, num_spec,
-            self.aux_layers, self.block_size if self.draft else None)
+            [kv_spec.shardings(self.mesh)] * self.kv_layout.num_tensors, user_processors, self.num_logprobs,
+            config.batch_invariant, num_spec, self.aux_layers, self.block_size if self.draft else None)
         self.processor_rows = ProcessorRows(config, user_processors, self.fns.write_rows,
                                             self.fns.processor_state_sharding)
         # Per request of the drafter's table (draft_inputs.py): its last token, its k drafts, its rejected count.

@@ -9,6 +9,7 @@ from flax import nnx
 
 from jaxllm.kernels import batch_invariant, reference
 from jaxllm.kernels.attention import AttentionMetadata
+from jaxllm.models.kv_layout import model_kv_spec
 from jaxllm.models.params import flatten
 from jaxllm.utils import cdiv
 
@@ -18,7 +19,7 @@ def make_logprobs_fn(runner):
     token_ids [S] or [B, S] int32 (B sequences of S tokens, run as one ragged batch, as the engine
     runs its steps: batching them with jax.vmap would change the numbers); logprobs [S - 1] or
     [B, S - 1] float32, log p(token_ids[..., i + 1] | token_ids[..., :i + 1])."""
-    weights, arch, layout = runner.weights, runner.arch, runner.kv_layout
+    weights, layout, spec = runner.weights, runner.kv_layout, model_kv_spec(runner.arch)
     graphdef, treedef, paths = weights.graphdef, weights.treedef, list(weights.paths)
     block_size, cache_dtype = runner.block_size, runner.config.cache.cache_dtype
     invariant = runner.config.batch_invariant
@@ -30,8 +31,9 @@ def make_logprobs_fn(runner):
         batch = token_ids.reshape(-1, token_ids.shape[-1])
         num_seqs, n = batch.shape
         per_seq, num_groups = cdiv(n, block_size), len(layout.groups)
-        shape = (num_seqs * per_seq, block_size, arch.num_kv_heads, arch.head_dim)
-        caches = [(jnp.zeros(shape, cache_dtype), jnp.zeros(shape, cache_dtype)) for _ in range(layout.num_tensors)]
+        shape = (num_seqs * per_seq, block_size, spec.num_heads, spec.head_dim)
+        caches = [tuple(jnp.zeros(shape, cache_dtype) for _ in range(spec.num_arrays))
+                  for _ in range(layout.num_tensors)]
         # Sequence b's blocks are b * per_seq .. (b + 1) * per_seq - 1, its tokens' slots from b * per_seq * block_size.
         slots = (jnp.arange(num_seqs, dtype=jnp.int32)[:, None] * per_seq * block_size
                  + jnp.arange(n, dtype=jnp.int32)[None, :]).reshape(-1)

@@ -20,7 +20,7 @@ from flax import nnx
 from jaxllm.kernels import reference
 from jaxllm.kernels.attention import AttentionMetadata
 from jaxllm.models.config import ModelArchConfig
-from jaxllm.models.kv_layout import model_kv_layout
+from jaxllm.models.kv_layout import model_kv_layout, model_kv_spec
 from jaxllm.models.llama import LlamaForCausalLM, rope_inv_freq
 from jaxllm.models.loader import create_model, hf_tensors, iter_hf_weights, path_to_hf_names
 from jaxllm.sharding import make_mesh, named_sharding
@@ -51,11 +51,11 @@ def run_prompt(step, config: ModelArchConfig, token_ids, chunks, cache_sharding=
     """Prefill one request in chunks (sizes summing to len(token_ids)) through a paged
     cache whose block tables are out of order (each KV cache group its own blocks);
     returns logits [len, vocab]."""
-    layout = model_kv_layout(config)
+    layout, spec = model_kv_layout(config), model_kv_spec(config)
     num_groups = len(layout.groups)
-    shape = (NUM_BLOCKS * num_groups, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+    shape = (NUM_BLOCKS * num_groups, BLOCK_SIZE, spec.num_heads, spec.head_dim)
     zeros = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=cache_sharding)
-    kv_caches = [(zeros(), zeros()) for _ in range(layout.num_tensors)]
+    kv_caches = [tuple(zeros() for _ in range(spec.num_arrays)) for _ in range(layout.num_tensors)]
     tables = np.stack([g * NUM_BLOCKS + np.arange(NUM_BLOCKS, dtype=np.int32)[::-1] for g in range(num_groups)])
     block_tables = np.zeros((num_groups, MAX_NUM_REQS, NUM_BLOCKS), np.int32)
     block_tables[:, 0] = tables
@@ -97,10 +97,10 @@ def golden_prompts(golden):
     return [(golden[f"prompt_{n}"], golden[f"logits_{n}"]) for n in lengths]
 
 
-def assert_logits_match_hf(name, config, model, golden):
+def assert_logits_match_hf(name, config, model, golden, attn_fn=reference.ragged_paged_attention):
     """Each golden prompt's logits, prefilled whole and (past 32 tokens) in three chunks, within
     1e-4 of the largest HF logit."""
-    step = make_step(model)
+    step = make_step(model, attn_fn)
     for token_ids, hf_logits in golden_prompts(golden):
         n = len(token_ids)
         for chunks in [[n]] + ([[16, 16, n - 32]] if n > 32 else []):
@@ -122,8 +122,8 @@ def test_unsupported_architecture_raises():
 
 def test_unknown_rope_type_raises():
     d = json.loads(importlib.resources.files("jaxllm.models.configs").joinpath("llama-3.1-8b.json").read_text())
-    d["rope_scaling"]["rope_type"] = "yarn"
-    with pytest.raises(ValueError, match="yarn"):
+    d["rope_scaling"]["rope_type"] = "longrope"
+    with pytest.raises(ValueError, match="longrope"):
         ModelArchConfig.from_hf_config(d)
 
 

@@ -1,0 +1,123 @@
+"""DeepSeek-V2 and V3: Llama's outline with multi-head latent attention (MLA) and DeepSeek's experts.
+
+    tokens -> embed -> N x [x + mla(norm(x)); x + mlp(norm(x))] -> norm -> head
+    (the first first_k_dense_replace layers' MLP dense, the others' routed and shared experts)
+
+Latent attention compresses a token's keys and values for every head into one latent c of
+kv_lora_rank values, beside one rope key part k_pe that every head shares:
+
+    q       = q_proj(x), or q_b_proj(q_a_layernorm(q_a_proj(x)))        [T, heads, nope + rope]
+    c, k_pe = kv_a_proj_with_mqa(x): kv_a_layernorm(c), rope(k_pe)      [T, kv_lora_rank], [T, rope]
+    head h: k_h = [c W_UK_h, k_pe], v_h = c W_UV_h, kv_b_proj's kernel [kv_lora_rank, heads, nope + v] = [W_UK | W_UV]
+
+The KV cache holds [c, k_pe] (kv_lora_rank + rope values a token). Attention absorbs W_UK into
+the query and W_UV into the output, so it reads only latents:
+
+    q_lat_h = W_UK_h q_nope_h                                           [kv_lora_rank]
+    score   = [q_lat_h, q_pe_h] . [c, k_pe] * scale,    o_h = (sum_s p_s c_s) W_UV_h
+
+which is multi-query attention of `heads` query heads over one KV head of kv_lora_rank + rope
+dimensions whose values are the latents themselves (their rope part's output is dropped): the
+attention backends' interface, over the latent cache as both K and V. Every token takes this
+form, prefill chunks and decode tokens alike, so one executable serves any mixed batch; a prefill
+that expanded each head's K and V from the latents would need fewer FLOPs (not built).
+"""
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.kernels.attention import AttentionMetadata, write_slots
+from jaxllm.models.config import ModelArchConfig
+from jaxllm.models.llama import MLP, DecoderLayer, Linear, RMSNorm, apply_rope, dot
+from jaxllm.models.moe import Experts, MoeForCausalLM, Router, route
+
+LORA_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's (DeepSeek's and HF's default, not rms_norm_eps)
+
+
+def apply_rope_to_pairs(x, cos, sin):
+    """RoPE on interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's layout): rotate-half on the
+    evens then the odds. x [num_tokens, heads, dim]; the result in that de-interleaved order, which
+    q and k share, so their products are the pairs' (as HF's rope_interleave)."""
+    return apply_rope(jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1), cos, sin)
+
+
+class MLAttention(nnx.Module):
+    """Multi-head latent attention (the module's docstring), HF's names for its projections."""
+
+    def __init__(self, config: ModelArchConfig, *, dtype, rngs):
+        c, mla = config, config.mla
+        self.num_heads, self.mla, self.scale = c.num_heads, mla, c.attn_scale
+        qk_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        self.rope = apply_rope_to_pairs if mla.rope_interleave else apply_rope
+        if mla.q_lora_rank is None:
+            self.q_proj = Linear(c.hidden_size, c.num_heads * qk_dim, ("embed", "q_heads"), dtype=dtype, rngs=rngs)
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        else:
+            self.q_proj = None
+            self.q_a_proj = Linear(c.hidden_size, mla.q_lora_rank, ("embed", None), bias=c.attention_bias,
+                                   dtype=dtype, rngs=rngs)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LORA_NORM_EPS, dtype=dtype, rngs=rngs)
+            self.q_b_proj = Linear(mla.q_lora_rank, c.num_heads * qk_dim, (None, "q_heads"), dtype=dtype, rngs=rngs)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, mla.latent_dim, ("embed", None), bias=c.attention_bias,
+                                         dtype=dtype, rngs=rngs)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LORA_NORM_EPS, dtype=dtype, rngs=rngs)
+        # [kv_lora_rank, heads * (nope + v)]: head h's W_UK then W_UV; a device's shard is whole heads
+        self.kv_b_proj = Linear(mla.kv_lora_rank, c.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+                                (None, "q_heads"), dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(c.num_heads * mla.v_head_dim, c.hidden_size, ("q_heads", "embed"), bias=c.o_proj_bias,
+                             dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, kv_cache, md: AttentionMetadata, attn_fn):
+        """x [num_tokens, hidden] -> ([num_tokens, hidden], (latent_cache,)); kv_cache: (latent_cache,)
+        [num_blocks, block_size, 1, kv_lora_rank + rope]; cos, sin [num_tokens, rope // 2]."""
+        n, h, mla = x.shape[0], self.num_heads, self.mla
+        rank, nope = mla.kv_lora_rank, mla.qk_nope_head_dim
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(n, h, -1)
+        kv = self.kv_a_proj_with_mqa(x)
+        latent = jnp.concatenate([self.kv_a_layernorm(kv[:, :rank]), self.rope(kv[:, None, rank:], cos, sin)[:, 0]],
+                                 axis=-1)
+        cache = write_slots(kv_cache[0], latent[:, None, :], md.slot_mapping)
+        w_kv = self.kv_b_proj.kernel[...].reshape(rank, h, -1)  # [kv_lora_rank, heads, nope + v]
+        q_latent = jnp.einsum("thn,rhn->thr", q[..., :nope], w_kv[..., :nope])
+        q_abs = jnp.concatenate([q_latent, self.rope(q[..., nope:], cos, sin)], axis=-1)  # [T, heads, latent_dim]
+        o = attn_fn(q_abs, cache, cache, md.query_start_loc, md.seq_lens, md.block_tables, md.num_seqs,
+                    scale=self.scale)
+        o = jnp.einsum("thr,rhv->thv", o[..., :rank], w_kv[..., nope:])
+        return self.o_proj(o.reshape(n, h * mla.v_head_dim)), (cache,)
+
+
+class DeepseekMoeBlock(nnx.Module):
+    """DeepSeek's MoE layer: the router (`gate`) in fp32 (as HF), the routed experts, and the shared
+    experts (one MLP of n_shared_experts experts' width) that every token takes, ungated."""
+
+    def __init__(self, config: ModelArchConfig, *, dtype, rngs, mesh=None):
+        moe = config.moe
+        self.moe = moe
+        self.gate = Router(moe, config.hidden_size, dtype=dtype, rngs=rngs)
+        self.experts = Experts(moe, config.hidden_size, dtype=dtype, rngs=rngs, mesh=mesh)
+        shared = moe.shared_expert_intermediate_size
+        self.shared_experts = MLP(config, dtype=dtype, rngs=rngs, intermediate_size=shared) if shared else None
+
+    def __call__(self, x):
+        """x [T, hidden] -> [T, hidden]."""
+        moe, bias = self.moe, self.gate.e_score_correction_bias
+        weights, ids = route(dot(x, self.gate.kernel[...], jnp.float32), moe.top_k, moe.renormalize,
+                             None if bias is None else bias[...], sigmoid=moe.scoring == "sigmoid",
+                             num_groups=moe.num_groups, topk_groups=moe.topk_groups, group_score=moe.group_score,
+                             scaling_factor=moe.routed_scaling_factor)
+        y = self.experts(x, weights, ids)
+        return y if self.shared_experts is None else y + self.shared_experts(x)
+
+
+class DeepseekForCausalLM(MoeForCausalLM):
+    """DeepSeek-V2 and V3: every layer's attention latent, its MLP DeepSeek's experts on the sparse layers."""
+
+    def decoder_layer(self, config: ModelArchConfig, layer: int, *, dtype, rngs) -> DecoderLayer:
+        mlp = None
+        if layer in config.moe.sparse_layers:
+            mlp = DeepseekMoeBlock(config, dtype=dtype, rngs=rngs, mesh=self.mesh)
+        return DecoderLayer(config, layer, dtype=dtype, rngs=rngs, mlp=mlp,
+                            attention=MLAttention(config, dtype=dtype, rngs=rngs))
