@@ -9,6 +9,10 @@ fall out of its window, and another group (or request) takes them.
     Gemma 3 270M: 18 layers, full attention at 5, 11, 17 -> groups of 3 layers:
     (5, 11, 17) full, (0, 1, 2) (3, 4, 6) ... (14, 15, 16) sliding: 6 groups, 3 tensors.
     Llama: one group of every layer, one tensor per layer.
+
+A group of Mamba layers (vLLM's MambaSpec) holds one block per request, whatever its length: its
+state slot, which indexes each layer's fixed-size states (models/mamba_config.py) instead of K/V.
+    Mamba2: one group of every layer, one state tensor pair (conv, SSM) per layer.
 """
 import dataclasses
 
@@ -17,6 +21,7 @@ import dataclasses
 class KVCacheGroup:
     sliding_window: int | None  # None: full attention
     layers: tuple[int, ...]
+    mamba: bool = False  # Mamba layers: a request's one block is its state slot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +38,12 @@ class KVCacheLayout:
 
 
 def model_kv_layout(config) -> KVCacheLayout:
-    """The layout of a ModelArchConfig's layers: each layer's sliding window decides its group."""
+    """The layout of a ModelArchConfig's layers: each layer's sliding window decides its group; a
+    Mamba2 model's layers form one Mamba group."""
+    if config.mamba is not None:
+        if len(config.mamba.layers) != config.num_layers:
+            raise ValueError("a model of both attention and Mamba layers is not built yet")
+        return KVCacheLayout((KVCacheGroup(None, config.mamba.layers, mamba=True),), config.num_layers)
     return kv_cache_layout([config.layer_sliding_window(i) for i in range(config.num_layers)])
 
 
