@@ -1,8 +1,11 @@
 """The paged KV cache on the mesh: how many blocks the memory budget holds, and the caches
 themselves, per KV tensor (K, V) [num_blocks, block_size, kv_heads, head_dim], sharded over
 KV heads. A block id means one block in one layer of each KV cache group
-(models/kv_layout.py), and in each of a draft model's KV tensors (worker/draft_model.py)."""
+(models/kv_layout.py), and in each of a draft model's KV tensors (worker/draft_model.py).
+A Mamba2 model's "blocks" are state slots: per layer (conv [num_blocks, conv_kernel - 1, conv_dim],
+SSM [num_blocks, heads, head_dim, state_size]) in the model's dtype, one slot per running request."""
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +16,8 @@ from jaxllm.config import Config
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.kv_layout import KVCacheLayout
 from jaxllm.sample.processors import ProcessorState
-from jaxllm.sharding import kv_cache_sharding
+from jaxllm.kernels.ssd import max_chunks
+from jaxllm.sharding import kv_cache_sharding, replicated
 from jaxllm.utils import cdiv
 
 _CPU_KV_CACHE_BYTES = 512 << 20  # CPU devices report no memory: cap the cache at 512 MiB
@@ -37,17 +41,30 @@ class KVCache:
                 "gpu_memory_utilization or num_gpu_blocks_override, or lower max_model_len")
         self.caches: list[tuple[jax.Array, jax.Array]] | None = None
         self.draft_caches: list[tuple[jax.Array, jax.Array]] | None = None
+        # The target's (K, V) shardings, or a Mamba2 model's (conv, SSM): per KV tensor.
+        self.shardings = [self.tensor_pair(arch, layout, 1)[1]] * layout.num_tensors
         # Compiled once and kept: a cache made again (after a failed step, a wake-up) compiles nothing.
-        self._zeros = [jax.jit(functools.partial(jnp.zeros, (self.num_blocks * blocks, self.block_size, a.num_kv_heads,
-                                                             a.head_dim), config.cache.cache_dtype),
-                               out_shardings=kv_cache_sharding(mesh)).lower().compile()
-                       for (a, _), blocks in zip(self._models, self._blocks_per_id)]
+        self._zeros = [tuple(jax.jit(functools.partial(jnp.zeros, shape.shape, shape.dtype),
+                                     out_shardings=sharding).lower().compile()
+                             for shape, sharding in zip(*self.tensor_pair(*model, self.num_blocks * blocks)))
+                       for model, blocks in zip(self._models, self._blocks_per_id)]
+
+    def tensor_pair(self, arch: ModelArchConfig, layout: KVCacheLayout, num_blocks: int):
+        """The shapes (jax.ShapeDtypeStruct) and shardings of one KV tensor's pair of arrays."""
+        if layout.groups[0].mamba:  # a Mamba2 model's (its layers' groups are all Mamba: kv_layout.py)
+            dtype, m = self.config.model.dtype, arch.mamba
+            shapes = [jax.ShapeDtypeStruct((num_blocks, *shape), dtype) for shape in (m.conv_state_shape,
+                                                                                        m.ssm_state_shape)]
+            return shapes, (replicated(self.mesh),) * 2
+        kv = jax.ShapeDtypeStruct((num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim),
+                                  self.config.cache.cache_dtype)
+        return [kv, kv], (kv_cache_sharding(self.mesh),) * 2
 
     @property
     def bytes_per_block(self) -> int:
         """A block id holds one block in each KV tensor (a layer of each group), the draft's too."""
-        itemsize = jnp.dtype(self.config.cache.cache_dtype).itemsize
-        return sum(2 * layout.num_tensors * blocks * self.block_size * arch.num_kv_heads * arch.head_dim * itemsize
+        return sum(layout.num_tensors * sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+                                            for a in self.tensor_pair(arch, layout, blocks)[0])
                    for (arch, layout), blocks in zip(self._models, self._blocks_per_id))
 
     @property
@@ -77,7 +94,7 @@ class KVCache:
         sliding window's group holds its window and a prefill chunk (a bound)."""
         sc = self.config.scheduler
         full = cdiv(sc.max_model_len, self.block_size)
-        return sum(full if group.sliding_window is None else
+        return sum(1 if group.mamba else full if group.sliding_window is None else
                    min(full, cdiv(group.sliding_window + sc.max_num_batched_tokens, self.block_size) + 1)
                    for group in self.layout.groups)
 
@@ -90,7 +107,19 @@ class KVCache:
         if arch.moe is not None:  # a token's k rows through the experts: copied, sorted, sent, combined in fp32
             per_token += 4 * arch.moe.top_k * (4 * arch.hidden_size + 3 * arch.moe.intermediate_size)
         logits = 4 * min(tokens, sc.max_num_seqs) * arch.vocab_size * 4
-        return 2 * (tokens * per_token + logits) + (256 << 20)
+        return 2 * (tokens * per_token + logits + self._ssd_bytes()) + (256 << 20)
+
+    def _ssd_bytes(self) -> int:
+        """A Mamba layer's SSD scan at the largest bucket (kernels/ssd.py), in fp32: a few [chunks, Q, Q,
+        heads] products and [chunks, heads, head_dim, state_size] states, and the requests' states."""
+        m, sc = self.arch.mamba, self.config.scheduler
+        if m is None:
+            return 0
+        tokens, reqs = sc.max_num_batched_tokens, min(sc.max_num_seqs, sc.max_num_batched_tokens)
+        q = min(m.chunk_size, tokens)
+        chunks = max_chunks(tokens, reqs, q)
+        state = m.num_heads * m.head_dim * m.state_size
+        return 4 * 4 * (chunks * q * q * m.num_heads + (chunks + reqs) * state)
 
     def _processor_state_bytes(self) -> int:
         return ProcessorState.nbytes(self.config.scheduler.max_num_seqs, self.config.model.arch.vocab_size)
@@ -98,8 +127,8 @@ class KVCache:
     def allocate(self) -> None:
         """Zeroed caches on the mesh (a block's old contents never matter: a step writes a
         slot before any step reads it)."""
-        self.caches, *draft = jax.block_until_ready([[(zeros(), zeros()) for _ in range(layout.num_tensors)]
-                                                     for zeros, (_, layout) in zip(self._zeros, self._models)])
+        self.caches, *draft = jax.block_until_ready([[(first(), second()) for _ in range(layout.num_tensors)]
+                                                     for (first, second), (_, layout) in zip(self._zeros, self._models)])
         self.draft_caches = draft[0] if draft else None
 
     def delete(self) -> None:

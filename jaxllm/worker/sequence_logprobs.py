@@ -20,7 +20,7 @@ def make_logprobs_fn(runner):
     [B, S - 1] float32, log p(token_ids[..., i + 1] | token_ids[..., :i + 1])."""
     weights, arch, layout = runner.weights, runner.arch, runner.kv_layout
     graphdef, treedef, paths = weights.graphdef, weights.treedef, list(weights.paths)
-    block_size, cache_dtype = runner.block_size, runner.config.cache.cache_dtype
+    block_size = runner.block_size
     invariant = runner.config.batch_invariant
     attention = _attention(invariant)
 
@@ -30,8 +30,8 @@ def make_logprobs_fn(runner):
         batch = token_ids.reshape(-1, token_ids.shape[-1])
         num_seqs, n = batch.shape
         per_seq, num_groups = cdiv(n, block_size), len(layout.groups)
-        shape = (num_seqs * per_seq, block_size, arch.num_kv_heads, arch.head_dim)
-        caches = [(jnp.zeros(shape, cache_dtype), jnp.zeros(shape, cache_dtype)) for _ in range(layout.num_tensors)]
+        arrays = runner.kv_cache.tensor_pair(arch, layout, num_seqs * per_seq)[0]  # K and V, or a Mamba2 model's states
+        caches = [tuple(jnp.zeros(a.shape, a.dtype) for a in arrays) for _ in range(layout.num_tensors)]
         # Sequence b's blocks are b * per_seq .. (b + 1) * per_seq - 1, its tokens' slots from b * per_seq * block_size.
         slots = (jnp.arange(num_seqs, dtype=jnp.int32)[:, None] * per_seq * block_size
                  + jnp.arange(n, dtype=jnp.int32)[None, :]).reshape(-1)

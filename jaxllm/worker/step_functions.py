@@ -15,7 +15,7 @@ from jaxllm.sample import processors
 from jaxllm.sample.logprobs import compute_logprobs
 from jaxllm.sample.processors import ProcessorState
 from jaxllm.sample.sampler import ProcessorMetadata, SampleMode, SamplingMetadata, sample
-from jaxllm.sharding import kv_cache_sharding, named_sharding, replicated
+from jaxllm.sharding import named_sharding, replicated
 from jaxllm.worker import input_batch as batching
 from jaxllm.worker.draft_inputs import read_previous_step
 
@@ -25,20 +25,20 @@ class StepFunctions:
     the same inputs as the one before (and compiles nothing new)."""
 
     def __init__(self, graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout],
-                 num_sampled: int, mesh, num_kv_tensors: int, user_processors: tuple, num_logprobs: int,
+                 num_sampled: int, mesh, cache_shardings: list, user_processors: tuple, num_logprobs: int,
                  invariant: bool = False, num_speculative_tokens: int = 0, aux_layers: tuple[int, ...] = (),
                  drafter_block_size: int | None = None):
         """num_sampled: the length of the sampled ids' array (the most rows of logits a step has);
+        cache_shardings: per KV tensor, its pair of arrays' shardings (KVCache.shardings);
         invariant: the model traces with the batch-invariant ops (kernels/batch_invariant.py);
         aux_layers: an EAGLE-3 head's target layers, whose input states the forward returns too;
         drafter_block_size: with a draft model or an EAGLE head, the KV block size (draft_inputs.py)."""
-        kv = kv_cache_sharding(mesh)
         rep = replicated(mesh)
         self.processor_state_sharding = ProcessorState(*[named_sharding(mesh, (None, "vocab"))] * 4)
         model_fn = _traced_invariant if invariant else (lambda fn: fn)
         forward = model_fn(make_forward_fn(graphdef, params_treedef, attn_fn, layouts, num_sampled, aux_layers,
                                            drafter_block_size))
-        forward_shardings = (rep, named_sharding(mesh, (None, "vocab")), rep, rep, [(kv, kv)] * num_kv_tensors)
+        forward_shardings = (rep, named_sharding(mesh, (None, "vocab")), rep, rep, list(cache_shardings))
         drafter_outputs = (rep,) * ((drafter_block_size is not None) + bool(aux_layers))
         self.forward = jax.jit(forward, donate_argnums=(1,), static_argnums=(4,),
                                out_shardings=forward_shardings + drafter_outputs)
