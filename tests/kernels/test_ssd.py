@@ -27,7 +27,9 @@ def naive_ssd(x, dt, A, B, C, states, query_lens):
     return y, final
 
 
-def random_batch(query_lens, num_tokens, num_reqs, with_state, seed=0):
+def random_batch(num_tokens, num_reqs, with_state, seed=0):
+    """Random inputs of ragged_ssd for num_tokens tokens and num_reqs requests, those not with_state
+    starting from zeros."""
     keys = jax.random.split(jax.random.key(seed), 6)
     x = jax.random.normal(keys[0], (num_tokens, H, P))
     dt = jax.nn.softplus(jax.random.normal(keys[1], (num_tokens, H)) - 1.0)
@@ -35,10 +37,22 @@ def random_batch(query_lens, num_tokens, num_reqs, with_state, seed=0):
     B = jax.random.normal(keys[3], (num_tokens, G, N))
     C = jax.random.normal(keys[4], (num_tokens, G, N))
     states = jax.random.normal(keys[5], (num_reqs, H, P, N)) * np.asarray(with_state, np.float32)[:, None, None, None]
-    qsl = np.zeros(num_reqs + 1, np.int32)
+    return x, dt, A, B, C, states
+
+
+NUM_TOKENS, NUM_REQS = 32, 8  # every batch padded to these: one compilation per chunk size
+ssd = jax.jit(ragged_ssd, static_argnums=(8,))
+
+
+def run_ssd(x, dt, A, B, C, states, query_lens, chunk_size):
+    """ragged_ssd over `query_lens` (the first len(query_lens) requests), its inputs padded."""
+    qsl = np.zeros(NUM_REQS + 1, np.int32)
     qsl[1:len(query_lens) + 1] = np.cumsum(query_lens)
     qsl[len(query_lens) + 1:] = qsl[len(query_lens)]  # padding requests repeat the last offset
-    return x, dt, A, B, C, states, qsl
+    pad = ((0, NUM_TOKENS - x.shape[0]),)
+    x, dt, B, C = (jnp.pad(a, pad + ((0, 0),) * (a.ndim - 1)) for a in (x, dt, B, C))
+    states = jnp.pad(states, ((0, NUM_REQS - states.shape[0]), (0, 0), (0, 0), (0, 0)))
+    return ssd(x, dt, A, B, C, states, jnp.asarray(qsl), jnp.array([len(query_lens)], jnp.int32), chunk_size)
 
 
 @pytest.mark.parametrize("query_lens, chunk_size", [
@@ -49,28 +63,27 @@ def random_batch(query_lens, num_tokens, num_reqs, with_state, seed=0):
     ([13, 11], 64),                    # chunks longer than the batch: one chunk per request
 ])
 def test_ragged_ssd_matches_the_naive_recurrence(query_lens, chunk_size):
-    num_tokens, num_reqs = 32, 8
-    with_state = [i % 2 == 1 or q == 1 for i, q in enumerate(query_lens)] + [0] * (num_reqs - len(query_lens))
-    x, dt, A, B, C, states, qsl = random_batch(query_lens, num_tokens, num_reqs, with_state)
-    y, final = jax.jit(ragged_ssd, static_argnums=(8,))(x, dt, A, B, C, states, jnp.asarray(qsl),
-                                                         jnp.array([len(query_lens)], jnp.int32), chunk_size)
+    num_reqs = len(query_lens)
+    with_state = [i % 2 == 1 or q == 1 for i, q in enumerate(query_lens)]
+    x, dt, A, B, C, states = random_batch(sum(query_lens), num_reqs, with_state)
+    y, final = run_ssd(x, dt, A, B, C, states, query_lens, chunk_size)
     want_y, want_final = naive_ssd(x, dt, A, B, C, states, query_lens)
-    total = sum(query_lens)
-    np.testing.assert_allclose(y[:total], want_y[:total], rtol=2e-4, atol=2e-4)
-    np.testing.assert_allclose(final, want_final, rtol=2e-4, atol=2e-4)  # padding requests keep theirs
+    np.testing.assert_allclose(y[:sum(query_lens)], want_y, rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(final[:num_reqs], want_final, rtol=2e-4, atol=2e-4)
+    np.testing.assert_array_equal(final[num_reqs:], 0)  # padding requests keep their (zero) states
 
 
 def test_a_prefill_split_into_chunks_continues_from_each_chunks_state():
     """One request's 23 tokens in steps of 7, 1, 9, 6: each step starts from the state the last left."""
     num_tokens = 23
-    x, dt, A, B, C, states, _ = random_batch([num_tokens], num_tokens, 1, [0])
+    x, dt, A, B, C, states = random_batch(num_tokens, 1, [0])
     want_y, want_final = naive_ssd(x, dt, A, B, C, states, [num_tokens])
     state, start = states, 0
     for n in (7, 1, 9, 6):
         part = slice(start, start + n)
-        y, state = ragged_ssd(x[part], dt[part], A, B[part], C[part], state, jnp.array([0, n], jnp.int32),
-                              jnp.array([1], jnp.int32), 4)
-        np.testing.assert_allclose(y, want_y[part], rtol=2e-4, atol=2e-4)
+        y, state = run_ssd(x[part], dt[part], A, B[part], C[part], state, [n], 4)
+        state = state[:1]
+        np.testing.assert_allclose(y[:n], want_y[part], rtol=2e-4, atol=2e-4)
         start += n
     np.testing.assert_allclose(state, want_final, rtol=2e-4, atol=2e-4)
 
