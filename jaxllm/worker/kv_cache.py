@@ -83,6 +83,8 @@ class KVCache:
             budget = min(_CPU_KV_CACHE_BYTES,
                          self.config.scheduler.max_num_seqs * self.blocks_per_request() * self.bytes_per_block)
         num_blocks = max(int(budget // self.bytes_per_block), 0)
+        if all(group.mamba for group in self.layout.groups):  # a state slot per running request, no more
+            num_blocks = min(num_blocks, self.config.scheduler.max_num_seqs)
         if jax.process_count() > 1:  # every host schedules alike: the same cache on each (the smallest)
             from jax.experimental import multihost_utils
             distributed.barrier("jaxllm-weights-loaded")
