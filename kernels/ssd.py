@@ -52,8 +52,8 @@ def chunk_layout(query_lens, query_start_loc, num_tokens: int, chunk_size: int) 
     start = query_start_loc[request] + index * chunk_size
     length = jnp.where(chunk < ends[-1], jnp.minimum(query_lens[request] - index * chunk_size, chunk_size), 0)
     offsets = jnp.arange(chunk_size, dtype=jnp.int32)
-    return ChunkLayout(tokens=start[:, None] + offsets, mask=offsets < length[:, None], request=request.astype(jnp.int32),
-                       first=index == 0, last=(ends - 1).astype(jnp.int32))
+    return ChunkLayout(tokens=start[:, None] + offsets, mask=offsets < length[:, None],
+                       request=request.astype(jnp.int32), first=index == 0, last=(ends - 1).astype(jnp.int32))
 
 
 def _per_head(bc, num_heads: int):

@@ -85,7 +85,8 @@ def mamba2_fields(d: dict) -> dict:
     if values["hidden_act"] != "silu":
         raise ValueError(f"config key 'hidden_act' must be 'silu' for a Mamba2 model, got {values['hidden_act']!r}")
     # transformers 5 writes an infinite limit as {"__float__": "Infinity"}
-    limit = [float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else v for v in values["time_step_limit"]]
+    limit = [float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else v
+             for v in values["time_step_limit"]]
     if len(limit) != 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in limit):
         raise ValueError(f"config key 'time_step_limit' must be [low, high], got {limit!r}")
     heads, head_dim, hidden = values["num_heads"], values["head_dim"], values["hidden_size"]

@@ -13,10 +13,10 @@ import numpy as np
 
 from jaxllm import distributed
 from jaxllm.config import Config
+from jaxllm.kernels.ssd import max_chunks
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.kv_layout import KVCacheLayout
 from jaxllm.sample.processors import ProcessorState
-from jaxllm.kernels.ssd import max_chunks
 from jaxllm.sharding import kv_cache_sharding, replicated
 from jaxllm.utils import cdiv
 
@@ -129,8 +129,8 @@ class KVCache:
     def allocate(self) -> None:
         """Zeroed caches on the mesh (a block's old contents never matter: a step writes a
         slot before any step reads it)."""
-        self.caches, *draft = jax.block_until_ready([[(first(), second()) for _ in range(layout.num_tensors)]
-                                                     for (first, second), (_, layout) in zip(self._zeros, self._models)])
+        self.caches, *draft = jax.block_until_ready([[(k(), v()) for _ in range(layout.num_tensors)]
+                                                     for (k, v), (_, layout) in zip(self._zeros, self._models)])
         self.draft_caches = draft[0] if draft else None
 
     def delete(self) -> None:
