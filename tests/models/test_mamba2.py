@@ -162,3 +162,10 @@ def test_a_bad_mamba2_config_names_its_key(change, message):
 def test_engine_args_a_mamba2_model_cannot_take_are_a_clear_error(args, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(model=MODEL, **args).create_config()
+
+
+def test_the_plain_logprobs_function_gives_hfs(llm):
+    """LLM.get_logprobs_fn (a trainer's view: the model over its own zero states) on the 33-token prompt."""
+    fn = jax.jit(llm.get_logprobs_fn())
+    logprobs = np.asarray(fn(llm.get_params(), jnp.asarray(GOLDEN["prompt_33"], jnp.int32)))
+    np.testing.assert_allclose(logprobs, hf_prompt_logprobs(33), atol=ATOL, rtol=0)
