@@ -2,6 +2,7 @@
 import dataclasses
 import importlib.resources
 import json
+import logging
 import os
 import typing
 
@@ -15,6 +16,8 @@ from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.models.quant_config import QUANTIZATIONS, QuantConfig, resolve_quantization
 from jaxllm.pooling_params import PoolerConfig
 from jaxllm.typecheck import check_field_types
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # EngineArgs.kv_cache_dtype (vLLM's names) -> CacheConfig.cache_dtype (None: the model's dtype)
@@ -289,8 +292,10 @@ class EngineArgs:
                f"and divide or be a multiple of its KV heads ({arch.num_kv_heads})")
         backend = self._attention_backend(arch, quantization, speculative, devices)
         arch = self._check_experts(arch, quantization)
+        prefix_caching = self._check_mamba(arch, speculative, quantization)
         max_len = arch.max_position_embeddings if self.max_model_len is None else self.max_model_len
-        _check(max_len <= arch.max_position_embeddings,
+        # A Mamba2 model has no positions: its config's length is only the default.
+        _check(arch.mamba is not None or max_len <= arch.max_position_embeddings,
                f"max_model_len must be in [1, {arch.max_position_embeddings}] (the model's "
                f"max_position_embeddings), got {max_len}")
         dtype = resolve_dtype(self.dtype, hf_config, platform=devices.platform)
@@ -312,7 +317,7 @@ class EngineArgs:
                               max_logprobs=self.max_logprobs, tokenizer=tokenizer, quantization=quantization,
                               pooler_config=pooler_config),
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.num_gpu_blocks_override,
-                              KV_CACHE_DTYPES[self.kv_cache_dtype] or dtype, self.enable_prefix_caching),
+                              KV_CACHE_DTYPES[self.kv_cache_dtype] or dtype, prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, batched, max_len,
                                       not host_drafts if self.async_scheduling is None else self.async_scheduling),
             parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.pipeline_parallel_size,
@@ -370,6 +375,21 @@ class EngineArgs:
         _check(moe.intermediate_size % tp == 0, f"tensor_parallel_size={tp} must divide each expert's intermediate "
                f"size ({moe.intermediate_size}), or enable_expert_parallel put whole experts on each device")
         return arch
+
+    def _check_mamba(self, arch: ModelArchConfig, speculative: SpeculativeConfig | None,
+                     quantization: QuantConfig | None) -> bool:
+        """What a Mamba2 model does not run with yet; returns enable_prefix_caching, off for it (a
+        request's state slot holds its whole prefix, not blocks another request can share)."""
+        if arch.mamba is None:
+            return self.enable_prefix_caching
+        for ok, what in ((self.tensor_parallel_size == 1, f"tensor_parallel_size={self.tensor_parallel_size}"),
+                         (speculative is None, "speculative_config"), (quantization is None, "quantization"),
+                         (not self.batch_invariant, "batch_invariant")):
+            _check(ok, f"a {arch.architecture} model does not run with {what} yet")
+        if self.enable_prefix_caching:
+            logger.info("prefix caching is off for the %s model: its state slots hold whole prefixes, "
+                        "not blocks to share", arch.architecture)
+        return False
 
     def _draft_model(self, model: str, target: ModelArchConfig, max_len: int, platform: str) -> ModelConfig:
         """speculative_config.model resolved as the draft of `target`: its tokens must be the

@@ -56,10 +56,9 @@ def named_sharding(mesh: Mesh, logical_axes: tuple[str | None, ...]) -> NamedSha
     return NamedSharding(mesh, logical_to_spec(logical_axes))
 
 
-def kv_cache_sharding(mesh: Mesh, head_axis: str | None = "kv_heads") -> NamedSharding:
-    """[num_blocks, block_size, num_kv_heads, head_dim] caches shard over KV heads (head_axis None:
-    replicated, as latent attention's one latent a token, models/kv_layout.py)."""
-    return named_sharding(mesh, (None, None, head_axis, None))
+def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+    """[num_blocks, block_size, num_kv_heads, head_dim] caches shard over KV heads."""
+    return NamedSharding(mesh, PartitionSpec(None, None, _RULES["kv_heads"], None))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -4,10 +4,12 @@ One frozen dataclass covers the Llama family, Mistral, Qwen2, Qwen3, Gemma 2 and
 Gemma 3: they differ only in a few flags (qkv bias, q/k norm, sliding window, rope
 scaling; Gemma's soft-caps, query scale and local rope base). The mixture-of-experts
 models (Qwen2-MoE, Qwen3-MoE, Mixtral) are their attention with a MoeConfig for the MLPs;
-DeepSeek-V2 and V3 are experts too, with multi-head latent attention (an MlaConfig).
+DeepSeek-V2 and V3 are experts too, with multi-head latent attention (an MlaConfig); Mamba2 is
+its state-space layers' MambaConfig (models/mamba_config.py).
 """
 import dataclasses
 
+from jaxllm.models.mamba_config import MambaConfig, mamba2_fields
 from jaxllm.models.yarn import softmax_mscale
 
 SUPPORTED_ARCHITECTURES = {
@@ -24,6 +26,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Mamba2ForCausalLM": "mamba2",
 }
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 MLA_ARCHITECTURES = ("deepseek_v2", "deepseek_v3")
@@ -142,6 +145,7 @@ class ModelArchConfig:
     rope_local_theta: float | None = None  # Gemma 3: plain RoPE of this base on sliding layers
     moe: MoeConfig | None = None  # the mixture-of-experts models' MLPs; None: dense MLPs
     mla: MlaConfig | None = None  # DeepSeek's latent attention (num_kv_heads = num_heads, head_dim its rope part's)
+    mamba: MambaConfig | None = None  # the Mamba2 layers (models/mamba2.py); None: attention only
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -197,6 +201,8 @@ class ModelArchConfig:
             raise ValueError(f"unsupported model architecture {archs or d.get('model_type')!r}; "
                              f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
         arch = SUPPORTED_ARCHITECTURES[known[0]]
+        if arch == "mamba2":
+            return cls(architecture=arch, **mamba2_fields(d))
         if isinstance(d.get("text_config"), dict):  # a multimodal Gemma 3: its text model
             d = {**d["text_config"], "architectures": archs}
             _check_hf_values(d)

@@ -10,37 +10,53 @@ fall out of its window, and another group (or request) takes them.
     (5, 11, 17) full, (0, 1, 2) (3, 4, 6) ... (14, 15, 16) sliding: 6 groups, 3 tensors.
     Llama: one group of every layer, one tensor per layer.
 
-What each KV tensor holds is the model's KVCacheSpec: K and V for attention, or multi-head latent
+A group of Mamba layers (vLLM's MambaSpec) holds one block per request, whatever its length: its
+state slot, which indexes each layer's fixed-size states (models/mamba_config.py) instead of K/V.
+    Mamba2: one group of every layer, one state tensor pair (conv, SSM) per layer.
+
+What each KV tensor holds is the model's KVCacheSpec: K and V for attention, multi-head latent
 attention's one latent a token (DeepSeek-V3: 576 values where its 128 heads' K and V would take
-40,960). The scheduler sees blocks only: a latent layer's blocks are full attention's.
+40,960), or a Mamba layer's states. The scheduler sees blocks only: a latent layer's blocks are
+full attention's.
 """
 import dataclasses
+import math
 
-from jaxllm.sharding import kv_cache_sharding
+import jax
+import jax.numpy as jnp
+
+from jaxllm.sharding import kv_cache_sharding, replicated
 
 
 @dataclasses.dataclass(frozen=True)
 class KVCacheGroup:
     sliding_window: int | None  # None: full attention
     layers: tuple[int, ...]
+    mamba: bool = False  # Mamba layers: a request's one block is its state slot
 
 
 @dataclasses.dataclass(frozen=True)
 class KVCacheSpec:
-    """What one KV tensor holds: `num_arrays` arrays [num_blocks, block_size, num_heads, head_dim]:
-    attention's K and V, sharded over the KV heads, or latent attention's one latent per token
-    ([.., 1, kv_lora_rank + qk_rope_head_dim]), which every head reads: replicated."""
-    num_arrays: int
-    num_heads: int
-    head_dim: int
-    head_axis: str | None  # the logical axis the heads shard over (None: replicated)
+    """What one KV tensor holds per block id: an array [num_blocks, *shape] for each of `shapes`.
+    Attention's K and V ([block_size, kv_heads, head_dim] each), sharded over the KV heads; latent
+    attention's one latent a token ([block_size, 1, kv_lora_rank + qk_rope_head_dim]), which every
+    head reads: replicated; a Mamba layer's state slot (conv [conv_kernel - 1, conv_dim], SSM
+    [heads, head_dim, state_size]), replicated, in the model's dtype rather than the cache's."""
+    shapes: tuple[tuple[int, ...], ...]
+    kv_heads: bool = False     # the arrays shard over the KV heads (their dim 2); else replicated
+    model_dtype: bool = False  # the arrays in the model's dtype (Mamba's states), not the KV cache's
 
-    def bytes_per_block(self, block_size: int, itemsize: int) -> int:
-        return self.num_arrays * block_size * self.num_heads * self.head_dim * itemsize
+    def arrays(self, num_blocks: int, cache_dtype, model_dtype) -> list[jax.ShapeDtypeStruct]:
+        dtype = model_dtype if self.model_dtype else cache_dtype
+        return [jax.ShapeDtypeStruct((num_blocks, *shape), dtype) for shape in self.shapes]
+
+    def bytes_per_block(self, cache_dtype, model_dtype) -> int:
+        return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in self.arrays(1, cache_dtype, model_dtype))
 
     def shardings(self, mesh) -> tuple:
         """The arrays' NamedShardings on `mesh`."""
-        return (kv_cache_sharding(mesh, self.head_axis),) * self.num_arrays
+        sharding = kv_cache_sharding(mesh) if self.kv_heads else replicated(mesh)
+        return (sharding,) * len(self.shapes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,15 +72,22 @@ class KVCacheLayout:
         raise ValueError(f"layer {layer} is in no KV cache group")
 
 
-def model_kv_spec(config) -> KVCacheSpec:
-    """What a ModelArchConfig's KV tensors hold."""
+def model_kv_spec(config, block_size: int) -> KVCacheSpec:
+    """What a ModelArchConfig's KV tensors hold, in blocks of `block_size` tokens."""
+    if config.mamba is not None:
+        return KVCacheSpec((config.mamba.conv_state_shape, config.mamba.ssm_state_shape), model_dtype=True)
     if config.mla is not None:
-        return KVCacheSpec(1, 1, config.mla.latent_dim, None)
-    return KVCacheSpec(2, config.num_kv_heads, config.head_dim, "kv_heads")
+        return KVCacheSpec(((block_size, 1, config.mla.latent_dim),))
+    return KVCacheSpec(((block_size, config.num_kv_heads, config.head_dim),) * 2, kv_heads=True)
 
 
 def model_kv_layout(config) -> KVCacheLayout:
-    """The layout of a ModelArchConfig's layers: each layer's sliding window decides its group."""
+    """The layout of a ModelArchConfig's layers: each layer's sliding window decides its group; a
+    Mamba2 model's layers form one Mamba group."""
+    if config.mamba is not None:
+        if len(config.mamba.layers) != config.num_layers:
+            raise ValueError("a model of both attention and Mamba layers is not built yet")
+        return KVCacheLayout((KVCacheGroup(None, config.mamba.layers, mamba=True),), config.num_layers)
     return kv_cache_layout([config.layer_sliding_window(i) for i in range(config.num_layers)])
 
 

@@ -29,6 +29,7 @@ from jaxllm.models.gemma3 import Gemma3ForCausalLM
 from jaxllm.models.hf_checkpoint import iter_hf_weights
 from jaxllm.models.int4 import Int4Linear
 from jaxllm.models.llama import INIT_STD, Linear, LlamaForCausalLM
+from jaxllm.models.mamba2 import Mamba2ForCausalLM
 from jaxllm.models.moe import MoeForCausalLM
 from jaxllm.models.quant_checkpoint import quantized_weights
 from jaxllm.models.quant_config import FP8_BLOCK, INT4, QuantConfig
@@ -39,8 +40,12 @@ Index = tuple[slice, ...]  # one slice per axis: the piece of a tensor one devic
 # A fused param's module and the HF projections it is packed from, in order.
 FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _FUSED_INTO = {part: fused for fused, parts in FUSED_PROJECTIONS.items() for part in parts}
-# Mixtral's HF names of its MoE block and its experts' projections (Qwen's: mlp, gate_proj, up_proj, down_proj)
-_MIXTRAL_NAMES = {".mlp.": ".block_sparse_moe.", ".gate_proj.": ".w1.", ".up_proj.": ".w3.", ".down_proj.": ".w2."}
+# HF's names where an architecture's differ from Llama's, replaced in order: Mixtral's MoE block and
+# its experts' projections (Qwen's: mlp, gate_proj, up_proj, down_proj); Mamba2's backbone.
+_HF_RENAMES = {
+    "mixtral": {".mlp.": ".block_sparse_moe.", ".gate_proj.": ".w1.", ".up_proj.": ".w3.", ".down_proj.": ".w2."},
+    "mamba2": {"model.embed_tokens.": "backbone.embeddings.", "model.norm.": "backbone.norm_f.", "model.": "backbone."},
+}
 
 
 class TensorSource(Protocol):
@@ -75,6 +80,8 @@ def _model(config: ModelArchConfig, dtype, mesh: jax.sharding.Mesh | None) -> nn
     if config.moe is not None:  # its experts run per device, on `mesh`
         model_class = DeepseekForCausalLM if config.mla is not None else MoeForCausalLM
         return model_class(config, dtype=dtype, rngs=rngs, mesh=mesh)
+    if config.mamba is not None:
+        return Mamba2ForCausalLM(config, dtype=dtype, rngs=rngs)
     model_class = Gemma3ForCausalLM if config.architecture in GEMMA_ARCHITECTURES else LlamaForCausalLM
     return model_class(config, dtype=dtype, rngs=rngs)
 
@@ -440,14 +447,12 @@ def path_to_hf_names(path: ParamPath, config: ModelArchConfig) -> list[str]:
         names = [_hf_name((*module[:-1], part, leaf)) for part in FUSED_PROJECTIONS[module[-1]]]
     else:
         names = [_hf_name(path)]
-    if config.architecture == "mixtral":
-        names = [_mixtral_name(name) for name in names]
-    return names
+    return [_renamed(name, config.architecture) for name in names]
 
 
-def _mixtral_name(name: str) -> str:
-    for ours, mixtral in _MIXTRAL_NAMES.items():
-        name = name.replace(ours, mixtral)
+def _renamed(name: str, architecture: str) -> str:
+    for ours, theirs in _HF_RENAMES.get(architecture, {}).items():
+        name = name.replace(ours, theirs)
     return name
 
 

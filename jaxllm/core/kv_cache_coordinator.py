@@ -15,8 +15,7 @@ from jaxllm.models.kv_layout import KVCacheLayout
 class NoPrefixCacheCoordinator:
     def __init__(self, layout: KVCacheLayout, pool: BlockPool, block_size: int):
         self.block_size = block_size
-        self.managers = [make_manager(pool, g, block_size, group.sliding_window)
-                         for g, group in enumerate(layout.groups)]
+        self.managers = [make_manager(pool, g, block_size, group) for g, group in enumerate(layout.groups)]
         self.no_hit: list[Blocks] = [[] for _ in self.managers]
 
     def find_longest_cache_hit(self, hashes: list[BlockHash], max_length: int) -> tuple[list[Blocks], int]:

@@ -1,4 +1,5 @@
-"""The blocks of one KV cache group (models/kv_layout.py): full attention or a sliding window.
+"""The blocks of one KV cache group (models/kv_layout.py): full attention, a sliding window, or
+Mamba layers' state slots.
 
 A request's block list in a group is indexed by block position (token // block_size);
 None marks a position the group does not hold: a sliding window's blocks that fell
@@ -7,6 +8,7 @@ writes 0 there, which no token reads unmasked and none writes.
 """
 from jaxllm.core.block_pool import BlockPool, KVCacheBlock
 from jaxllm.core.kv_cache_utils import BlockHash
+from jaxllm.models.kv_layout import KVCacheGroup
 from jaxllm.utils import cdiv
 
 Blocks = list[KVCacheBlock | None]
@@ -108,7 +110,30 @@ class SlidingWindowManager(FullAttentionManager):
         self.pool.free_blocks(freed)
 
 
-def make_manager(pool: BlockPool, group: int, block_size: int, sliding_window: int | None) -> FullAttentionManager:
-    if sliding_window is None:
-        return FullAttentionManager(pool, group, block_size)
-    return SlidingWindowManager(pool, group, block_size, sliding_window)
+class MambaManager(FullAttentionManager):
+    """One block per request from its first allocation to its end, whatever its length: its state
+    slot in every Mamba layer of the group (vLLM's MambaSpec). A state holds the whole prefix it
+    was computed from, so no block is cached (the engine turns prefix caching off: config.py)."""
+
+    def find_longest_cache_hit(self, hashes: list[BlockHash], max_length: int) -> Blocks:
+        return []
+
+    def num_blocks_needed(self, request_id: str, num_tokens: int, computed: Blocks) -> int:
+        return 0 if request_id in self.req_to_blocks else 1
+
+    def allocate(self, request_id: str, num_tokens: int, computed: Blocks) -> Blocks:
+        if request_id in self.req_to_blocks:
+            return []
+        self.req_to_blocks[request_id] = self.pool.get_new_blocks(1)
+        return self.req_to_blocks[request_id]
+
+    def cache_blocks(self, request_id: str, hashes: list[BlockHash], num_full_blocks: int) -> None:
+        """A state slot is never cached."""
+
+
+def make_manager(pool: BlockPool, g: int, block_size: int, group: KVCacheGroup) -> FullAttentionManager:
+    if group.mamba:
+        return MambaManager(pool, g, block_size)
+    if group.sliding_window is None:
+        return FullAttentionManager(pool, g, block_size)
+    return SlidingWindowManager(pool, g, block_size, group.sliding_window)

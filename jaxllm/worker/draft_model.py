@@ -50,7 +50,7 @@ class DraftModel:
         self._mesh, self._seed = mesh, config.seed
         self.weights = load_weights(mc, self.arch, mesh, self._repeat, config.seed)
         self.table_rows = max(layout.num_reqs for layout in layouts.values())  # the drafter table's
-        kv_shardings = [model_kv_spec(self.arch).shardings(mesh)] * self.kv_layout.num_tensors
+        kv_shardings = [model_kv_spec(self.arch, config.cache.block_size).shardings(mesh)] * self.kv_layout.num_tensors
         self.propose = jax.jit(self._propose_fn(config, attn_fn, layouts), donate_argnums=(1,), static_argnums=(5,),
                                out_shardings=(replicated(mesh), kv_shardings))
 

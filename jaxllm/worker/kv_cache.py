@@ -1,9 +1,11 @@
 """The paged KV cache on the mesh: how many blocks the memory budget holds, and the caches
 themselves, per KV tensor the arrays its KVCacheSpec names (models/kv_layout.py): (K, V)
-[num_blocks, block_size, kv_heads, head_dim], sharded over KV heads, or latent attention's
-(latent,) [num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim], replicated. A block id
-means one block in one layer of each KV cache group (models/kv_layout.py), and in each of a
-draft model's KV tensors (worker/draft_model.py)."""
+[num_blocks, block_size, kv_heads, head_dim], sharded over KV heads; latent attention's (latent,)
+[num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim], replicated; or a Mamba2 model's
+state slots (conv [num_blocks, conv_kernel - 1, conv_dim], SSM [num_blocks, heads, head_dim,
+state_size]) in the model's dtype, one slot per running request. A block id means one block in
+one layer of each KV cache group (models/kv_layout.py), and in each of a draft model's KV
+tensors (worker/draft_model.py)."""
 import functools
 
 import jax
@@ -12,6 +14,7 @@ import numpy as np
 
 from jaxllm import distributed
 from jaxllm.config import Config
+from jaxllm.kernels.ssd import max_chunks
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.kv_layout import KVCacheLayout, model_kv_spec
 from jaxllm.sample.processors import ProcessorState
@@ -27,10 +30,10 @@ class KVCache:
         model's architecture and layout, whose KV tensors (`draft_caches`) take the same block ids."""
         self.config, self.arch, self.layout, self.mesh = config, arch, layout, mesh
         self._models = [(arch, layout)] + ([draft] if draft else [])
-        self._specs = [model_kv_spec(a) for a, _ in self._models]
+        self.block_size = config.cache.block_size
+        self._specs = [model_kv_spec(a, self.block_size) for a, _ in self._models]
         # Blocks per block id in each model's tensors: the draft's groups each take one (draft_model.py).
         self._blocks_per_id = [1] + ([len(draft[1].groups)] if draft else [])
-        self.block_size = config.cache.block_size
         self.num_blocks = self._num_blocks()
         if self.num_blocks < self.blocks_per_request():
             raise ValueError(
@@ -39,17 +42,19 @@ class KVCache:
                 "gpu_memory_utilization or num_gpu_blocks_override, or lower max_model_len")
         self.caches: list[tuple[jax.Array, ...]] | None = None
         self.draft_caches: list[tuple[jax.Array, ...]] | None = None
+        self.shardings = [self._specs[0].shardings(mesh)] * layout.num_tensors  # the target's, per KV tensor
         # Compiled once and kept: a cache made again (after a failed step, a wake-up) compiles nothing.
-        self._zeros = [jax.jit(functools.partial(jnp.zeros, (self.num_blocks * blocks, self.block_size, spec.num_heads,
-                                                             spec.head_dim), config.cache.cache_dtype),
-                               out_shardings=spec.shardings(mesh)[0]).lower().compile()
+        dtypes = config.cache.cache_dtype, config.model.dtype
+        self._zeros = [tuple(jax.jit(functools.partial(jnp.zeros, a.shape, a.dtype), out_shardings=sharding)
+                             .lower().compile()
+                             for a, sharding in zip(spec.arrays(self.num_blocks * blocks, *dtypes), spec.shardings(mesh)))
                        for spec, blocks in zip(self._specs, self._blocks_per_id)]
 
     @property
     def bytes_per_block(self) -> int:
         """A block id holds one block in each KV tensor (a layer of each group), the draft's too."""
-        itemsize = jnp.dtype(self.config.cache.cache_dtype).itemsize
-        return sum(layout.num_tensors * blocks * spec.bytes_per_block(self.block_size, itemsize)
+        dtypes = self.config.cache.cache_dtype, self.config.model.dtype
+        return sum(layout.num_tensors * blocks * spec.bytes_per_block(*dtypes)
                    for (_, layout), spec, blocks in zip(self._models, self._specs, self._blocks_per_id))
 
     @property
@@ -68,6 +73,8 @@ class KVCache:
             budget = min(_CPU_KV_CACHE_BYTES,
                          self.config.scheduler.max_num_seqs * self.blocks_per_request() * self.bytes_per_block)
         num_blocks = max(int(budget // self.bytes_per_block), 0)
+        if all(group.mamba for group in self.layout.groups):  # a state slot per running request, no more
+            num_blocks = min(num_blocks, self.config.scheduler.max_num_seqs)
         if jax.process_count() > 1:  # every host schedules alike: the same cache on each (the smallest)
             from jax.experimental import multihost_utils
             distributed.barrier("jaxllm-weights-loaded")
@@ -79,7 +86,7 @@ class KVCache:
         sliding window's group holds its window and a prefill chunk (a bound)."""
         sc = self.config.scheduler
         full = cdiv(sc.max_model_len, self.block_size)
-        return sum(full if group.sliding_window is None else
+        return sum(1 if group.mamba else full if group.sliding_window is None else
                    min(full, cdiv(group.sliding_window + sc.max_num_batched_tokens, self.block_size) + 1)
                    for group in self.layout.groups)
 
@@ -94,7 +101,19 @@ class KVCache:
         if arch.mla is not None:  # latent attention in fp32: absorbed queries, accumulator, output, a gathered block
             per_token += 4 * arch.mla.latent_dim * (3 * arch.num_heads + self.block_size)
         logits = 4 * min(tokens, sc.max_num_seqs) * arch.vocab_size * 4
-        return 2 * (tokens * per_token + logits) + (256 << 20)
+        return 2 * (tokens * per_token + logits + self._ssd_bytes()) + (256 << 20)
+
+    def _ssd_bytes(self) -> int:
+        """A Mamba layer's SSD scan at the largest bucket (kernels/ssd.py), in fp32: a few [chunks, Q, Q,
+        heads] products and [chunks, heads, head_dim, state_size] states, and the requests' states."""
+        m, sc = self.arch.mamba, self.config.scheduler
+        if m is None:
+            return 0
+        tokens, reqs = sc.max_num_batched_tokens, min(sc.max_num_seqs, sc.max_num_batched_tokens)
+        q = min(m.chunk_size, tokens)
+        chunks = max_chunks(tokens, reqs, q)
+        state = m.num_heads * m.head_dim * m.state_size
+        return 4 * 4 * (chunks * q * q * m.num_heads + (chunks + reqs) * state)
 
     def _processor_state_bytes(self) -> int:
         return ProcessorState.nbytes(self.config.scheduler.max_num_seqs, self.config.model.arch.vocab_size)
@@ -103,8 +122,8 @@ class KVCache:
         """Zeroed caches on the mesh (a block's old contents never matter: a step writes a
         slot before any step reads it)."""
         self.caches, *draft = jax.block_until_ready(
-            [[tuple(zeros() for _ in range(spec.num_arrays)) for _ in range(layout.num_tensors)]
-             for zeros, spec, (_, layout) in zip(self._zeros, self._specs, self._models)])
+            [[tuple(zeros() for zeros in per_array) for _ in range(layout.num_tensors)]
+             for per_array, (_, layout) in zip(self._zeros, self._models)])
         self.draft_caches = draft[0] if draft else None
 
     def delete(self) -> None:

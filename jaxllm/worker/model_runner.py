@@ -43,7 +43,7 @@ from jaxllm import compilation
 from jaxllm.config import EAGLE_METHODS, Config
 from jaxllm.contracts.step import SchedulerOutput, TokenMasks
 from jaxllm.kernels.attention import get_attention_fn
-from jaxllm.models.kv_layout import model_kv_layout, model_kv_spec
+from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.sample.sampler import SampleMode
 from jaxllm.sharding import make_mesh, replicated
 from jaxllm.utils import cdiv
@@ -116,7 +116,6 @@ class ModelRunner:
                                            num_groups, batching.logit_rows(t, sc.max_num_seqs, num_spec), eagle)
                    for t in self.token_buckets}
         self.layouts = layouts
-        kv_spec = model_kv_spec(self.arch)
         attn_fn = get_attention_fn(config.attention_backend, self.mesh, config.batch_invariant,
                                    latent=self.arch.mla is not None)
         self.draft = None
@@ -154,8 +153,8 @@ class ModelRunner:
         # costs a fifth of one of 20 at [256, 128k] on an H200 (above 16, XLA sorts the rows).
         self.logprob_buckets = sorted({0, min(8, self.num_logprobs), self.num_logprobs})
         self.fns = StepFunctions(self.weights.graphdef, self.weights.treedef, attn_fn, layouts, self.num_sampled, self.mesh,
-            [kv_spec.shardings(self.mesh)] * self.kv_layout.num_tensors, user_processors, self.num_logprobs,
-            config.batch_invariant, num_spec, self.aux_layers, self.block_size if self.draft else None)
+            self.kv_cache.shardings, user_processors, self.num_logprobs, config.batch_invariant, num_spec,
+            self.aux_layers, self.block_size if self.draft else None)
         self.processor_rows = ProcessorRows(config, user_processors, self.fns.write_rows,
                                             self.fns.processor_state_sharding)
         # Per request of the drafter's table (draft_inputs.py): its last token, its k drafts, its rejected count.
@@ -453,10 +452,15 @@ class ModelRunner:
         startup = ", ".join(f"{phase} {s:.1f} s" for phase, s in self.startup_s.items())
         if self.compile_split:
             startup += f" ({self.compile_split})"
-        dtype = jnp.dtype(self.config.cache.cache_dtype).name
         draft = ""
         if self.draft:
             draft = f" (the {self.config.speculative.method} drafter's too: {self.draft.model_config.path})"
-        return (f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens{draft} "
-                f"({self.kv_cache.num_tokens} tokens, {gib:.2f} GiB, {dtype}); token buckets {self.token_buckets}; "
+        if self.kv_layout.groups[0].mamba:
+            dtype = jnp.dtype(self.config.model.dtype).name
+            cache = f"Mamba states: {self.num_blocks} slots ({gib:.2f} GiB, {dtype})"
+        else:
+            dtype = jnp.dtype(self.config.cache.cache_dtype).name
+            cache = (f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens{draft} "
+                     f"({self.kv_cache.num_tokens} tokens, {gib:.2f} GiB, {dtype})")
+        return (f"{cache}; token buckets {self.token_buckets}; "
                 f"attention backend {self.config.attention_backend}; start-up: {startup}")

@@ -19,9 +19,10 @@ def make_logprobs_fn(runner):
     token_ids [S] or [B, S] int32 (B sequences of S tokens, run as one ragged batch, as the engine
     runs its steps: batching them with jax.vmap would change the numbers); logprobs [S - 1] or
     [B, S - 1] float32, log p(token_ids[..., i + 1] | token_ids[..., :i + 1])."""
-    weights, layout, spec = runner.weights, runner.kv_layout, model_kv_spec(runner.arch)
+    weights, layout = runner.weights, runner.kv_layout
     graphdef, treedef, paths = weights.graphdef, weights.treedef, list(weights.paths)
-    block_size, cache_dtype = runner.block_size, runner.config.cache.cache_dtype
+    block_size = runner.block_size
+    spec, dtypes = model_kv_spec(runner.arch, block_size), (runner.config.cache.cache_dtype, runner.config.model.dtype)
     invariant = runner.config.batch_invariant
     attention = _attention(invariant)
 
@@ -31,9 +32,8 @@ def make_logprobs_fn(runner):
         batch = token_ids.reshape(-1, token_ids.shape[-1])
         num_seqs, n = batch.shape
         per_seq, num_groups = cdiv(n, block_size), len(layout.groups)
-        shape = (num_seqs * per_seq, block_size, spec.num_heads, spec.head_dim)
-        caches = [tuple(jnp.zeros(shape, cache_dtype) for _ in range(spec.num_arrays))
-                  for _ in range(layout.num_tensors)]
+        arrays = spec.arrays(num_seqs * per_seq, *dtypes)  # K and V, a latent, or states
+        caches = [tuple(jnp.zeros(a.shape, a.dtype) for a in arrays) for _ in range(layout.num_tensors)]
         # Sequence b's blocks are b * per_seq .. (b + 1) * per_seq - 1, its tokens' slots from b * per_seq * block_size.
         slots = (jnp.arange(num_seqs, dtype=jnp.int32)[:, None] * per_seq * block_size
                  + jnp.arange(n, dtype=jnp.int32)[None, :]).reshape(-1)

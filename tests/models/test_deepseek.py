@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineArgs
@@ -249,7 +248,7 @@ def test_tensor_parallel_gives_hfs_greedy_tokens_and_logprobs_with_the_latent_ca
     with LLM(tiny_model("deepseek_v2"), tensor_parallel_size=2, **ENGINE) as llm:
         assert_greedy_is_hfs(llm, "deepseek_v2")
         cache = runner(llm).kv_caches[0][0]
-        assert cache.sharding.spec == P(None, None, None, None)
+        assert cache.sharding.is_fully_replicated
         kv_b = runner(llm).weights.model().layers[0].self_attn.kv_b_proj.kernel[...]
         assert kv_b.addressable_shards[0].data.shape == (16, 8 * (8 + 12) // 2)  # 4 of the 8 heads
 

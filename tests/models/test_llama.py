@@ -51,11 +51,11 @@ def run_prompt(step, config: ModelArchConfig, token_ids, chunks, cache_sharding=
     """Prefill one request in chunks (sizes summing to len(token_ids)) through a paged
     cache whose block tables are out of order (each KV cache group its own blocks);
     returns logits [len, vocab]."""
-    layout, spec = model_kv_layout(config), model_kv_spec(config)
+    layout, spec = model_kv_layout(config), model_kv_spec(config, BLOCK_SIZE)
     num_groups = len(layout.groups)
-    shape = (NUM_BLOCKS * num_groups, BLOCK_SIZE, spec.num_heads, spec.head_dim)
-    zeros = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=cache_sharding)
-    kv_caches = [tuple(zeros() for _ in range(spec.num_arrays)) for _ in range(layout.num_tensors)]
+    arrays = spec.arrays(NUM_BLOCKS * num_groups, jnp.float32, jnp.float32)
+    zeros = [jax.jit(lambda a=a: jnp.zeros(a.shape, a.dtype), out_shardings=cache_sharding) for a in arrays]
+    kv_caches = [tuple(z() for z in zeros) for _ in range(layout.num_tensors)]
     tables = np.stack([g * NUM_BLOCKS + np.arange(NUM_BLOCKS, dtype=np.int32)[::-1] for g in range(num_groups)])
     block_tables = np.zeros((num_groups, MAX_NUM_REQS, NUM_BLOCKS), np.int32)
     block_tables[:, 0] = tables

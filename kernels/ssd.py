@@ -1,0 +1,131 @@
+"""Mamba2's selective state space over the engine's ragged batch, in plain JAX: the chunked SSD
+scan (state-space duality) for prefill chunks, the one-step update for decodes.
+
+Per head h of a request, with a_t = dt_t * A_h (A < 0) and a state S_t [head_dim, state_size]:
+    S_t = exp(a_t) S_{t-1} + dt_t x_t B_t^T,      y_t = S_t C_t
+from the request's state S_0 (zeros on its first chunk; the skip D x_t is the caller's).
+
+The scan splits each request's tokens into chunks of Q from its first token (a chunk never holds
+two requests). With cum the running sum of a within a chunk, each chunk gives
+    within:   y_i  = sum_{j <= i} (C_i . B_j) exp(cum_i - cum_j) dt_j x_j      a masked quadratic form
+    its own:  U_c  = sum_j exp(cum_last - cum_j) dt_j x_j B_j^T                 what it adds to the state
+    between:  S_c  = exp(cum_last) S_{c-1} + U_c,   y_i += exp(cum_i) S_{c-1} C_i
+the chunk-to-chunk recurrence an associative scan, restarted from S_0 at each request's first
+chunk. A request of one token (a decode, or a one-token prefill chunk) takes the update instead.
+
+The batch is the attention kernels' (kernels/reference.py): tokens flattened, request i's being
+[query_start_loc[i], query_start_loc[i + 1]), the first num_seqs requests real.
+"""
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.utils import cdiv
+
+
+class ChunkLayout(NamedTuple):
+    """Where each chunk of the prefill requests lies on the token axis."""
+    tokens: jax.Array    # [num_chunks, Q] int32: the chunk's token indices
+    mask: jax.Array      # [num_chunks, Q] bool: a real token of the chunk (its request's, in order)
+    request: jax.Array   # [num_chunks] int32: the chunk's request
+    first: jax.Array     # [num_chunks] bool: the first chunk of its request
+    last: jax.Array      # [num_reqs] int32: each request's last chunk (of a prefill request)
+
+
+def max_chunks(num_tokens: int, num_reqs: int, chunk_size: int) -> int:
+    """The most chunks a batch holds: each prefill request (two tokens or more) adds at most one
+    partial chunk to the full ones."""
+    return cdiv(num_tokens, chunk_size) + min(num_reqs, num_tokens // 2)
+
+
+def chunk_layout(query_lens, query_start_loc, num_tokens: int, chunk_size: int) -> ChunkLayout:
+    """The chunks of the requests of query_lens [R] int32 (0 for padding) tokens two or more."""
+    num_reqs = query_lens.shape[0]
+    num_chunks = max_chunks(num_tokens, num_reqs, chunk_size)
+    per_request = jnp.where(query_lens >= 2, (query_lens + chunk_size - 1) // chunk_size, 0)
+    ends = jnp.cumsum(per_request)
+    # per_request [2, 0, 1] -> ends [2, 2, 3]: chunks [0, 1, 2] are requests [0, 0, 2]
+    chunk = jnp.arange(num_chunks, dtype=jnp.int32)
+    request = jnp.minimum(jnp.searchsorted(ends, chunk, side="right", method="compare_all"), num_reqs - 1)
+    index = chunk - (ends - per_request)[request]  # the chunk's place in its request
+    start = query_start_loc[request] + index * chunk_size
+    length = jnp.where(chunk < ends[-1], jnp.minimum(query_lens[request] - index * chunk_size, chunk_size), 0)
+    offsets = jnp.arange(chunk_size, dtype=jnp.int32)
+    return ChunkLayout(tokens=start[:, None] + offsets, mask=offsets < length[:, None],
+                       request=request.astype(jnp.int32), first=index == 0, last=(ends - 1).astype(jnp.int32))
+
+
+def _per_head(bc, num_heads: int):
+    """B or C [..., groups, state_size] -> [..., num_heads, state_size]: head h reads group h // (heads / groups)."""
+    return jnp.repeat(bc, num_heads // bc.shape[-2], axis=-2)
+
+
+def ssd_chunk_scan(x, dt, A, B, C, initial_states, layout: ChunkLayout):
+    """The prefill requests' outputs and final states, chunk by chunk (the module's docstring).
+
+    x [T, H, P], dt [T, H] (after softplus), A [H], B, C [T, G, N], initial_states [R, H, P, N]: all
+    float32. Returns (y [T, H, P]: zeros outside the chunks, final states [R, H, P, N]: of each
+    request's last chunk, for prefill requests)."""
+    num_tokens, num_heads = dt.shape
+    tokens = jnp.where(layout.mask, layout.tokens, 0)
+    valid = layout.mask[..., None]
+    xc = jnp.where(valid[..., None], x[tokens], 0.0)                 # [c, Q, H, P]
+    dtc = jnp.where(valid, dt[tokens], 0.0)                          # [c, Q, H]: masked tokens change nothing
+    bc, cc = _per_head(B[tokens], num_heads), _per_head(C[tokens], num_heads)  # [c, Q, H, N]
+    cum = jnp.cumsum(dtc * A, axis=1)                                # [c, Q, H], decreasing
+    q = layout.tokens.shape[1]
+    causal = (jnp.arange(q)[:, None] >= jnp.arange(q)[None, :])[None, :, :, None]
+    decay = jnp.exp(jnp.where(causal, cum[:, :, None, :] - cum[:, None, :, :], -jnp.inf))  # [c, i, j, H]
+    scores = jnp.einsum("cihn,cjhn->cijh", cc, bc) * decay
+    y = jnp.einsum("cijh,cjh,cjhp->cihp", scores, dtc, xc)
+    to_end = jnp.exp(cum[:, -1:] - cum) * dtc                        # [c, Q, H]
+    own = jnp.einsum("cjh,cjhn,cjhp->chpn", to_end, bc, xc)          # [c, H, P, N]
+    chunk_decay = jnp.exp(cum[:, -1])[..., None, None]               # [c, H, 1, 1]
+    start = initial_states[layout.request]
+    first = layout.first[:, None, None, None]
+    # S_c = g_c S_{c-1} + b_c, restarted at a request's first chunk (g = 0, S_0 folded into b).
+    gates = jnp.where(first, 0.0, chunk_decay)
+    adds = own + jnp.where(first, chunk_decay * start, 0.0)
+
+    def combine(earlier, later):
+        return earlier[0] * later[0], later[0] * earlier[1] + later[1]
+
+    _, states = jax.lax.associative_scan(combine, (gates, adds))
+    before = jnp.where(first, start, jnp.concatenate([start[:1], states[:-1]]))  # S_{c-1}
+    y = y + jnp.einsum("cihn,chpn->cihp", cc, before) * jnp.exp(cum)[..., None]
+    out = jnp.zeros((num_tokens + 1, *x.shape[1:]), jnp.float32)
+    out = out.at[jnp.where(layout.mask, layout.tokens, num_tokens)].set(y)[:num_tokens]
+    return out, states[layout.last]
+
+
+def ssd_update(x, dt, A, B, C, states):
+    """One token per request: x [R, H, P], dt [R, H], A [H], B, C [R, G, N], states [R, H, P, N]
+    (float32) -> (y [R, H, P], new states [R, H, P, N])."""
+    num_heads = dt.shape[1]
+    decay = jnp.exp(dt * A)[..., None, None]
+    states = decay * states + (dt[..., None] * x)[..., None] * _per_head(B, num_heads)[:, :, None, :]
+    return jnp.einsum("rhpn,rhn->rhp", states, _per_head(C, num_heads)), states
+
+
+def ragged_ssd(x, dt, A, B, C, initial_states, query_start_loc, num_seqs, chunk_size: int):
+    """Every request's SSM over its tokens of the step: the chunk scan for requests of two tokens
+    or more, the update for those of one.
+
+    x [T, H, P], dt [T, H] (after softplus), A [H], B, C [T, G, N], initial_states [R, H, P, N]
+    (zeros for a request without a state yet): float32; query_start_loc [R + 1], num_seqs [1] int32.
+    Returns (y [T, H, P] float32, without the D skip; the requests' states after their tokens [R, H,
+    P, N], a padding request's its initial state)."""
+    num_tokens, num_reqs = x.shape[0], initial_states.shape[0]
+    real = jnp.arange(num_reqs) < jnp.reshape(num_seqs, ())
+    query_lens = jnp.where(real, query_start_loc[1:] - query_start_loc[:-1], 0)
+    chunk = min(chunk_size, num_tokens)
+    y, prefill_states = ssd_chunk_scan(x, dt, A, B, C, initial_states,
+                                       chunk_layout(query_lens, query_start_loc, num_tokens, chunk))
+    first = jnp.minimum(query_start_loc[:-1], num_tokens - 1)
+    y_one, one_states = ssd_update(x[first], dt[first], A, B[first], C[first], initial_states)
+    one = query_lens == 1
+    y = y.at[jnp.where(one, first, num_tokens)].set(y_one, mode="drop")
+    expand = (slice(None), None, None, None)
+    states = jnp.where(one[expand], one_states, jnp.where((query_lens >= 2)[expand], prefill_states, initial_states))
+    return y, states

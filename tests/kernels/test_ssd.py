@@ -1,0 +1,99 @@
+"""Mamba2's SSD scan and state update (kernels/ssd.py) against the naive recurrence in float64,
+over ragged batches of prefill chunks (with and without a state to continue from) and decodes."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.kernels.ssd import chunk_layout, max_chunks, ragged_ssd
+
+H, P, G, N = 4, 3, 2, 5  # heads, head_dim, groups, state_size
+
+
+def naive_ssd(x, dt, A, B, C, states, query_lens):
+    """Token by token in float64: S = exp(dt A) S + dt x B^T, y = S C; per request from its state."""
+    x, dt, A, B, C, states = (np.asarray(a, np.float64) for a in (x, dt, A, B, C, states))
+    y, final, start = np.zeros_like(x), states.copy(), 0
+    heads_per_group = H // G
+    for r, length in enumerate(query_lens):
+        s = states[r].copy()
+        for t in range(start, start + length):
+            for h in range(H):
+                g = h // heads_per_group
+                s[h] = np.exp(dt[t, h] * A[h]) * s[h] + dt[t, h] * np.outer(x[t, h], B[t, g])
+                y[t, h] = s[h] @ C[t, g]
+        final[r] = s
+        start += length
+    return y, final
+
+
+def random_batch(num_tokens, num_reqs, with_state, seed=0):
+    """Random inputs of ragged_ssd for num_tokens tokens and num_reqs requests, those not with_state
+    starting from zeros."""
+    keys = jax.random.split(jax.random.key(seed), 6)
+    x = jax.random.normal(keys[0], (num_tokens, H, P))
+    dt = jax.nn.softplus(jax.random.normal(keys[1], (num_tokens, H)) - 1.0)
+    A = -jnp.exp(jax.random.normal(keys[2], (H,)) * 0.5)
+    B = jax.random.normal(keys[3], (num_tokens, G, N))
+    C = jax.random.normal(keys[4], (num_tokens, G, N))
+    states = jax.random.normal(keys[5], (num_reqs, H, P, N)) * np.asarray(with_state, np.float32)[:, None, None, None]
+    return x, dt, A, B, C, states
+
+
+NUM_TOKENS, NUM_REQS = 32, 8  # every batch padded to these: one compilation per chunk size
+ssd = jax.jit(ragged_ssd, static_argnums=(8,))
+
+
+def run_ssd(x, dt, A, B, C, states, query_lens, chunk_size):
+    """ragged_ssd over `query_lens` (the first len(query_lens) requests), its inputs padded."""
+    qsl = np.zeros(NUM_REQS + 1, np.int32)
+    qsl[1:len(query_lens) + 1] = np.cumsum(query_lens)
+    qsl[len(query_lens) + 1:] = qsl[len(query_lens)]  # padding requests repeat the last offset
+    pad = ((0, NUM_TOKENS - x.shape[0]),)
+    x, dt, B, C = (jnp.pad(a, pad + ((0, 0),) * (a.ndim - 1)) for a in (x, dt, B, C))
+    states = jnp.pad(states, ((0, NUM_REQS - states.shape[0]), (0, 0), (0, 0), (0, 0)))
+    return ssd(x, dt, A, B, C, states, jnp.asarray(qsl), jnp.array([len(query_lens)], jnp.int32), chunk_size)
+
+
+@pytest.mark.parametrize("query_lens, chunk_size", [
+    ([1], 4),                          # one decode
+    ([4], 4), ([5], 4), ([9], 4),      # a prefill at, past and across chunk boundaries
+    ([3, 1, 7, 1, 1, 6], 4),           # decodes between prefill chunks
+    ([17, 2, 1], 8),                   # a long chunk, a two-token one, a decode
+    ([13, 11], 64),                    # chunks longer than the batch: one chunk per request
+])
+def test_ragged_ssd_matches_the_naive_recurrence(query_lens, chunk_size):
+    num_reqs = len(query_lens)
+    with_state = [i % 2 == 1 or q == 1 for i, q in enumerate(query_lens)]
+    x, dt, A, B, C, states = random_batch(sum(query_lens), num_reqs, with_state)
+    y, final = run_ssd(x, dt, A, B, C, states, query_lens, chunk_size)
+    want_y, want_final = naive_ssd(x, dt, A, B, C, states, query_lens)
+    np.testing.assert_allclose(y[:sum(query_lens)], want_y, rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(final[:num_reqs], want_final, rtol=2e-4, atol=2e-4)
+    np.testing.assert_array_equal(final[num_reqs:], 0)  # padding requests keep their (zero) states
+
+
+def test_a_prefill_split_into_chunks_continues_from_each_chunks_state():
+    """One request's 23 tokens in steps of 7, 1, 9, 6: each step starts from the state the last left."""
+    num_tokens = 23
+    x, dt, A, B, C, states = random_batch(num_tokens, 1, [0])
+    want_y, want_final = naive_ssd(x, dt, A, B, C, states, [num_tokens])
+    state, start = states, 0
+    for n in (7, 1, 9, 6):
+        part = slice(start, start + n)
+        y, state = run_ssd(x[part], dt[part], A, B[part], C[part], state, [n], 4)
+        state = state[:1]
+        np.testing.assert_allclose(y[:n], want_y[part], rtol=2e-4, atol=2e-4)
+        start += n
+    np.testing.assert_allclose(state, want_final, rtol=2e-4, atol=2e-4)
+
+
+def test_chunk_layout_covers_each_prefill_token_once_and_no_decode():
+    query_lens = jnp.array([5, 1, 2, 0], jnp.int32)
+    qsl = jnp.array([0, 5, 6, 8, 8], jnp.int32)
+    layout = chunk_layout(query_lens, qsl, 8, 4)
+    assert layout.tokens.shape[0] == max_chunks(8, 4, 4) == 6
+    covered = np.asarray(layout.tokens)[np.asarray(layout.mask)]
+    assert sorted(covered.tolist()) == [0, 1, 2, 3, 4, 6, 7]
+    assert np.asarray(layout.request)[:3].tolist() == [0, 0, 2]
+    assert np.asarray(layout.first)[:3].tolist() == [True, False, True]
