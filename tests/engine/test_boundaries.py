@@ -66,7 +66,7 @@ def test_zero_or_negative_lengths_raise_instead_of_taking_the_default(field, val
 def test_engine_args_of_the_wrong_type_raise_before_the_model_is_read(monkeypatch, kwargs, message):
     def read_model(*args):
         raise AssertionError("the model was read before the arguments were checked")
-    monkeypatch.setattr(config_module, "_resolve_model", read_model)
+    monkeypatch.setattr(config_module, "resolve_model", read_model)
     with pytest.raises(TypeError, match=re.escape(message)):
         EngineArgs(model=tiny_model("llama"), **kwargs).create_config()
 

@@ -9,11 +9,9 @@ import pytest
 
 from jaxllm import LLM, EngineArgs, SamplingParams
 from tests.conftest import tiny_model
-from tests.models.test_fp8 import teacher_forced
+from tests.models.test_fp8 import ONE_PROMPT, teacher_forced
 
 pytestmark = pytest.mark.timeout(600)
-
-SMALL = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256, show_progress=False)
 
 
 def runner(llm):
@@ -71,7 +69,7 @@ def test_the_embedded_model_with_an_fp8_cache_stays_within_the_stated_tolerance(
     greedy = SamplingParams(max_tokens=16, temperature=0.0)
     prompt = "The capital of France is"
     want = smollm2.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
-    with LLM(kv_cache_dtype="fp8", **SMALL) as llm:
+    with LLM(kv_cache_dtype="fp8", **ONE_PROMPT) as llm:
         fp8 = teacher_forced(llm)
         got = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
     assert len(fp8) == len(exact) > 40
