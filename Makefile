@@ -33,8 +33,12 @@ venv: $(VENV)/.installed
 run: venv
 	$(VENV)/bin/jaxllm generate --chat --max-tokens 64 --max-model-len 2048 --max-num-batched-tokens 512
 
+# Test processes: the suite's time is XLA compiling on one core each; a test file stays on one
+# worker, so its module fixtures (engines, servers) start once.
+TEST_WORKERS ?= 2
+
 test: venv $(VENV)/.test-models
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 clean:
 	rm -rf $(VENV)

@@ -61,8 +61,9 @@
 #               EAGLE-3 head of the 8B's published shape drafting k = DRAFT_TOKENS (default "2 4"), under
 #               asynchronous scheduling (the draft model's too in the draft part): the cost of a step
 #   moe-matmul  bench moe-matmul: the grouped GEMM at Qwen3-30B-A3B's experts
-#   moe         for each of MOE_MODELS (default "qwen3-30b-a3b llama-3.1-8b") bench step at batch 1, 64 and 256 (128/128) and bench
-#               throughput 128/128 at 1024 sequences and 16384 batched tokens (MOE_LONG=1: 1000/1000 too)
+#   models      for each of MODELS (default "qwen3-30b-a3b llama-3.1-8b"; any bundled config, e.g.
+#               deepseek-v2-lite, mamba2-2.7b) bench step at batch 1, 64 and 256 (128/128) and bench
+#               throughput 128/128 at 1024 sequences and 16384 batched tokens (LONG=1: 1000/1000 too)
 #   kv-dtype    bench kv-dtype: decode attention over bf16 and e4m3 caches
 #   quant       the quantized checkpoints' kernels: their gpu-marked tests (W4A16, block FP8), then
 #               bench quant-matmul at the 8B's shapes (QUANT_ARGS adds flags: "--w4-tiles ...")
@@ -96,7 +97,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 ALL_PARTS=" smoke step tput tput1000 tput2048 qwen startup fp8 prefix prefill serve sampling hf-compare kernels"
-ALL_PARTS+=" check hybrid weights invariant spec draft eagle moe-matmul moe kv-dtype quant sampler multi-gpu "
+ALL_PARTS+=" check hybrid weights invariant spec draft eagle moe-matmul models kv-dtype quant sampler multi-gpu "
 [ ${#PARTS[@]} -gt 0 ] || { echo "name at least one part" >&2; usage 2 >&2; }
 expanded=()
 for part in "${PARTS[@]}"; do
@@ -327,10 +328,10 @@ part_moe-matmul() {
   step 120 "bench moe-matmul" "${JAXLLM[@]}" bench moe-matmul "${mm[@]}" --output-json "$D/moe_matmul.json" 2>&1 | quiet 30
 }
 
-part_moe() {
-  local models=${MOE_MODELS:-qwen3-30b-a3b llama-3.1-8b} engine=(--max-model-len 2048) prompts=1000 model
+part_models() {
+  local models=${MODELS:-qwen3-30b-a3b llama-3.1-8b} engine=(--max-model-len 2048) prompts=1000 model
   local shape=(--batch-sizes 1,64,256 --input-len 128 --output-len 128) tput=(--max-num-seqs 1024 --max-num-batched-tokens 16384)
-  [ $TINY = 1 ] && models=${MOE_MODELS:-tests/fixtures/tiny/qwen3_moe} engine=(--max-model-len 512) prompts=64 tput=() \
+  [ $TINY = 1 ] && models=${MODELS:-tests/fixtures/tiny/qwen3_moe} engine=(--max-model-len 512) prompts=64 tput=() \
     shape=(--batch-sizes 1,16 --input-len 16 --output-len 16)
   for model in $models; do
     local weights=(--load-format dummy --dtype bfloat16) name=${model##*/}
@@ -340,7 +341,7 @@ part_moe() {
     step 120 "throughput 128/128, $name" "${JAXLLM[@]}" bench throughput --model "$model" "${weights[@]}" "${engine[@]}" \
       "${tput[@]}" --input-len 128 --output-len 128 --num-prompts "$prompts" --output-json "$D/tput_$name.json" \
       2>&1 | quiet 6
-    if [ "${MOE_LONG:-0}" = 1 ]; then
+    if [ "${LONG:-0}" = 1 ]; then
       step 200 "throughput 1000/1000, $name" "${JAXLLM[@]}" bench throughput --model "$model" "${weights[@]}" \
         "${engine[@]}" "${tput[@]}" --input-len 1000 --output-len 1000 --num-prompts "$prompts" \
         --output-json "$D/tput1000_$name.json" 2>&1 | quiet 6

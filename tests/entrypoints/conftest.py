@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import tiny_llama_with_tokenizer
+from tests.conftest import _SESSION_CHILDREN, tiny_llama_with_tokenizer
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 512  # long enough that a request outlives the disconnect of its client
@@ -101,6 +101,7 @@ def start_server(model: str, tmp_path_factory, name: str, *args: str, chat_templ
 def server(char_llama, tmp_path_factory):
     """One server for the tests that leave it serving (all but the engine death test)."""
     server = start_server(char_llama, tmp_path_factory, "server", "--api-key", API_KEY)
+    _SESSION_CHILDREN.add(server.proc.pid)  # lives as long as the session: not a test's leftover
     try:
         yield server
     finally:
