@@ -35,7 +35,16 @@ def smollm2():
         yield llm
 
 
+# The longest files (forced-device children, several engines each) first: pytest-xdist hands out a
+# file at a time, so a long one started last would leave the other worker idle at the end.
+LONGEST_FILES = ("engine/test_expert_parallel.py", "engine/test_tensor_parallel.py", "engine/test_jax_program.py",
+                 "engine/test_multihost.py", "models/test_quantized_checkpoints.py", "engine/test_data_parallel.py",
+                 "engine/test_core_process.py", "models/test_moe.py", "models/test_gemma3.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].removeprefix("tests/"), len(rank)))
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")

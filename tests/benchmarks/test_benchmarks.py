@@ -183,8 +183,9 @@ def test_latency_json_has_vllms_keys_and_they_agree(latency):
 
 
 def test_latency_decode_step_fits_inside_the_batch_latency(latency):
-    # 11 decode steps after the first token, all inside one generate call.
-    assert 0 < latency["decode_step_ms"] * 11 / 1e3 < min(latency["latencies"])
+    # 11 decode steps after the first token, all inside one generate call (measured apart, on a
+    # machine that may be busy: within a factor of two, which still catches a unit off by 1000).
+    assert 0 < latency["decode_step_ms"] * 11 / 1e3 < 2 * min(latency["latencies"])
     assert math.isclose(latency["decode_tok_s"], BATCH_SIZE / latency["decode_step_ms"] * 1e3)
 
 
