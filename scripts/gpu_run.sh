@@ -63,7 +63,8 @@
 #   moe-matmul  bench moe-matmul: the grouped GEMM at Qwen3-30B-A3B's experts
 #   models      for each of MODELS (default "qwen3-30b-a3b llama-3.1-8b"; any bundled config, e.g.
 #               deepseek-v2-lite, mamba2-2.7b) bench step at batch 1, 64 and 256 (128/128) and bench
-#               throughput 128/128 at 1024 sequences and 16384 batched tokens (LONG=1: 1000/1000 too)
+#               throughput 128/128 at 1024 sequences and 16384 batched tokens (LONG=1: 1000/1000 too),
+#               each beside its bounds (bench bounds table, the JAX ceilings measured first)
 #   kv-dtype    bench kv-dtype: decode attention over bf16 and e4m3 caches
 #   quant       the quantized checkpoints' kernels: their gpu-marked tests (W4A16, block FP8), then
 #               bench quant-matmul at the 8B's shapes (QUANT_ARGS adds flags: "--w4-tiles ...")
@@ -331,20 +332,26 @@ part_moe-matmul() {
 part_models() {
   local models=${MODELS:-qwen3-30b-a3b llama-3.1-8b} engine=(--max-model-len 2048) prompts=1000 model
   local shape=(--batch-sizes 1,64,256 --input-len 128 --output-len 128) tput=(--max-num-seqs 1024 --max-num-batched-tokens 16384)
+  local ceiling=()
   [ $TINY = 1 ] && models=${MODELS:-tests/fixtures/tiny/qwen3_moe} engine=(--max-model-len 512) prompts=64 tput=() \
-    shape=(--batch-sizes 1,16 --input-len 16 --output-len 16)
+    shape=(--batch-sizes 1,16 --input-len 16 --output-len 16) ceiling=(--copy-bytes $((64 << 20)) --matmul-n 1024)
+  step 30 "ceilings (JAX)" env XLA_PYTHON_CLIENT_PREALLOCATE=false "${JAXLLM[@]}" bench bounds ceilings \
+    "${ceiling[@]}" --output-json "$D/ceilings_jax.json" 2>&1 | quiet 4
   for model in $models; do
     local weights=(--load-format dummy --dtype bfloat16) name=${model##*/}
     [ $TINY = 1 ] && weights=(--skip-tokenizer-init)
+    mkdir -p "$D/$name" && cp "$D/ceilings_jax.json" "$D/$name/" 2> /dev/null
     step 150 "bench step, $name" "${JAXLLM[@]}" bench step --model "$model" "${weights[@]}" "${engine[@]}" \
-      "${shape[@]}" --output-json "$D/step_$name.json" 2>&1 | quiet 8
+      "${shape[@]}" --output-json "$D/$name/step.json" 2>&1 | quiet 8
     step 120 "throughput 128/128, $name" "${JAXLLM[@]}" bench throughput --model "$model" "${weights[@]}" "${engine[@]}" \
-      "${tput[@]}" --input-len 128 --output-len 128 --num-prompts "$prompts" --output-json "$D/tput_$name.json" \
+      "${tput[@]}" --input-len 128 --output-len 128 --num-prompts "$prompts" --output-json "$D/$name/throughput.json" \
       2>&1 | quiet 6
+    # The bounds beside the steps (at batch 1 a mixture of experts reads its top-k experts alone).
+    run "${JAXLLM[@]}" bench bounds table --dir "$D/$name" --config "$model" "${shape[@]}"
     if [ "${LONG:-0}" = 1 ]; then
       step 200 "throughput 1000/1000, $name" "${JAXLLM[@]}" bench throughput --model "$model" "${weights[@]}" \
         "${engine[@]}" "${tput[@]}" --input-len 1000 --output-len 1000 --num-prompts "$prompts" \
-        --output-json "$D/tput1000_$name.json" 2>&1 | quiet 6
+        --output-json "$D/$name/throughput1000.json" 2>&1 | quiet 6
     fi
   done
 }

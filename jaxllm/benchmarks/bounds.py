@@ -15,14 +15,18 @@ HF transformers' measured steps.
         the plot alone, from a bench.json (where matplotlib is: `pip install -e .[plot]`).
 
 The bounds of a decode step at batch B and context c (tokens before the new one), from the
-model's config and the faster framework's figure of each ceiling:
-    memory:  (weight bytes + B * c * KV bytes per token) / copy bandwidth
-    compute: B * (2 * matmul parameters + 4 * layers * heads * head_dim * c) / matmul rate
+model's params and the faster framework's figure of each ceiling:
+    memory:  (weight bytes(B) + B * c * KV bytes per token + B * state bytes) / copy bandwidth
+    compute: B * (2 * a token's matmul parameters + attention FLOPs per context token * c) / matmul rate
 and B / the larger of the two is the most tokens/s a step can give. The weights counted are
 those a step reads whole: every layer, the final norm and the LM head, not the embedding
-table (a step gathers B of its rows). c is input_len + output_len / 2, the mean over the decode.
+table (a step gathers B of its rows); of a mixture of experts, the share of the experts that B
+tokens routed uniformly at random touch (batch 1: its top-k). Latent attention (DeepSeek) reads
+one latent a token; a Mamba layer reads and writes its fixed states. c is input_len +
+output_len / 2, the mean over the decode.
 """
 import json
+import math
 import os
 
 from jaxllm.benchmarks.common import cell, positive_int, positive_ints, read_json, write_json
@@ -111,26 +115,56 @@ def ceilings(ns) -> int:
     return 0
 
 
-def model_sizes(config_path: str, dtype_bytes: int) -> dict:
-    """What a decode step of this config.json (a Llama-family decoder) reads and computes."""
-    if os.path.isdir(config_path):
-        config_path = os.path.join(config_path, "config.json")
-    with open(config_path) as f:
-        c = json.load(f)
-    hidden, layers, heads = c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"]
-    kv_heads = c.get("num_key_value_heads", heads)
-    head_dim = c.get("head_dim") or hidden // heads
-    layer_matmul = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * c["intermediate_size"]
-    lm_head = c["vocab_size"] * hidden  # read whole each step, tied to the embedding or not
-    matmul_params = layers * layer_matmul + lm_head
-    norms = (2 * layers + 1) * hidden
-    return {"weight_bytes_per_step": (matmul_params + norms) * dtype_bytes, "matmul_params": matmul_params,
-            "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * dtype_bytes,
-            "attention_flops_per_context_token": 4 * layers * heads * head_dim}
+def model_sizes(config: str, dtype_bytes: int) -> dict:
+    """What a decode step of `config` (a config.json, an HF folder or a bundled config's name) reads
+    and computes, from the engine's own params: every matmul weight but the embedding table (a step
+    gathers its rows; a tied LM head reads it whole), the norms, and of a mixture of experts' stacked
+    experts the share a batch touches (weight_bytes)."""
+    from jaxllm.model_source import resolve_model
+    from jaxllm.models.config import ModelArchConfig
+    from jaxllm.models.loader import abstract_params
+    if os.path.isfile(config):
+        with open(config) as f:
+            arch = ModelArchConfig.from_hf_config(json.load(f))
+    else:
+        arch = resolve_model(config, "dummy")[3]
+    _, params = abstract_params(arch, "bfloat16")
+    counts = {"experts": 0, "dense": 0, "matmul": 0}
+    for path, var in params.items():
+        size = math.prod(var.shape)
+        if "embed_tokens" in path and not arch.tie_word_embeddings:
+            continue
+        counts["experts" if "experts" in path else "dense"] += size
+        counts["matmul"] += size if len(var.shape) >= 2 and "experts" not in path else 0
+    moe, mla, mamba = arch.moe, arch.mla, arch.mamba
+    mamba_layers = len(mamba.layers) if mamba else 0
+    attention_layers = arch.num_layers - mamba_layers
+    expert_share = moe.top_k / moe.num_experts if moe else 0.0
+    if mla is not None:  # one latent a token; decode's absorbed heads score it and sum its kv_lora_rank part
+        kv_per_layer, flops_per_layer = mla.latent_dim, 2 * arch.num_heads * (mla.latent_dim + mla.kv_lora_rank)
+    else:
+        kv_per_layer, flops_per_layer = 2 * arch.num_kv_heads * arch.head_dim, 4 * arch.num_heads * arch.head_dim
+    state = mamba and math.prod(mamba.conv_state_shape) + math.prod(mamba.ssm_state_shape)
+    return {"dense_weight_bytes": counts["dense"] * dtype_bytes, "expert_weight_bytes": counts["experts"] * dtype_bytes,
+            "expert_share_per_token": expert_share,
+            "matmul_params": counts["matmul"] + expert_share * counts["experts"],  # a token's
+            "kv_bytes_per_token": attention_layers * kv_per_layer * dtype_bytes,
+            # A Mamba layer's states, read and written back each step (in the model's dtype).
+            "state_bytes_per_sequence": 2 * mamba_layers * (state or 0) * dtype_bytes,
+            "attention_flops_per_context_token": attention_layers * flops_per_layer}
+
+
+def weight_bytes(sizes: dict, batch: int) -> float:
+    """The weight bytes a step of `batch` tokens reads: the dense weights, and the experts' share that
+    `batch` tokens choosing independently and uniformly touch, 1 - (1 - top_k / experts) ** batch."""
+    touched = 1 - (1 - sizes["expert_share_per_token"]) ** batch
+    return sizes["dense_weight_bytes"] + touched * sizes["expert_weight_bytes"]
 
 
 def bounds(sizes: dict, ceil: dict, batch: int, context: int) -> dict:
-    memory_s = (sizes["weight_bytes_per_step"] + batch * context * sizes["kv_bytes_per_token"]) / ceil["copy_Bps"]
+    read = (weight_bytes(sizes, batch) + batch * context * sizes["kv_bytes_per_token"]
+            + batch * sizes["state_bytes_per_sequence"])
+    memory_s = read / ceil["copy_Bps"]
     flops = batch * (2 * sizes["matmul_params"] + sizes["attention_flops_per_context_token"] * context)
     compute_s = flops / ceil["matmul_flops"]
     return {"memory_bound_ms": 1e3 * memory_s, "compute_bound_ms": 1e3 * compute_s,
@@ -166,7 +200,8 @@ def table(ns) -> int:
         rows.append(row)
 
     print(f"\nDecode step, {ns.input_len} in / {ns.output_len} out (bounds at context {context}); "
-          f"{sizes['weight_bytes_per_step'] / 1e9:.4g} GB of weights and "
+          f"{weight_bytes(sizes, 1) / 1e9:.4g} GB of weights at batch 1 ("
+          f"{(sizes['dense_weight_bytes'] + sizes['expert_weight_bytes']) / 1e9:.4g} GB in all) and "
           f"{sizes['kv_bytes_per_token'] / 1024:.4g} KiB of KV per context token a step, "
           f"{2 * sizes['matmul_params'] / 1e9:.4g} GFLOP of matmuls per token")
     if ceil:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jaxllm.benchmarks.bounds import model_sizes
+from jaxllm.benchmarks.bounds import model_sizes, weight_bytes
 from jaxllm.cli import main
 
 LLAMA_8B = str(importlib.resources.files("jaxllm.models.configs") / "llama-3.1-8b.json")
@@ -32,8 +32,27 @@ def test_torch_ceilings_skip_without_a_gpu(tmp_path, capsys):
 
 def test_the_8b_decode_step_reads_15_gb_of_weights_and_128_kib_of_kv_per_token():
     sizes = model_sizes(LLAMA_8B, dtype_bytes=2)
-    assert round(sizes["weight_bytes_per_step"] / 1e9, 2) == 15.01
+    assert round(weight_bytes(sizes, 1) / 1e9, 2) == round(weight_bytes(sizes, 256) / 1e9, 2) == 15.01
     assert sizes["kv_bytes_per_token"] == 128 * 1024
+
+
+def test_a_mixture_of_experts_step_reads_the_experts_its_tokens_choose():
+    # Qwen3-30B-A3B: 48 layers of 128 experts, 8 a token, each 3 * 2048 * 768 params.
+    sizes = model_sizes("qwen3-30b-a3b", dtype_bytes=2)
+    experts = 48 * 128 * 3 * 2048 * 768 * 2
+    assert sizes["expert_weight_bytes"] == experts
+    assert weight_bytes(sizes, 1) == sizes["dense_weight_bytes"] + experts * 8 / 128
+    assert weight_bytes(sizes, 256) > sizes["dense_weight_bytes"] + 0.99 * experts
+    # About 3.3B active params a token: its 8 experts, attention and the LM head.
+    assert 3.0e9 < sizes["matmul_params"] < 3.5e9
+
+
+def test_latent_attention_reads_one_latent_a_token_and_mamba_its_states():
+    v2_lite = model_sizes("deepseek-v2-lite", dtype_bytes=2)
+    assert v2_lite["kv_bytes_per_token"] == 27 * (512 + 64) * 2
+    mamba = model_sizes("mamba2-2.7b", dtype_bytes=2)
+    assert mamba["kv_bytes_per_token"] == 0 and mamba["attention_flops_per_context_token"] == 0
+    assert mamba["state_bytes_per_sequence"] > 0 and mamba["expert_weight_bytes"] == 0
 
 
 def write(folder, name: str, result: dict) -> None:
