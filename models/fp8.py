@@ -35,6 +35,14 @@ def quantize_kernel(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (w / scale[..., None]).astype(jnp.float8_e4m3fn), scale
 
 
+def quantize_experts(weight: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Stacked experts [E, in, *out] -> (e4m3 [E, in, *out], float32 scale [E, *out]), per expert and
+    output channel, the layout kept (the grouped GEMM reads it as the model's dtype's)."""
+    w = weight.astype(jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(w), axis=1) / E4M3_MAX, jnp.finfo(jnp.float32).tiny)
+    return (w / jnp.expand_dims(scale, 1)).astype(jnp.float8_e4m3fn), scale
+
+
 def quantize_rows(x: jax.Array, group_size: int | None = None) -> tuple[jax.Array, jax.Array]:
     """x [T, in] -> (e4m3 [T, in], float32 scale [T]), per token (an all-zero row: scale tiny);
     with group_size, per token and group of that many columns: scale [T, in // group_size]."""

@@ -12,7 +12,7 @@ stacked experts are packed so from each expert's tensors (ExpertsSource).
 """
 import functools
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 import jax
@@ -24,13 +24,13 @@ from tqdm import tqdm
 from jaxllm.models.config import GEMMA_ARCHITECTURES, ModelArchConfig
 from jaxllm.models.deepseek import DeepseekForCausalLM
 from jaxllm.models.eagle import EAGLE_HEADS
-from jaxllm.models.fp8 import BlockFp8Linear, Fp8Linear, quantize_kernel
+from jaxllm.models.fp8 import BlockFp8Linear, Fp8Linear, quantize_experts, quantize_kernel
 from jaxllm.models.gemma3 import Gemma3ForCausalLM
 from jaxllm.models.hf_checkpoint import iter_hf_weights
 from jaxllm.models.int4 import Int4Linear
 from jaxllm.models.llama import INIT_STD, Linear, LlamaForCausalLM
 from jaxllm.models.mamba2 import Mamba2ForCausalLM
-from jaxllm.models.moe import MoeForCausalLM
+from jaxllm.models.moe import Experts, MoeForCausalLM
 from jaxllm.models.quant_checkpoint import quantized_weights
 from jaxllm.models.quant_config import FP8_BLOCK, INT4, QuantConfig
 from jaxllm.sharding import named_sharding
@@ -152,22 +152,42 @@ def create_model(config: ModelArchConfig, *, dtype, mesh: jax.sharding.Mesh,
 def quantize_model(model: LlamaForCausalLM, quantization: QuantConfig | None,
                    mesh: jax.sharding.Mesh) -> None:
     """With quantization="fp8" on an unquantized checkpoint, every Linear but the LM head and the MoE
-    routers becomes an Fp8Linear (models/fp8.py; a MoE layer's experts are not Linears and stay as
-    they are), in place, one at a time: the bf16 and e4m3 copies of one kernel at
-    most are alive together. Otherwise nothing to do: a quantized checkpoint loads quantized."""
+    routers becomes an Fp8Linear (models/fp8.py), and a MoE layer's stacked experts go to e4m3 with a
+    scale per expert and output channel (models/moe.py, Experts), in place, one param at a time: the
+    bf16 and e4m3 copies of one weight at most are alive together. Otherwise nothing to do: a
+    quantized checkpoint loads quantized."""
     if quantization is None or quantization.from_checkpoint:
         return
     for _, parent, attr, linear in list(_linears(model)):
         axes = linear.kernel.get_metadata()["out_sharding"]
         fp8_axes = (*axes[1:], axes[0])  # [*out, in]
-        kernel, scale = quantize_fn(named_sharding(mesh, fp8_axes), named_sharding(mesh, axes[1:]))(linear.kernel[...])
+        quantize = quantize_fn(quantize_kernel, named_sharding(mesh, fp8_axes), named_sharding(mesh, axes[1:]))
+        kernel, scale = quantize(linear.kernel[...])
         setattr(parent, attr, Fp8Linear(kernel, scale, fp8_axes, linear.bias))
         del linear  # its bf16 kernel goes with it
+    for _, experts in list(nnx.iter_modules(model)):
+        if isinstance(experts, Experts):
+            for name in ("gate_up_proj", "down_proj"):
+                param = getattr(experts, name)
+                axes = param.get_metadata()["out_sharding"]
+                scale_axes = (axes[0], *axes[2:])  # [E, *out]
+                quantize = quantize_fn(quantize_experts, named_sharding(mesh, axes), named_sharding(mesh, scale_axes))
+                weight, scale = quantize(param[...])
+                param.set_value(weight)
+                setattr(experts, f"{name}_scale", nnx.Param(scale, out_sharding=scale_axes, eager_sharding=False))
+
+
+def fp8_scale(path: ParamPath) -> tuple[ParamPath, Callable]:
+    """The path of the scale that quantization="fp8" gives the param at `path`, and the function
+    that quantizes it: an Fp8Linear's kernel's weight_scale, or stacked experts' {name}_scale."""
+    if path[-1] == "kernel":
+        return (*path[:-1], "weight_scale"), quantize_kernel
+    return (*path[:-1], f"{path[-1]}_scale"), quantize_experts
 
 
 @functools.lru_cache(maxsize=None)
-def quantize_fn(kernel_sharding, scale_sharding):
-    return jax.jit(quantize_kernel, out_shardings=(kernel_sharding, scale_sharding))
+def quantize_fn(quantize: Callable, kernel_sharding, scale_sharding):
+    return jax.jit(quantize, out_shardings=(kernel_sharding, scale_sharding))
 
 
 def _dummy_params(params: dict, shardings: dict, seed: int) -> dict:

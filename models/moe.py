@@ -13,7 +13,9 @@ weights (route's arguments say how).
 The experts' weights are stacked, gate_up_proj [E, hidden, 2, I] (gate and up fused, as the dense
 MLP's) and down_proj [E, I, hidden]. The T * k (token, expert) pairs are sorted by expert, so each
 expert's rows are contiguous, one grouped GEMM per projection (jax.lax.ragged_dot) runs every
-expert on its rows, and the rows go back to token order to be summed with their weights.
+expert on its rows, and the rows go back to token order to be summed with their weights. With
+quantization="fp8" the stacked weights are e4m3 with a float32 scale per expert and output channel,
+and each row goes to e4m3 by its own max (grouped_dot), as an Fp8Linear's.
 
 Over the mesh's "model" axis of N devices, the attention stays tensor parallel (every device
 holds every token's activations), and the experts are split one of two ways:
@@ -37,6 +39,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.models.config import ModelArchConfig, MoeConfig
+from jaxllm.models.fp8 import quantize_rows
 from jaxllm.models.llama import INIT_STD, MLP, DecoderLayer, LlamaForCausalLM, Linear
 from jaxllm.sharding import logical_to_spec
 
@@ -72,13 +75,37 @@ def _within_best_groups(choice, num_groups: int, topk_groups: int, group_score: 
     return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(t, e)
 
 
-def expert_mlp(rows, group_sizes, gate_up, down):
+def _stacked(weight):
+    """The stacked experts' weight of `weight`: itself, or an FP8 (weight, scale) pair's weight."""
+    return weight[0] if isinstance(weight, tuple) else weight
+
+
+def grouped_dot(rows, weight, group_sizes, row_experts):
+    """rows [M, K] grouped by expert, each times its expert's weight: [G, K, N] in the model's dtype, or
+    (e4m3 [G, K, N], float32 scale [G, N] per output channel) with the rows scaled to e4m3 per row as
+    an Fp8Linear's; row_experts [M] (sorted; G: none) picks each row's scales -> [M, N] in rows' dtype."""
+    if not isinstance(weight, tuple):
+        return jax.lax.ragged_dot(rows, weight, group_sizes)
+    w8, w_scale = weight
+    x8, x_scale = quantize_rows(rows)
+    y = jax.lax.ragged_dot(x8, w8, group_sizes, preferred_element_type=jnp.float32)
+    scale = jnp.take(w_scale, row_experts, axis=0, mode="fill", fill_value=0)
+    return (y * x_scale[:, None] * scale).astype(rows.dtype)
+
+
+def expert_mlp(rows, row_experts, group_sizes, gate_up, down):
     """The experts' SwiGLU on rows grouped by expert: rows [M, hidden], expert g's being the
-    group_sizes[g] [G] int32 rows after the groups before it; gate_up [G, hidden, 2, I], down
-    [G, I, hidden] -> [M, hidden] (a row after the last group is not defined)."""
-    g, hidden, _, inter = gate_up.shape
-    gate_up_rows = jax.lax.ragged_dot(rows, gate_up.reshape(g, hidden, 2 * inter), group_sizes).reshape(-1, 2, inter)
-    return jax.lax.ragged_dot(jax.nn.silu(gate_up_rows[:, 0]) * gate_up_rows[:, 1], down, group_sizes)
+    group_sizes[g] [G] int32 rows after the groups before it (row_experts [M], sorted, says whose
+    each is); gate_up [G, hidden, 2, I], down [G, I, hidden], or with quantization="fp8" each an
+    (e4m3 weight, scale [G, 2, I] or [G, hidden]) pair -> [M, hidden] (a row after the last group
+    is not defined)."""
+    g, hidden, _, inter = _stacked(gate_up).shape
+    if isinstance(gate_up, tuple):
+        gate_up = (gate_up[0].reshape(g, hidden, 2 * inter), gate_up[1].reshape(g, 2 * inter))
+    else:
+        gate_up = gate_up.reshape(g, hidden, 2 * inter)
+    gate_up_rows = grouped_dot(rows, gate_up, group_sizes, row_experts).reshape(-1, 2, inter)
+    return grouped_dot(jax.nn.silu(gate_up_rows[:, 0]) * gate_up_rows[:, 1], down, group_sizes, row_experts)
 
 
 def experts_of_rows(rows, experts, gate_up, down):
@@ -86,7 +113,8 @@ def experts_of_rows(rows, experts, gate_up, down):
     not defined) -> [M, hidden]. The rows are sorted by expert for the grouped GEMM, and back."""
     # experts [2, 0, 2, 1] -> order [1, 3, 0, 2] (experts 0, 1, 2, 2), group sizes [1, 1, 2]
     order = jnp.argsort(experts, stable=True)
-    out = expert_mlp(rows[order], jnp.bincount(experts, length=gate_up.shape[0]), gate_up, down)
+    sizes = jnp.bincount(experts, length=_stacked(gate_up).shape[0])
+    out = expert_mlp(rows[order], experts[order], sizes, gate_up, down)
     return jnp.zeros_like(out).at[order].set(out)
 
 
@@ -111,7 +139,10 @@ def moe_tensor_parallel(mesh, x, weights, ids, gate_up, down):
     def local(x, weights, ids, gate_up, down):
         return jax.lax.psum(moe_one_device(x, weights, ids, gate_up, down), axis)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(None, None, None, axis), P(None, axis)),
+    gate_up_spec, down_spec = P(None, None, None, axis), P(None, axis)
+    if isinstance(gate_up, tuple):  # FP8: the scales [G, 2, I] split as the intermediate, [G, hidden] whole
+        gate_up_spec, down_spec = (gate_up_spec, P(None, None, axis)), (down_spec, P())
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), gate_up_spec, down_spec),
                          out_specs=P(), check_vma=False)(x, weights, ids, gate_up, down)
 
 
@@ -127,7 +158,7 @@ def moe_expert_parallel(mesh, x, weights, ids, gate_up, down):
     def local(x, weights, ids, gate_up, down):
         """x [t, hidden], weights, ids [t, k]: this device's tokens; gate_up, down: its E/N experts."""
         t, k = ids.shape
-        num_local = gate_up.shape[0]
+        num_local = _stacked(gate_up).shape[0]
         capacity = t * min(k, num_local)
         # The pairs sorted by expert, so by device; each one's slot in its device's block:
         # devices [0, 0, 1, 1, 1] -> slots [0, 1, 0, 1, 2]
@@ -170,11 +201,19 @@ class Experts(nnx.Module):
         self.gate_up_proj = _expert_param(rngs, (e, hidden_size, 2, inter), (expert, "embed", None, mlp), dtype,
                                           hf_axes=(0, 3, 2, 1))
         self.down_proj = _expert_param(rngs, (e, inter, hidden_size), (expert, mlp, "embed"), dtype, hf_axes=(0, 2, 1))
+        # quantization="fp8" (models/loader.py, quantize_model): the weights in e4m3 and their scales per
+        # expert and output channel, gate_up_proj_scale [E, 2, I] and down_proj_scale [E, hidden].
+        self.gate_up_proj_scale = self.down_proj_scale = nnx.data(None)
         self.mesh, self.expert_parallel = mesh, moe.expert_parallel
+
+    def weight(self, name: str):
+        """Param `name`'s array, or with quantization="fp8" its (e4m3 array, scale) pair."""
+        scale = getattr(self, f"{name}_scale")
+        return getattr(self, name)[...] if scale is None else (getattr(self, name)[...], scale[...])
 
     def __call__(self, x, weights, ids):
         """x [T, hidden], each token's experts ids [T, k] int32 and weights [T, k] float32 -> [T, hidden]."""
-        gate_up, down = self.gate_up_proj[...], self.down_proj[...]
+        gate_up, down = self.weight("gate_up_proj"), self.weight("down_proj")
         if self.mesh is None or self.mesh.shape["model"] == 1:
             return moe_one_device(x, weights, ids, gate_up, down)
         run = moe_expert_parallel if self.expert_parallel else moe_tensor_parallel

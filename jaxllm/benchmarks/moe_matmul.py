@@ -5,11 +5,13 @@ decode's few tokens to a prefill's thousands (one table, last).
 For each token count T, the T * k (token, expert) rows of a uniform random routing, through:
 - ragged: ragged_dot as XLA lowers it by default;
 - triton: ragged_dot through JAX's Pallas-Triton lowering (jax_ragged_dot_use_gpu_pallas_triton_lowering);
+- fp8: the experts in e4m3 as quantization="fp8" holds them, the rows scaled to e4m3 per row;
 - dense: the same rows through one expert's SwiGLU with jnp.dot, the same FLOPs: the rate a
   grouped GEMM is held to at prefill;
 - gather (up to --gather-max-rows rows): each row's expert weights gathered and applied one row at
   a time, which reads only the chosen experts: the small-batch path a decode step could take.
-Each variant's output is checked against ragged's (relative L2 error over 1e-2: the bench exits 1),
+Each variant's output is checked against ragged's (relative L2 error over 1e-2, fp8's over 0.1: the
+bench exits 1),
 then timed on the device (median_loop_s, two weight sets in rotation). The table gives each one's
 time, its TFLOP/s and, against the bytes of the experts the routing chose, its GB/s: at small T
 the layer should read only those, so a rate far under the device's copy rate means it read the others.
@@ -25,6 +27,7 @@ from jaxllm.benchmarks.device_timing import median_loop_s
 
 HELP = "the MoE grouped GEMM (ragged_dot, its Triton lowering, a gather path) against a dense dot of the same FLOPs"
 MAX_ERROR = 1e-2
+FP8_MAX_ERROR = 0.1  # e4m3's rounding of the weights and of the rows, about 4% each
 TRITON_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
 
 
@@ -63,6 +66,7 @@ def _triton_lowering(on: bool):
 
 
 def main(ns) -> int:
+    from jaxllm.models.fp8 import quantize_experts
     from jaxllm.models.moe import expert_mlp
     device = jax.devices()[0].device_kind
     print(device, jax.__version__)
@@ -73,6 +77,7 @@ def main(ns) -> int:
         return jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02, jnp.bfloat16)
 
     sets = [(weights((e, hidden, 2, inter)), weights((e, inter, hidden))) for _ in range(2)]
+    fp8_sets = [tuple(quantize_experts(w) for w in weight_set) for weight_set in sets]
     expert_bytes = (hidden * 2 * inter + inter * hidden) * 2
     rows_out, failed = [], []
     for t in ns.tokens:
@@ -83,28 +88,30 @@ def main(ns) -> int:
         x = jnp.asarray(rng.standard_normal((t * k, hidden), np.float32), jnp.bfloat16)
         active = len(np.unique(ids))
         def grouped(x, gu, d):
-            return expert_mlp(x, sizes, gu, d)
+            return expert_mlp(x, experts, sizes, gu, d)
 
-        variants = {"ragged": grouped, "triton": grouped, "dense": lambda x, gu, d: _dense_mlp(x, gu[0], d[0])}
+        variants = {"ragged": grouped, "triton": grouped, "fp8": grouped,
+                    "dense": lambda x, gu, d: _dense_mlp(x, gu[0], d[0])}
         if t * k <= ns.gather_max_rows:
             variants["gather"] = lambda x, gu, d: _gather_mlp(x, experts, gu, d)
         want = np.asarray(jax.jit(grouped)(x, *sets[0]), np.float32)
         for name, fn in variants.items():
-            error = None
+            error, weight_sets = None, fp8_sets if name == "fp8" else sets
             with _triton_lowering(name == "triton"):
                 if name != "dense":
                     try:
-                        got = np.asarray(jax.jit(fn)(x, *sets[0]), np.float32)
+                        got = np.asarray(jax.jit(fn)(x, *weight_sets[0]), np.float32)
                     except Exception as err:  # a lowering this device or jax version lacks: said, not fatal
                         print(f"T={t} {name}: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
                         continue
                     error = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
-                    if error > MAX_ERROR:
+                    if error > (FP8_MAX_ERROR if name == "fp8" else MAX_ERROR):
                         failed.append(f"T={t} {name}: relative error {error:.2e}")
-                s = median_loop_s(fn, [(x, *w) for w in sets], reps=ns.repeats)
+                s = median_loop_s(fn, [(x, *w) for w in weight_sets], reps=ns.repeats)
             flops = 2 * t * k * (hidden * 2 * inter + inter * hidden)
+            read = active * expert_bytes // (2 if name == "fp8" else 1)
             rows_out.append({"tokens": t, "rows": t * k, "experts_hit": active, "variant": name, "us": 1e6 * s,
-                             "TFLOPs": flops / s / 1e12, "active_GBps": active * expert_bytes / s / 1e9,
+                             "TFLOPs": flops / s / 1e12, "active_GBps": read / s / 1e9,
                              "error": error})
             print(*rows_out[-1].values(), flush=True)  # as it comes, in case the call is cut short
     write_json(ns.output_json, {"device": device, "experts": e, "top_k": k, "hidden_size": hidden,

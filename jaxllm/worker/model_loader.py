@@ -15,8 +15,8 @@ from jaxllm.models import params as memory_params
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.eagle import eagle_weights
 from jaxllm.models.eagle_config import EagleArchConfig
-from jaxllm.models.loader import (ParamPath, abstract_params, checkpoint_params, create_model, hf_axes, iter_weights,
-                                  param_shardings, place_source, quantize_fn, quantize_model)
+from jaxllm.models.loader import (ParamPath, abstract_params, checkpoint_params, create_model, fp8_scale, hf_axes,
+                                  iter_weights, param_shardings, place_source, quantize_fn, quantize_model)
 from jaxllm.worker import kv_heads
 
 
@@ -138,10 +138,10 @@ def update(weights: ModelWeights, values: Iterator[tuple[ParamPath, jax.Array]])
     old copies are alive together."""
     index = weights.index
     for path, value in values:
-        scale_path = (*path[:-1], "weight_scale")
-        if path[-1] == "kernel" and scale_path in index:
+        scale_path, quantize = fp8_scale(path)
+        if scale_path in index:
             kernel_sharding, scale_sharding = (weights.params[index[p]].sharding for p in (path, scale_path))
-            kernel, scale = quantize_fn(kernel_sharding, scale_sharding)(value)
+            kernel, scale = quantize_fn(quantize, kernel_sharding, scale_sharding)(value)
             value.delete()
             weights.set(path, kernel)
             weights.set(scale_path, scale)
