@@ -341,8 +341,8 @@ class EngineArgs:
         name = arch.architecture
         _check(self.attention_backend in (None, *LATENT_BACKENDS), f"attention_backend={self.attention_backend!r} "
                f"has no latent-attention kernel: the {name} model runs on one of {LATENT_BACKENDS}")
-        _check(quantization is None, f"quantization does not run the {name} model yet (its latent attention reads "
-               "kv_b_proj's weights whole): load its bf16 checkpoint without quantization")
+        _check(quantization is None or not quantization.from_checkpoint, f"a quantized checkpoint of the {name} "
+               "model does not load yet: load its bf16 checkpoint (quantization='fp8' quantizes it as it loads)")
         _check(speculative is None or speculative.method == "ngram", f"speculative_config.method "
                f"{speculative and speculative.method!r} does not run with the {name} model yet: use 'ngram'")
         return self.attention_backend or "reference"

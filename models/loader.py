@@ -87,10 +87,12 @@ def _model(config: ModelArchConfig, dtype, mesh: jax.sharding.Mesh | None) -> nn
 
 
 def _linears(model) -> Iterator[tuple[ParamPath, nnx.Module, str, Linear]]:
-    """(path, parent, attribute, Linear) of every Linear but the LM head and a MoE layer's routers
-    (which stay in the model's dtype, as in vLLM: a quantized router would pick other experts)."""
+    """(path, parent, attribute, Linear) of every Linear but the LM head, a MoE layer's routers
+    (which stay in the model's dtype, as in vLLM: a quantized router would pick other experts) and
+    latent attention's kv_b_proj (models/deepseek.py: its kernel is absorbed into the queries and
+    the outputs, read whole)."""
     paths = [path for path, module in nnx.iter_modules(model) if isinstance(module, Linear)
-             and path != ("lm_head",) and path[-1] not in ("gate", "shared_expert_gate")]
+             and path != ("lm_head",) and path[-1] not in ("gate", "shared_expert_gate", "kv_b_proj")]
     for path in paths:
         parent = model
         for key in path[:-1]:

@@ -16,7 +16,8 @@ from jaxllm.config import EngineArgs
 from jaxllm.kernels import reference
 from jaxllm.kernels.attention import AttentionMetadata
 from jaxllm.models.config import ModelArchConfig
-from jaxllm.models.llama import rope_cos_sin, rope_inv_freq
+from jaxllm.models.fp8 import Fp8Linear
+from jaxllm.models.llama import Linear, rope_cos_sin, rope_inv_freq
 from jaxllm.models.loader import abstract_params, checkpoint_params, iter_hf_weights
 from jaxllm.models.yarn import yarn_attention_factor
 from jaxllm.utils import cdiv
@@ -50,6 +51,18 @@ def test_v2_greedy_tokens_and_logprobs_match_hf_transformers_and_nothing_compile
         before = llm.llm_engine.get_stats()["num_compilations"]
         assert_greedy_is_hfs(llm, "deepseek_v2")
         assert llm.llm_engine.get_stats()["num_compilations"] == before
+
+
+def test_fp8_quantizes_all_but_the_routers_and_the_absorbed_kv_b_proj():
+    """quantization="fp8": the projections, the dense MLP and the routed and shared experts in e4m3;
+    the router and kv_b_proj (absorbed into the queries and outputs) as loaded."""
+    with LLM(tiny_model("deepseek_v2"), quantization="fp8", **ENGINE) as llm:
+        model = llm.llm_engine.engine_core.core.executor.runner.weights.model()
+        attn, moe = model.layers[1].self_attn, model.layers[1].mlp
+        assert isinstance(attn.kv_a_proj_with_mqa, Fp8Linear) and isinstance(moe.shared_experts.down_proj, Fp8Linear)
+        assert type(attn.kv_b_proj) is Linear and type(moe.gate) is not Fp8Linear
+        assert moe.experts.gate_up_proj[...].dtype == jnp.float8_e4m3fn
+        assert_greedy_is_hfs(llm, "deepseek_v2", logprobs_too=False)
 
 
 def test_v3_greedy_tokens_and_logprobs_match_hf_transformers_and_nothing_compiles_after_warm_up(v3_engine):
@@ -232,7 +245,6 @@ def test_v3_checkpoints_multi_token_prediction_layer_is_skipped_and_nothing_else
 
 @pytest.mark.parametrize("args, message", [
     (dict(attention_backend="mosaic"), "has no latent-attention kernel"),
-    (dict(quantization="fp8"), "quantization does not run the deepseek_v3 model"),
     (dict(speculative_config={"method": "draft_model", "model": tiny_model("llama"), "num_speculative_tokens": 2}),
      "'draft_model' does not run with the deepseek_v3 model"),
 ])
