@@ -60,7 +60,8 @@
 #   eagle       bench step on the 8B shape at batch 1, 8 and 64 without drafts, then with a random-weight
 #               EAGLE-3 head of the 8B's published shape drafting k = DRAFT_TOKENS (default "2 4"), under
 #               asynchronous scheduling (the draft model's too in the draft part): the cost of a step
-#   moe-matmul  bench moe-matmul: the grouped GEMM at Qwen3-30B-A3B's experts
+#   moe-matmul  bench moe-matmul: the grouped GEMM at Qwen3-30B-A3B's experts (bf16, its Triton lowering, FP8)
+#   embed       bench throughput --runner pooling on the 8B shape: 1000 prompts of 512 tokens embedded
 #   models      for each of MODELS (default "qwen3-30b-a3b llama-3.1-8b"; any bundled config, e.g.
 #               deepseek-v2-lite, mamba2-2.7b) bench step at batch 1, 64 and 256 (128/128) and bench
 #               throughput 128/128 at 1024 sequences and 16384 batched tokens (LONG=1: 1000/1000 too),
@@ -98,7 +99,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 ALL_PARTS=" smoke step tput tput1000 tput2048 qwen startup fp8 prefix prefill serve sampling hf-compare kernels"
-ALL_PARTS+=" check hybrid weights invariant spec draft eagle moe-matmul models kv-dtype quant sampler multi-gpu "
+ALL_PARTS+=" check hybrid weights invariant spec draft eagle moe-matmul embed models kv-dtype quant sampler multi-gpu "
 [ ${#PARTS[@]} -gt 0 ] || { echo "name at least one part" >&2; usage 2 >&2; }
 expanded=()
 for part in "${PARTS[@]}"; do
@@ -226,6 +227,14 @@ throughput() {
 part_tput() { throughput 120 128 128 2048; }
 part_tput1000() { throughput 150 1000 1000 2048; }
 part_tput2048() { throughput 120 2048 128 2176; }
+
+part_embed() {
+  local prompts=1000 in=512 batched=16384 max_len=1024
+  [ $TINY = 1 ] && prompts=64 in=64 batched=1024 max_len=512
+  step 120 "embeddings, $in-token prompts" "${JAXLLM[@]}" bench throughput "${M8[@]}" --runner pooling \
+    --max-model-len "$max_len" --max-num-seqs 256 --max-num-batched-tokens "$batched" --input-len "$in" \
+    --num-prompts "$prompts" --output-json "$D/embed.json" 2>&1 | quiet 4
+}
 
 part_qwen() {
   local lens=(--input-len 562 --output-len 562 --random-range-ratio 0.82) seqs=${MAX_SEQS:-1024} prompts=1000 batched=16384

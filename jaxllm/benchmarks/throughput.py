@@ -7,7 +7,9 @@ as in vLLM). --prefix-len N puts one shared prefix of N random token ids before 
 prompt (vLLM's: a prompt is then N + its own input length), for the prefix cache to
 find; the result reports the prefix cache's hit rate over the timed call (its prompt
 tokens found in the cache over those looked up). Every request samples at temperature 1.0, top_p 1.0 with ignore_eos, so it
-generates exactly its output length. One `LLM.generate` call over all of them is timed,
+generates exactly its output length. One `LLM.generate` call over all of them is timed (with
+--runner pooling, one `LLM.embed` call: each prompt's vector, no output tokens; prompts/s is
+requests_per_second),
 after the engine is built and warmed up; total_num_tokens counts prompt and output
 tokens. Exits 1 if a request got the wrong number of tokens or anything compiled
 during the timed call.
@@ -69,7 +71,9 @@ def run_throughput_bench(engine_args, num_prompts: int, input_len: int, output_l
     from jaxllm import LLM, SamplingParams
 
     rng = np.random.default_rng(engine_args.seed)
+    pooling = engine_args.runner == "pooling"  # each prompt's one vector: no output tokens
     own_lens, output_lens = random_lengths(num_prompts, input_len, output_len, random_range_ratio, rng)
+    output_lens = [0] * num_prompts if pooling else output_lens
     prompt_lens = [prefix_len + n for n in own_lens]
     start = time.perf_counter()
     llm = LLM(**dataclasses.asdict(engine_args))
@@ -79,7 +83,8 @@ def run_throughput_bench(engine_args, num_prompts: int, input_len: int, output_l
         check_fits(engine, max(map(sum, zip(prompt_lens, output_lens))))
         vocab = engine.config.model.arch.vocab_size
         prompts = [{"prompt_token_ids": ids} for ids in random_token_prompts(own_lens, vocab, rng, prefix_len)]
-        params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n) for n in output_lens]
+        params = None if pooling else [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n)
+                                       for n in output_lens]
 
         compiles_before = engine.get_stats()["num_compilations"]
         cache_before = _prefix_cache_stats(engine)
@@ -87,7 +92,7 @@ def run_throughput_bench(engine_args, num_prompts: int, input_len: int, output_l
             llm.start_profile(profile_dir)
         try:
             start = time.perf_counter()
-            outputs = llm.generate(prompts, params)
+            outputs = llm.embed(prompts, use_tqdm=False) if pooling else llm.generate(prompts, params)
             elapsed_time = time.perf_counter() - start
         finally:
             if profile_dir:  # writing the trace out is left off the clock
@@ -99,7 +104,11 @@ def run_throughput_bench(engine_args, num_prompts: int, input_len: int, output_l
         llm.shutdown()
 
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    output_tokens = 0 if pooling else sum(len(o.outputs[0].token_ids) for o in outputs)
+    if pooling:  # each vector the width of the model's hidden states
+        lengths_ok = all(len(o.outputs.embedding) == engine.config.model.arch.hidden_size for o in outputs)
+    else:
+        lengths_ok = all(len(o.outputs[0].token_ids) == n for o, n in zip(outputs, output_lens))
     queries = hits = hit_rate = None
     if cache_before is not None and cache_after is not None:
         queries, hits = cache_after[0] - cache_before[0], cache_after[1] - cache_before[1]
@@ -120,7 +129,7 @@ def run_throughput_bench(engine_args, num_prompts: int, input_len: int, output_l
         "seed": engine_args.seed,
         "prompt_lens": prompt_lens,
         "output_lens": output_lens,
-        "all_lengths_ok": all(len(o.outputs[0].token_ids) == n for o, n in zip(outputs, output_lens)),
+        "all_lengths_ok": lengths_ok,
         "compiles_after_warm_up": compiles,
         "startup_s": round(startup_s, 1),
         "engine": settings,

@@ -167,6 +167,15 @@ def test_a_profiled_throughput_run_prints_the_idle_share(profiled):
         f"idle {p['total_idle_ms'] / 1e3:.2f} s over {p['steps']} steps)")
 
 
+def test_a_pooling_runs_throughput_is_prompts_embedded_a_second(tmp_path):
+    """--runner pooling: one LLM.embed call over the prompts, each one's vector as wide as the hidden
+    states, no output tokens."""
+    r = run_bench(tmp_path, "throughput", "--runner", "pooling", "--num-prompts", "6", "--input-len", "16")
+    assert r["num_requests"] == 6 and r["total_output_tokens"] == 0 and r["output_tokens_per_second"] == 0
+    assert r["total_prompt_tokens"] == 6 * 16 and r["all_lengths_ok"] and r["compiles_after_warm_up"] == 0
+    assert math.isclose(r["requests_per_second"], 6 / r["elapsed_time"])
+
+
 def test_an_unprofiled_throughput_run_has_no_profile(throughput):
     assert "profile" not in throughput and "profile_error" not in throughput
 
