@@ -11,7 +11,7 @@ from jaxllm.model_source import locate_model, resolve_model, resolve_tokenizer, 
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.eagle_config import EAGLE_ARCHITECTURES, EAGLE_TARGETS, EagleArchConfig
 from jaxllm.models.kv_layout import model_kv_layout
-from jaxllm.models.quant_config import QUANTIZATIONS, QuantConfig, resolve_quantization
+from jaxllm.models.quant_config import INT4, QUANTIZATIONS, QuantConfig, resolve_quantization
 from jaxllm.pooling_params import PoolerConfig
 from jaxllm.typecheck import check_field_types
 
@@ -355,9 +355,9 @@ class EngineArgs:
             _check(not self.enable_expert_parallel, "enable_expert_parallel is for mixture-of-experts models "
                    f"(Qwen2-MoE, Qwen3-MoE, Mixtral), not {arch.architecture!r}")
             return arch
-        _check(quantization is None or not quantization.from_checkpoint,
-               f"a quantized {arch.architecture} checkpoint does not load yet (its experts are not Linears): "
-               "load its bf16 checkpoint")
+        _check(quantization is None or quantization.scheme != INT4,
+               f"a {quantization and quantization.method} {arch.architecture} checkpoint does not load yet (its "
+               "experts are not Linears): load an FP8 or bf16 checkpoint")
         _check(not self.batch_invariant, "batch_invariant does not run mixture-of-experts models (the experts' "
                "grouped GEMM has no batch-invariant kernel)")
         if self.enable_expert_parallel:

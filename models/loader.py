@@ -156,11 +156,11 @@ def quantize_model(model: LlamaForCausalLM, quantization: QuantConfig | None,
     """With quantization="fp8" on an unquantized checkpoint, every Linear but the LM head and the MoE
     routers becomes an Fp8Linear (models/fp8.py), and a MoE layer's stacked experts go to e4m3 with a
     scale per expert and output channel (models/moe.py, Experts), in place, one param at a time: the
-    bf16 and e4m3 copies of one weight at most are alive together. Otherwise nothing to do: a
-    quantized checkpoint loads quantized."""
-    if quantization is None or quantization.from_checkpoint:
+    bf16 and e4m3 copies of one weight at most are alive together. A quantized checkpoint's Linears
+    load quantized; its FP8 experts load dequantized (models/quant_checkpoint.py) and go to e4m3 here."""
+    if quantization is None:
         return
-    for _, parent, attr, linear in list(_linears(model)):
+    for _, parent, attr, linear in [] if quantization.from_checkpoint else list(_linears(model)):
         axes = linear.kernel.get_metadata()["out_sharding"]
         fp8_axes = (*axes[1:], axes[0])  # [*out, in]
         quantize = quantize_fn(quantize_kernel, named_sharding(mesh, fp8_axes), named_sharding(mesh, axes[1:]))

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from jaxllm.models.int4 import pack_groups
-from jaxllm.models.quant_config import FP8_BLOCK, FP8_CHANNEL, QuantConfig
+from jaxllm.models.quant_config import FP8_BLOCK, FP8_CHANNEL, INT4, QuantConfig
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ int32 holds column AWQ_ORDER[i] of its 8
 
@@ -40,14 +40,15 @@ def quantized_weights(weights: Iterable[tuple[str, object]], quant: QuantConfig)
     pending: dict[str, dict[str, object]] = {}  # Linear -> {leaf: its source} so far
     for name, source in weights:
         module, _, leaf = name.rpartition(".")
-        if leaf not in leaves or not module.rpartition(".")[2].endswith("_proj") or not quant.quantizes(module):
+        linear = module.rpartition(".")[2].endswith("_proj") or _is_expert(module)
+        if leaf not in leaves or not linear or not quant.quantizes(module):
             yield name, source
             continue
         parts = pending.setdefault(module, {})
         parts[leaves[leaf]] = source
         if len(parts) == len(leaves):
             del pending[module]
-            yield from _convert(module, parts, quant)
+            yield from (_dequantized_expert if _is_expert(module) else _convert)(module, parts, quant)
     missing = [f"{module}.{name}" for module, parts in pending.items() for name, leaf in leaves.items()
                if leaf not in parts]
     if missing:
@@ -65,6 +66,32 @@ def _checkpoint_leaves(quant: QuantConfig) -> dict[str, str]:
     scale = "weight_scale_inv" if quant.method == "fp8" and quant.scheme == FP8_BLOCK else "weight_scale"
     leaves = {"weight": "weight", scale: "weight_scale"}
     return {**leaves, "input_scale": "input_scale"} if quant.static_input_scale else leaves
+
+
+def _is_expert(module: str) -> bool:
+    """Whether the HF module is one expert of a MoE layer's (model.layers.0.mlp.experts.3.gate_proj,
+    Mixtral's block_sparse_moe.experts.3.w1)."""
+    return ".experts." in module
+
+
+def _dequantized_expert(module: str, parts: dict, quant: QuantConfig) -> list[tuple[str, object]]:
+    """One expert's FP8 weight [N, K], checked as a Linear's, dequantized to float32 by its scales (per
+    tensor, channel or block): the engine stacks the experts and holds them in e4m3 with a scale per
+    expert and output channel, as quantization="fp8" does (models/moe.py). A static input scale is
+    not used: the experts' rows are scaled per row."""
+    _check(quant.scheme != INT4, f"tensor {module}: a MoE layer's {quant.method} experts do not load yet")
+    tensors = dict(_fp8(module, parts, quant))
+    weight, scale = tensors[f"{module}.weight"], tensors[f"{module}.weight_scale"]
+    rows, cols = weight.shape
+
+    def dequantize(w: np.ndarray, s: np.ndarray) -> np.ndarray:
+        if s.ndim == 2:  # blocks [N / bn, K / bk]
+            s = np.repeat(np.repeat(s.astype(np.float32), quant.block[0], 0), quant.block[1], 1)
+        else:  # per output channel [N]
+            s = s.astype(np.float32)[:, None]
+        return w.astype(np.float32) * s
+
+    return [(f"{module}.weight", Converted((rows, cols), dequantize, weight, scale))]
 
 
 def _convert(module: str, parts: dict, quant: QuantConfig) -> list[tuple[str, object]]:

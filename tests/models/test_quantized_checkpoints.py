@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineArgs
@@ -152,6 +153,43 @@ def _int4_linear(converted: dict, module: str, act_order: bool) -> Int4Linear:
     if act_order:
         linear.input_perm.set_value(jnp.asarray(converted[f"{module}.input_perm"]))
     return linear
+
+
+def text_logprobs(llm, text: list[int]) -> np.ndarray:
+    """log p(text[i + 1] | text[:i + 1]) over the text, from the engine's prompt logprobs."""
+    out = llm.generate([{"prompt_token_ids": text}], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    return np.array([d[t].logprob for t, d in zip(text[1:], out.prompt_logprobs[1:])])
+
+
+def test_an_fp8_moe_checkpoint_runs_as_its_dequantized_twin(tmp_path):
+    """Qwen3-MoE with every Linear and expert in FP8 blocks (the layout Qwen publishes its FP8 MoE
+    models in): the Linears load as they are, the experts dequantized, then held in e4m3 with a scale
+    per expert and output channel. Its logprobs over a prompt and its greedy continuation are within
+    the FP8 tolerance of the twin's (the same model dequantized, in float32)."""
+    quantization_config, quantize, _, _ = VARIANTS["fp8_block"]
+    rng, quantized, twin = np.random.default_rng(1), {}, {}
+    for name, w in load_file(os.path.join(tiny_model("qwen3_moe"), "model.safetensors")).items():
+        module = name.removesuffix(".weight")
+        if not module.endswith("_proj"):  # the embedding, norms, routers and the LM head as they are
+            quantized[name] = twin[name] = w
+            continue
+        parts, dequantized = quantize(w, module, rng)
+        quantized.update({f"{module}.{leaf}": array for leaf, array in parts.items()})
+        twin[name] = dequantized.astype(np.float32)
+    with open(os.path.join(tiny_model("qwen3_moe"), "config.json")) as f:
+        cfg = json.load(f)
+    path = qf.write(tmp_path / "fp8", {**cfg, "quantization_config": quantization_config}, quantized)
+    with LLM(path, **ENGINE) as llm:
+        model = llm.llm_engine.engine_core.core.executor.runner.weights.model()
+        assert model.layers[0].mlp.experts.down_proj[...].dtype == jnp.float8_e4m3fn
+        out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                           use_tqdm=False)[0]
+        text = PROMPT + list(out.outputs[0].token_ids)
+        got = text_logprobs(llm, text)
+    with LLM(qf.write(tmp_path / "twin", cfg, twin), **ENGINE) as llm:
+        want = text_logprobs(llm, text)
+    assert_close_to_twin(got, want, exact=False)
 
 
 def test_act_order_gptq_equals_the_same_weights_without_act_order_after_permutation():
