@@ -45,6 +45,9 @@ def add_cli_args(parser) -> None:
                         "OpenAI-compatible one)")
     parser.add_argument("--endpoint", default="/v1/completions")
     parser.add_argument("--model", help="the model name to request (default: the server's first)")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                        help="LoRA adapters the server serves (by their model names): each request names one "
+                             "of them, chosen at random (vLLM's)")
     parser.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY") or os.environ.get("OPENAI_API_KEY"))
     parser.add_argument("--dataset-name", choices=["random", "sharegpt"], default="random")
     parser.add_argument("--dataset-path", help="the ShareGPT JSON file (for --dataset-name sharegpt)")
@@ -224,6 +227,10 @@ async def run_serve_bench(ns) -> dict:
                 raise ValueError(f"{base_url}/v1/models answered {r.status}: {await r.text()}")
             cards = (await r.json())["data"]
         model = ns.model or cards[0]["id"]
+        served = {card["id"] for card in cards}
+        unknown = sorted(set(ns.lora_modules or ()) - served)
+        if unknown:
+            raise ValueError(f"--lora-modules {unknown} are not among the server's models {sorted(served)}")
         max_model_len = next((c.get("max_model_len") for c in cards if c["id"] == model), None) or 2**31
         if ns.dataset_name == "sharegpt":
             if not ns.dataset_path:
@@ -240,11 +247,15 @@ async def run_serve_bench(ns) -> dict:
 
         url = base_url + ns.endpoint
 
-        def payload(prompt, output_len: int) -> dict:
-            return {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": ns.temperature,
+        # Each request's model: the one asked for, or one of the adapters at random.
+        names = random.Random(ns.seed).choices(ns.lora_modules, k=len(requests)) if ns.lora_modules else \
+            [model] * len(requests)
+
+        def payload(prompt, output_len: int, name: str) -> dict:
+            return {"model": name, "prompt": prompt, "max_tokens": output_len, "temperature": ns.temperature,
                     "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ns.ignore_eos}
 
-        test = await send_request(session, url, headers, payload(requests[0][0], min(requests[0][2], 4)))
+        test = await send_request(session, url, headers, payload(requests[0][0], min(requests[0][2], 4), names[0]))
         if not test["success"]:
             raise ValueError(f"the test request failed: {test['error']}")
 
@@ -254,7 +265,7 @@ async def run_serve_bench(ns) -> dict:
         async def one(i: int) -> dict:
             async with limit:
                 prompt, _, output_len = requests[i]
-                return await send_request(session, url, headers, payload(prompt, output_len))
+                return await send_request(session, url, headers, payload(prompt, output_len, names[i]))
 
         start = time.perf_counter()
         tasks = [asyncio.ensure_future(one(i)) async for i in _arrivals(len(requests), ns.request_rate,
@@ -262,7 +273,8 @@ async def run_serve_bench(ns) -> dict:
         outputs = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     result = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai", "base_url": base_url,
-              "endpoint": ns.endpoint, "model_id": model, "dataset_name": ns.dataset_name,
+              "endpoint": ns.endpoint, "model_id": model, "lora_modules": ns.lora_modules,
+              "dataset_name": ns.dataset_name,
               "random_prefix_len": ns.random_prefix_len if ns.dataset_name == "random" else 0,
               "num_prompts": len(requests), "request_rate": ns.request_rate, "burstiness": ns.burstiness,
               "max_concurrency": ns.max_concurrency, "ignore_eos": ns.ignore_eos, "seed": ns.seed}

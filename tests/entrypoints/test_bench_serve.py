@@ -49,3 +49,13 @@ def test_bench_serve_reads_a_sharegpt_file(server, tmp_path):
     # The answers' lengths (one token a character), in the shuffled order the bench sent them.
     assert sorted(result["output_lens"]) == [len("an answer of some length"[:10 + i]) for i in range(6)]
     assert sorted(result["input_lens"]) == sorted(len(f"question number {i} is here") for i in range(6))
+
+
+def test_bench_serve_names_a_lora_module_in_each_request_and_refuses_unknown_ones(server, tmp_path, capsys):
+    result = bench(server, tmp_path, "--num-prompts", "4", "--random-input-len", "4", "--random-output-len", "2",
+                   "--lora-modules", MODEL_NAME)
+    assert result["completed"] == 4 and result["lora_modules"] == [MODEL_NAME]
+    status = main(["bench", "serve", "--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "1",
+                   "--lora-modules", "no-such-adapter"])
+    assert status != 0 and "--lora-modules ['no-such-adapter'] are not among the server's models" in \
+        capsys.readouterr().err
