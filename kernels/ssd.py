@@ -16,6 +16,8 @@ chunk. A request of one token (a decode, or a one-token prefill chunk) takes the
 The batch is the attention kernels' (kernels/reference.py): tokens flattened, request i's being
 [query_start_loc[i], query_start_loc[i + 1]), the first num_seqs requests real.
 """
+import functools
+import os
 from typing import NamedTuple
 
 import jax
@@ -61,26 +63,34 @@ def _per_head(bc, num_heads: int):
     return jnp.repeat(bc, num_heads // bc.shape[-2], axis=-2)
 
 
-def ssd_chunk_scan(x, dt, A, B, C, initial_states, layout: ChunkLayout):
-    """The prefill requests' outputs and final states, chunk by chunk (the module's docstring).
-
-    x [T, H, P], dt [T, H] (after softplus), A [H], B, C [T, G, N], initial_states [R, H, P, N]: all
-    float32. Returns (y [T, H, P]: zeros outside the chunks, final states [R, H, P, N]: of each
-    request's last chunk, for prefill requests)."""
-    num_tokens, num_heads = dt.shape
-    tokens = jnp.where(layout.mask, layout.tokens, 0)
-    valid = layout.mask[..., None]
-    xc = jnp.where(valid[..., None], x[tokens], 0.0)                 # [c, Q, H, P]
-    dtc = jnp.where(valid, dt[tokens], 0.0)                          # [c, Q, H]: masked tokens change nothing
-    bc, cc = _per_head(B[tokens], num_heads), _per_head(C[tokens], num_heads)  # [c, Q, H, N]
-    cum = jnp.cumsum(dtc * A, axis=1)                                # [c, Q, H], decreasing
-    q = layout.tokens.shape[1]
+def chunk_terms(xc, dtc, cum, bc, cc):
+    """The two terms each chunk makes alone, in plain JAX: xc [c, Q, H, P], dtc and cum [c, Q, H], bc
+    and cc [c, Q, G, N] (per group), float32 -> (y within the chunk [c, Q, H, P], its own state term
+    U_c [c, H, P, N]). kernels/pallas_ssd.py computes the same in one Pallas kernel."""
+    num_heads = dtc.shape[2]
+    bc, cc = _per_head(bc, num_heads), _per_head(cc, num_heads)     # [c, Q, H, N]
+    q = xc.shape[1]
     causal = (jnp.arange(q)[:, None] >= jnp.arange(q)[None, :])[None, :, :, None]
     decay = jnp.exp(jnp.where(causal, cum[:, :, None, :] - cum[:, None, :, :], -jnp.inf))  # [c, i, j, H]
     scores = jnp.einsum("cihn,cjhn->cijh", cc, bc) * decay
     y = jnp.einsum("cijh,cjh,cjhp->cihp", scores, dtc, xc)
     to_end = jnp.exp(cum[:, -1:] - cum) * dtc                        # [c, Q, H]
-    own = jnp.einsum("cjh,cjhn,cjhp->chpn", to_end, bc, xc)          # [c, H, P, N]
+    return y, jnp.einsum("cjh,cjhn,cjhp->chpn", to_end, bc, xc)
+
+
+def ssd_chunk_scan(x, dt, A, B, C, initial_states, layout: ChunkLayout, terms=chunk_terms):
+    """The prefill requests' outputs and final states, chunk by chunk (the module's docstring).
+
+    x [T, H, P], dt [T, H] (after softplus), A [H], B, C [T, G, N], initial_states [R, H, P, N]: all
+    float32; terms: chunk_terms or its Pallas kernel. Returns (y [T, H, P]: zeros outside the chunks,
+    final states [R, H, P, N]: of each request's last chunk, for prefill requests)."""
+    num_tokens, num_heads = dt.shape
+    tokens = jnp.where(layout.mask, layout.tokens, 0)
+    valid = layout.mask[..., None]
+    xc = jnp.where(valid[..., None], x[tokens], 0.0)                 # [c, Q, H, P]
+    dtc = jnp.where(valid, dt[tokens], 0.0)                          # [c, Q, H]: masked tokens change nothing
+    cum = jnp.cumsum(dtc * A, axis=1)                                # [c, Q, H], decreasing
+    y, own = terms(xc, dtc, cum, B[tokens], C[tokens])
     chunk_decay = jnp.exp(cum[:, -1])[..., None, None]               # [c, H, 1, 1]
     start = initial_states[layout.request]
     first = layout.first[:, None, None, None]
@@ -93,7 +103,7 @@ def ssd_chunk_scan(x, dt, A, B, C, initial_states, layout: ChunkLayout):
 
     _, states = jax.lax.associative_scan(combine, (gates, adds))
     before = jnp.where(first, start, jnp.concatenate([start[:1], states[:-1]]))  # S_{c-1}
-    y = y + jnp.einsum("cihn,chpn->cihp", cc, before) * jnp.exp(cum)[..., None]
+    y = y + jnp.einsum("cihn,chpn->cihp", _per_head(C[tokens], num_heads), before) * jnp.exp(cum)[..., None]
     out = jnp.zeros((num_tokens + 1, *x.shape[1:]), jnp.float32)
     out = out.at[jnp.where(layout.mask, layout.tokens, num_tokens)].set(y)[:num_tokens]
     return out, states[layout.last]
@@ -108,12 +118,26 @@ def ssd_update(x, dt, A, B, C, states):
     return jnp.einsum("rhpn,rhn->rhp", states, _per_head(C, num_heads)), states
 
 
-def ragged_ssd(x, dt, A, B, C, initial_states, query_start_loc, num_seqs, chunk_size: int):
+def chunk_terms_fn():
+    """The chunk terms' implementation a model runs: with JAXLLM_SSD_KERNEL=pallas the Pallas kernel
+    (kernels/pallas_ssd.py; in the interpreter off a GPU), else ("reference", the default until the
+    kernel is measured on a GPU) chunk_terms."""
+    choice = os.environ.get("JAXLLM_SSD_KERNEL", "reference")
+    if choice not in ("reference", "pallas"):
+        raise ValueError(f"JAXLLM_SSD_KERNEL must be 'reference' or 'pallas', got {choice!r}")
+    if choice == "reference":
+        return chunk_terms
+    from jaxllm.kernels import pallas_ssd
+    return functools.partial(pallas_ssd.chunk_terms, interpret=jax.default_backend() != "gpu")
+
+
+def ragged_ssd(x, dt, A, B, C, initial_states, query_start_loc, num_seqs, chunk_size: int, terms=chunk_terms):
     """Every request's SSM over its tokens of the step: the chunk scan for requests of two tokens
     or more, the update for those of one.
 
     x [T, H, P], dt [T, H] (after softplus), A [H], B, C [T, G, N], initial_states [R, H, P, N]
-    (zeros for a request without a state yet): float32; query_start_loc [R + 1], num_seqs [1] int32.
+    (zeros for a request without a state yet): float32; query_start_loc [R + 1], num_seqs [1] int32;
+    terms: the chunk terms' implementation (chunk_terms_fn).
     Returns (y [T, H, P] float32, without the D skip; the requests' states after their tokens [R, H,
     P, N], a padding request's its initial state)."""
     num_tokens, num_reqs = x.shape[0], initial_states.shape[0]
@@ -121,7 +145,7 @@ def ragged_ssd(x, dt, A, B, C, initial_states, query_start_loc, num_seqs, chunk_
     query_lens = jnp.where(real, query_start_loc[1:] - query_start_loc[:-1], 0)
     chunk = min(chunk_size, num_tokens)
     y, prefill_states = ssd_chunk_scan(x, dt, A, B, C, initial_states,
-                                       chunk_layout(query_lens, query_start_loc, num_tokens, chunk))
+                                       chunk_layout(query_lens, query_start_loc, num_tokens, chunk), terms)
     first = jnp.minimum(query_start_loc[:-1], num_tokens - 1)
     y_one, one_states = ssd_update(x[first], dt[first], A, B[first], C[first], initial_states)
     one = query_lens == 1

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.kernels.attention import AttentionMetadata
-from jaxllm.kernels.ssd import ragged_ssd
+from jaxllm.kernels.ssd import chunk_terms_fn, ragged_ssd
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.models.llama import Linear, LlamaForCausalLM, RMSNorm, _param, rms_normalize
@@ -128,7 +128,7 @@ class Mamba2Mixer(nnx.Module):
         y, states = ragged_ssd(xs, dt, -jnp.exp(self.A_log[...].astype(jnp.float32)),
                                B.reshape(num_tokens, m.n_groups, m.state_size),
                                C.reshape(num_tokens, m.n_groups, m.state_size), initial,
-                               requests.query_start_loc, requests.num_seqs, m.chunk_size)
+                               requests.query_start_loc, requests.num_seqs, m.chunk_size, chunk_terms_fn())
         y = y + self.D[...].astype(jnp.float32)[:, None] * xs
         ssm_state = ssm_state.at[requests.write_slots].set(states.astype(ssm_state.dtype), mode="drop")
         gated = y.reshape(num_tokens, m.intermediate_size) * jax.nn.silu(z.astype(jnp.float32))

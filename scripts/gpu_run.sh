@@ -61,6 +61,8 @@
 #               EAGLE-3 head of the 8B's published shape drafting k = DRAFT_TOKENS (default "2 4"), under
 #               asynchronous scheduling (the draft model's too in the draft part): the cost of a step
 #   moe-matmul  bench moe-matmul: the grouped GEMM at Qwen3-30B-A3B's experts (bf16, its Triton lowering, FP8)
+#   ssd         the SSD scan's Pallas kernel: its gpu-marked tests, then bench ssd (Mamba2-2.7B's heads,
+#               plain JAX and the kernel, beside an attention layer over the same prompt)
 #   embed       bench throughput --runner pooling on the 8B shape: 1000 prompts of 512 tokens embedded
 #   models      for each of MODELS (default "qwen3-30b-a3b llama-3.1-8b"; any bundled config, e.g.
 #               deepseek-v2-lite, mamba2-2.7b) bench step at batch 1, 64 and 256 (128/128) and bench
@@ -99,7 +101,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 ALL_PARTS=" smoke step tput tput1000 tput2048 qwen startup fp8 prefix prefill serve sampling hf-compare kernels"
-ALL_PARTS+=" check hybrid weights invariant spec draft eagle moe-matmul embed models kv-dtype quant sampler multi-gpu "
+ALL_PARTS+=" check hybrid weights invariant spec draft eagle moe-matmul ssd embed models kv-dtype quant sampler multi-gpu "
 [ ${#PARTS[@]} -gt 0 ] || { echo "name at least one part" >&2; usage 2 >&2; }
 expanded=()
 for part in "${PARTS[@]}"; do
@@ -227,6 +229,13 @@ throughput() {
 part_tput() { throughput 120 128 128 2048; }
 part_tput1000() { throughput 150 1000 1000 2048; }
 part_tput2048() { throughput 120 2048 128 2176; }
+
+part_ssd() {
+  local ssd=()
+  [ $TINY = 1 ] && ssd=(--lengths 64 --chunk-sizes 16 --num-heads 4 --head-dim 16 --state-size 16)
+  step 60 "SSD kernel tests" timeout 120 "$PY" -m pytest -q -m gpu tests/kernels/test_ssd.py 2>&1 | quiet 5
+  step 120 "bench ssd" "${JAXLLM[@]}" bench ssd "${ssd[@]}" --output-json "$D/ssd.json" 2>&1 | quiet 14
+}
 
 part_embed() {
   local prompts=1000 in=512 batched=16384 max_len=1024

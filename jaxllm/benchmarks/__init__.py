@@ -7,10 +7,11 @@ own flags and main(ns): a running server's client, the kernels and the device on
 the HF transformers baseline and the tables of a GPU run (scripts/gpu_run.sh).
 """
 from jaxllm.benchmarks import (attention, bounds, fp8, hf, invariant_matmul, kv_dtype, latency, moe_matmul,
-                               quant_matmul, report, sampler, serve, spec_decode, startup, step, throughput, weights)
+                               quant_matmul, report, sampler, serve, spec_decode, ssd, startup, step, throughput,
+                               weights)
 
 ENGINE_BENCHES = {"throughput": throughput, "latency": latency, "step": step, "startup": startup,
                   "weights": weights, "spec": spec_decode}
 OTHER_BENCHES = {"serve": serve, "attention": attention, "kv-dtype": kv_dtype, "fp8": fp8, "sampler": sampler,
                  "invariant-matmul": invariant_matmul, "quant-matmul": quant_matmul, "moe-matmul": moe_matmul,
-                 "bounds": bounds, "hf": hf, "report": report}
+                 "ssd": ssd, "bounds": bounds, "hf": hf, "report": report}

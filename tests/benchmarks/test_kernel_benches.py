@@ -162,3 +162,18 @@ def test_moe_matmul_checks_then_times_the_grouped_gemm_against_a_dense_dot(capsy
     monkeypatch.setattr(moe_matmul, "_gather_mlp", lambda *a: plain(*a) * 1.1)  # a path 10% off fails the check
     result, printed = run(capsys, tmp_path, args, status=1)
     assert printed[-1].startswith("wrong: T=1 gather: relative error 1.0")
+
+
+def test_ssd_checks_the_pallas_scan_then_times_it_beside_attention(capsys, tmp_path, monkeypatch):
+    args = ["bench", "ssd", "--lengths", "48", "--chunk-sizes", "16", "--num-heads", "4", "--head-dim", "16",
+            "--state-size", "16", "--groups", "2", "--repeats", "1"]
+    result, printed = run(capsys, tmp_path, args)
+    assert [(r["length"], r["variant"], r["chunk"]) for r in result["rows"]] == [
+        (48, "attention", None), (48, "reference", 16), (48, "pallas", 16)]
+    assert all(r["ms"] > 0 for r in result["rows"]) and result["rows"][2]["error"] < 1e-5
+    assert printed[-4].split() == ["L", "variant", "chunk", "ms", "Mtok/s", "vs", "attn"]
+    from jaxllm.kernels import pallas_ssd
+    plain = pallas_ssd.chunk_terms
+    monkeypatch.setattr(pallas_ssd, "chunk_terms", lambda *a, **k: tuple(t * 1.1 for t in plain(*a, **k)))
+    result, printed = run(capsys, tmp_path, args, status=1)
+    assert printed[-1].startswith("wrong: L=48 chunk=16 pallas: relative error")

@@ -1,11 +1,14 @@
 """Mamba2's SSD scan and state update (kernels/ssd.py) against the naive recurrence in float64,
 over ragged batches of prefill chunks (with and without a state to continue from) and decodes."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.kernels.ssd import chunk_layout, max_chunks, ragged_ssd
+from jaxllm.kernels import pallas_ssd
+from jaxllm.kernels.ssd import chunk_layout, chunk_terms, chunk_terms_fn, max_chunks, ragged_ssd
 
 H, P, G, N = 4, 3, 2, 5  # heads, head_dim, groups, state_size
 
@@ -41,10 +44,11 @@ def random_batch(num_tokens, num_reqs, with_state, seed=0):
 
 
 NUM_TOKENS, NUM_REQS = 32, 8  # every batch padded to these: one compilation per chunk size
-ssd = jax.jit(ragged_ssd, static_argnums=(8,))
+ssd = jax.jit(ragged_ssd, static_argnums=(8, 9))
+PALLAS = functools.partial(pallas_ssd.chunk_terms, interpret=True)
 
 
-def run_ssd(x, dt, A, B, C, states, query_lens, chunk_size):
+def run_ssd(x, dt, A, B, C, states, query_lens, chunk_size, terms=chunk_terms):
     """ragged_ssd over `query_lens` (the first len(query_lens) requests), its inputs padded."""
     qsl = np.zeros(NUM_REQS + 1, np.int32)
     qsl[1:len(query_lens) + 1] = np.cumsum(query_lens)
@@ -52,9 +56,10 @@ def run_ssd(x, dt, A, B, C, states, query_lens, chunk_size):
     pad = ((0, NUM_TOKENS - x.shape[0]),)
     x, dt, B, C = (jnp.pad(a, pad + ((0, 0),) * (a.ndim - 1)) for a in (x, dt, B, C))
     states = jnp.pad(states, ((0, NUM_REQS - states.shape[0]), (0, 0), (0, 0), (0, 0)))
-    return ssd(x, dt, A, B, C, states, jnp.asarray(qsl), jnp.array([len(query_lens)], jnp.int32), chunk_size)
+    return ssd(x, dt, A, B, C, states, jnp.asarray(qsl), jnp.array([len(query_lens)], jnp.int32), chunk_size, terms)
 
 
+@pytest.mark.parametrize("terms", [chunk_terms, PALLAS], ids=["reference", "pallas"])
 @pytest.mark.parametrize("query_lens, chunk_size", [
     ([1], 4),                          # one decode
     ([4], 4), ([5], 4), ([9], 4),      # a prefill at, past and across chunk boundaries
@@ -62,11 +67,11 @@ def run_ssd(x, dt, A, B, C, states, query_lens, chunk_size):
     ([17, 2, 1], 8),                   # a long chunk, a two-token one, a decode
     ([13, 11], 64),                    # chunks longer than the batch: one chunk per request
 ])
-def test_ragged_ssd_matches_the_naive_recurrence(query_lens, chunk_size):
+def test_ragged_ssd_matches_the_naive_recurrence(query_lens, chunk_size, terms):
     num_reqs = len(query_lens)
     with_state = [i % 2 == 1 or q == 1 for i, q in enumerate(query_lens)]
     x, dt, A, B, C, states = random_batch(sum(query_lens), num_reqs, with_state)
-    y, final = run_ssd(x, dt, A, B, C, states, query_lens, chunk_size)
+    y, final = run_ssd(x, dt, A, B, C, states, query_lens, chunk_size, terms)
     want_y, want_final = naive_ssd(x, dt, A, B, C, states, query_lens)
     np.testing.assert_allclose(y[:sum(query_lens)], want_y, rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(final[:num_reqs], want_final, rtol=2e-4, atol=2e-4)
@@ -97,3 +102,42 @@ def test_chunk_layout_covers_each_prefill_token_once_and_no_decode():
     assert sorted(covered.tolist()) == [0, 1, 2, 3, 4, 6, 7]
     assert np.asarray(layout.request)[:3].tolist() == [0, 0, 2]
     assert np.asarray(layout.first)[:3].tolist() == [True, False, True]
+
+
+def test_the_pallas_chunk_terms_equal_the_plain_jax_ones_at_a_kernel_sized_shape():
+    """Tiles as Triton takes them (Q, P, N powers of two), four heads reading two groups."""
+    keys = jax.random.split(jax.random.key(1), 5)
+    c, q, h, p, g, n = 3, 16, 4, 16, 2, 16
+    xc = jax.random.normal(keys[0], (c, q, h, p))
+    dtc = jax.nn.softplus(jax.random.normal(keys[1], (c, q, h)) - 1.0).at[-1, q // 2:].set(0.0)  # a padded tail
+    cum = jnp.cumsum(dtc * -jnp.exp(jax.random.normal(keys[2], (h,))), axis=1)
+    bc, cc = jax.random.normal(keys[3], (c, q, g, n)), jax.random.normal(keys[4], (c, q, g, n))
+    want, got = chunk_terms(xc, dtc, cum, bc, cc), PALLAS(xc, dtc, cum, bc, cc)
+    for w, o in zip(want, got):
+        np.testing.assert_allclose(o, w, rtol=1e-5, atol=1e-5)
+
+
+def test_the_models_chunk_terms_follow_jaxllm_ssd_kernel(monkeypatch):
+    assert chunk_terms_fn() is chunk_terms
+    monkeypatch.setenv("JAXLLM_SSD_KERNEL", "pallas")
+    assert chunk_terms_fn().func is pallas_ssd.chunk_terms
+    monkeypatch.setenv("JAXLLM_SSD_KERNEL", "triton")
+    with pytest.raises(ValueError, match="JAXLLM_SSD_KERNEL must be 'reference' or 'pallas', got 'triton'"):
+        chunk_terms_fn()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("chunk", [64, 128, 256])
+def test_the_compiled_pallas_chunk_terms_equal_the_plain_jax_ones_at_mamba2s_shape(chunk):
+    """Mamba2-2.7B's heads (head_dim 64, state 128, one group), 4 chunks, through Triton."""
+    keys = jax.random.split(jax.random.key(2), 5)
+    c, h, p, g, n = 4, 8, 64, 1, 128
+    xc = jax.random.normal(keys[0], (c, chunk, h, p))
+    dtc = jax.nn.softplus(jax.random.normal(keys[1], (c, chunk, h)) - 2.0)
+    cum = jnp.cumsum(dtc * -jnp.exp(jax.random.normal(keys[2], (h,))), axis=1)
+    bc, cc = jax.random.normal(keys[3], (c, chunk, g, n)), jax.random.normal(keys[4], (c, chunk, g, n))
+    want = jax.jit(chunk_terms)(xc, dtc, cum, bc, cc)
+    got = pallas_ssd.chunk_terms(xc, dtc, cum, bc, cc)
+    for w, o in zip(want, got):
+        np.testing.assert_allclose(o, w, rtol=2e-3, atol=2e-3)

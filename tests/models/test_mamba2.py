@@ -41,8 +41,7 @@ def hf_prompt_logprobs(length: int) -> np.ndarray:
     return logprobs[np.arange(length - 1), GOLDEN[f"prompt_{length}"][1:]]
 
 
-@pytest.fixture(scope="module")
-def model_step():
+def make_model_step():
     """The model with the checkpoint's weights, one jitted step over a 128-token bucket and 2
     requests (one padding), and a maker of 4 state slots (the step donates them)."""
     config = ModelArchConfig.from_hf_config(hf_config())
@@ -60,10 +59,25 @@ def model_step():
                           for _ in range(config.num_layers)]
 
 
+@pytest.fixture(scope="module")
+def model_step():
+    return make_model_step()
+
+
 @pytest.mark.parametrize("length, chunks", [(1, [1]), (7, [7]), (33, [33]), (100, [100]), (7, [1, 1, 5]),
                                             (33, [15, 1, 17]), (100, [40, 3, 57])])
 def test_logits_match_hf_transformers_whole_and_in_chunks(model_step, length, chunks):
     """Chunks that continue from the states the one before left in slot 2, across the SSD's 16-token chunks."""
+    assert_chunks_give_hfs_logits(model_step, length, chunks)
+
+
+def test_the_pallas_ssd_kernel_gives_hfs_logits(monkeypatch):
+    """JAXLLM_SSD_KERNEL=pallas: the chunk terms from kernels/pallas_ssd.py (interpreted here)."""
+    monkeypatch.setenv("JAXLLM_SSD_KERNEL", "pallas")
+    assert_chunks_give_hfs_logits(make_model_step(), 100, [40, 3, 57])
+
+
+def assert_chunks_give_hfs_logits(model_step, length: int, chunks: list[int]) -> None:
     step, make_states = model_step
     states = make_states()
     ids, logits, start = GOLDEN[f"prompt_{length}"], [], 0
