@@ -102,6 +102,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     spec_decoding: SpecDecodingStats | None = None  # None: no drafts since the last stats
+    # With LoRA (vLLM's lora_requests_info): the adapters of the running and of the waiting requests, by name
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

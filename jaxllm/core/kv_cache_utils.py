@@ -2,8 +2,9 @@
 
 A full block's hash is SHA-256 over its parent block's hash, its token ids (int32
 bytes) and any extra keys (a LoRA request's adapter: Request.block_hash_keys), so equal
-hashes mean equal prefixes of the same weights, not only equal blocks. SHA-256 from the standard library: collisions are out of reach (a collision
-would silently serve another prompt's KV), its digest is stable across processes
+hashes mean equal prefixes of the same weights, not only equal blocks. SHA-256 from
+the standard library: collisions are out of reach (a collision would silently serve
+another prompt's KV), its digest is stable across processes
 and runs (Python's hash() of a tuple is neither), and at about 1 us for a block of
 16 tokens it costs less than the Python around it.
 """

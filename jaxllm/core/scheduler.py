@@ -365,9 +365,13 @@ class Scheduler:
         spec_stats = self.spec_stats
         if spec_stats is not None:
             self.spec_stats = SpecDecodingStats.empty(self.num_speculative_tokens)
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions,
-                              queries - last_queries, hits - last_hits,
-                              spec_stats if spec_stats is not None and spec_stats.num_drafts else None)
+        stats = SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions,
+                               queries - last_queries, hits - last_hits,
+                               spec_stats if spec_stats is not None and spec_stats.num_drafts else None)
+        if self.max_loras:
+            stats.running_lora_adapters = _adapter_names(self.running)
+            stats.waiting_lora_adapters = _adapter_names(self.waiting)
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         """Forget the cached prefixes (vLLM's reset_prefix_cache): False while a request holds blocks."""
@@ -383,6 +387,11 @@ class Scheduler:
             self.proposer.forget(request.request_id)
         del self.requests[request.request_id]
         self._finished_req_ids.append(request.request_id)
+
+
+def _adapter_names(requests) -> list[str]:
+    """The distinct LoRA adapters of `requests`, by name, sorted."""
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
 
 
 def _columns(arrays: LogprobsArrays, num_logprobs: int, rows: slice = slice(None)) -> LogprobsArrays:

@@ -238,7 +238,7 @@ class LLMEngine(FrontEnd):
         return self.engine_core.call_utility("remove_lora", lora_id)
 
     def list_loras(self) -> set[int]:
-        """The ids of the adapters the engine holds (in host memory or on the device)."""
+        """The ids of the adapters the engine holds read (max_cpu_loras at most; those on the device among them)."""
         return set(self.engine_core.call_utility("list_loras"))
 
     def start_profile(self, log_dir: str | None = None) -> None:

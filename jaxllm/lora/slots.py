@@ -86,7 +86,7 @@ class LoRASlots:
         for lora_int_id, lora_request in needed.items():
             try:
                 self._activate(lora_request, needed)
-            except ValueError as e:
+            except Exception as e:  # a file that broke after the front end's check: nothing is dispatched yet
                 logger.error("LoRA adapter %r failed to load: %s", lora_request.lora_name, e)
                 errors[lora_int_id] = f"LoRA adapter {lora_request.lora_name!r}: {e}"
         slots = np.full(len(adapters), -1, np.int32)

@@ -126,7 +126,8 @@ class ModelRunner:
         # The target layers whose input states an EAGLE-3 head reads: the forward returns them too.
         self.aux_layers = config.speculative.draft.arch.aux_layer_ids if eagle else ()
         # With enable_lora, the adapters' device slots (jaxllm/lora/slots.py): the forward's `lora` argument.
-        self.lora = LoRASlots(config.lora, mc.arch, self.arch, self._repeat, mc.dtype, self.mesh) if config.lora else None
+        self.lora = (LoRASlots(config.lora, mc.arch, self.arch, self._repeat, mc.dtype, self.mesh)
+                     if config.lora else None)
         self.startup_s = {"weights": time.perf_counter() - start}  # then "kv_cache", "compile" (warm_up)
         self.compile_split = ""  # what the compile phase spent its time on (warm_up)
         self.kv_cache = KVCache(config, self.arch, self.kv_layout, self.mesh,

@@ -92,7 +92,8 @@ def make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batchi
         md = batch.attention
         with_lora = {} if lora is None else {"lora": LoRABatch.of(lora, batch.lora_slots)}
         if aux_layers:
-            hidden, kv_caches, aux = model(batch.input_ids, batch.positions, kv_caches, md, attn_fn, aux_layers)
+            hidden, kv_caches, aux = model(batch.input_ids, batch.positions, kv_caches, md, attn_fn, aux_layers,
+                                           **with_lora)
         else:
             hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, md, attn_fn, **with_lora)
         logits = model.compute_logits(hidden[batch.logits_indices])

@@ -7,8 +7,10 @@ import numpy as np
 
 from tests.conftest import tiny_model
 
-GOLDEN_ADAPTERS = ("attn_r8", "mlp_r4_rslora", "all_r16")  # ids 1, 2, 3 in LORA_REQUESTS
+GOLDEN_ADAPTERS = ("attn_r8", "mlp_r4_rslora", "all_r16")  # ids 1, 2, 3 (lora_request)
 MAX_LORA_RANK = 16
+# fp32 on CPU against PEFT's fp32 torch forward: the logprobs agree to rounding (seen: 2e-6).
+LOGPROB_ATOL = 1e-4
 # The tiny Llama's module shapes [out, in] (hidden 64, 4 q heads and 2 KV heads of 16, intermediate 128).
 MODULE_SHAPES = {"q_proj": (64, 64), "k_proj": (32, 64), "v_proj": (32, 64), "o_proj": (64, 64),
                  "gate_proj": (128, 64), "up_proj": (128, 64), "down_proj": (64, 128)}
@@ -22,6 +24,21 @@ def golden() -> dict[str, np.ndarray]:
 def golden_prompts() -> list[dict]:
     g = golden()
     return [{"prompt_token_ids": g[f"prompt_{i}"].tolist()} for i in range(sum(k.startswith("prompt_") for k in g))]
+
+
+def greedy():
+    from jaxllm import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+
+
+def assert_golden(outputs, model: str, prompt_indices) -> None:
+    """Each output (RequestOutputs of greedy()) has PEFT's tokens and logprobs for its golden prompt."""
+    g = golden()
+    for out, i in zip(outputs, prompt_indices, strict=True):
+        c = out.outputs[0]
+        assert list(c.token_ids) == g[f"{model}_tokens"][i].tolist(), (model, i)
+        logprobs = [entry[t].logprob for entry, t in zip(c.logprobs, c.token_ids)]
+        np.testing.assert_allclose(logprobs, g[f"{model}_logprobs"][i], atol=LOGPROB_ATOL, rtol=0)
 
 
 def lora_request(name: str):

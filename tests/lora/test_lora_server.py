@@ -11,8 +11,10 @@ import pytest
 from jaxllm.entrypoints.openai.cli_args import lora_module
 from jaxllm.entrypoints.openai.serving_models import runtime_lora_updating
 from tests.conftest import tiny_model
-from tests.entrypoints.conftest import MODEL_NAME, start_server
+from tests.entrypoints.conftest import MODEL_NAME, metric_values, scrape, start_server
 from tests.lora.adapters import MAX_LORA_RANK, golden, write_adapter
+
+pytestmark = pytest.mark.timeout(300)  # a hung server fails the test; the fixture stops it either way
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +116,14 @@ def test_runtime_updating_is_off_unless_a_variable_says_true(monkeypatch):
     assert not runtime_lora_updating()
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
     assert runtime_lora_updating()
+
+
+def test_metrics_show_the_running_adapters(server):
+    body = {"model": "attn", "prompt": [5, 17, 99], "max_tokens": 400, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as stream:
+        lines = stream.iter_lines()
+        for _ in range(5):  # a few steps in: each step's stats name the running adapters
+            next(lines)
+        running = metric_values(scrape(server), "jaxllm:lora_requests_info")
+    assert list(running) == ['{max_lora="2",running_lora_adapters="attn",waiting_lora_adapters=""}'], running
