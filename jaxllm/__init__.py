@@ -16,6 +16,7 @@ _EXPORTS = {
     "RequestOutput": "jaxllm.outputs", "CompletionOutput": "jaxllm.outputs",
     "PoolingParams": "jaxllm.pooling_params", "PoolingRequestOutput": "jaxllm.outputs",
     "EmbeddingRequestOutput": "jaxllm.outputs", "ScoringRequestOutput": "jaxllm.outputs",
+    "LoRARequest": "jaxllm.lora.request",
 }
 __all__ = list(_EXPORTS)
 

@@ -118,6 +118,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from jaxllm.entrypoints.chat_utils import load_chat_template
     from jaxllm.entrypoints.openai.cli_args import ChatFeatures, served_model_names
     from jaxllm.entrypoints.openai.reasoning_parsers import reasoning_end_token_id
+    from jaxllm.entrypoints.openai.serving_models import ServingModels
 
     configure_logging()
     start = time.perf_counter()
@@ -125,6 +126,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         chat_template = load_chat_template(ns.chat_template)
         features = ChatFeatures(ns.tool_call_parser, ns.enable_auto_tool_choice,
                                 max_stored_responses=ns.max_stored_responses)
+        if ns.lora_modules and not ns.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
         engine = AsyncLLM.from_engine_args(engine_args_from(ns))
     if ns.reasoning_parser is not None:
         try:  # its tags must be tokens of the vocabulary
@@ -133,10 +136,16 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             engine.shutdown()
             raise UserError(str(e)) from e
         features = dataclasses.replace(features, reasoning_parser=ns.reasoning_parser, reasoning_end_token_id=end_id)
+    names = served_model_names(ns, engine.config.model.path)
+    try:  # the adapters' names and files, checked before the server starts
+        ServingModels(engine, names, ns.lora_modules)
+    except ValueError as e:
+        engine.shutdown()
+        raise UserError(f"--lora-modules: {e}") from e
     print(f"engine ready in {time.perf_counter() - start:.1f} s: {engine.engine_core.description}", flush=True)
-    run_server(engine, served_model_names(ns, engine.config.model.path), ns.host, ns.port, ns.api_key,
+    run_server(engine, names, ns.host, ns.port, ns.api_key,
                chat_template, ns.max_log_len, ns.uvicorn_log_level, ns.max_request_body_bytes,
-               ns.max_seqs_per_request, ns.shutdown_timeout, features)
+               ns.max_seqs_per_request, ns.shutdown_timeout, features, ns.lora_modules)
     return 0
 
 

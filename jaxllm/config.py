@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.device_facts import DeviceFacts, device_facts
+from jaxllm.lora.config import LoRAConfig, resolve_lora_config
 from jaxllm.model_source import locate_model, resolve_model, resolve_tokenizer, tensor_names
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.eagle_config import EAGLE_ARCHITECTURES, EAGLE_TARGETS, EagleArchConfig
@@ -137,6 +138,7 @@ class Config:
     logits_processors: tuple = ()  # LogitsProcessor subclasses (jaxllm/sample/logits_processor.py)
     batch_invariant: bool = False  # a request's numbers do not depend on its batch (kernels/batch_invariant.py)
     speculative: SpeculativeConfig | None = None  # speculative decoding (jaxllm/spec_decode)
+    lora: LoRAConfig | None = None  # with enable_lora: per-request LoRA adapters (jaxllm/lora)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -206,6 +208,13 @@ class EngineArgs:
     runner: str = "auto"
     # vLLM's, with runner="pooling": {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} (LAST, true)
     pooler_config: dict[str, typing.Any] | None = None
+    # vLLM's: requests may name a PEFT LoRA adapter (LoRARequest), max_loras of them on the device at once
+    # (and in one step), each padded to max_lora_rank; max_cpu_loras read ones kept in host memory
+    # (None: max_loras). See docs/lora.md.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def create_config(self, devices: DeviceFacts | None = None) -> Config:
         """The validated Config, for the devices `devices` describes (default: those a fresh process
@@ -302,6 +311,9 @@ class EngineArgs:
         elif speculative is not None and speculative.method in EAGLE_METHODS:
             speculative = dataclasses.replace(speculative, draft=self._eagle_head(speculative.method, speculative.model,
                                                                                   arch, max_len, dtype))
+        lora = resolve_lora_config(self.enable_lora, self.max_loras, self.max_lora_rank, self.max_cpu_loras, arch, {
+            "speculative_config": speculative is not None, "runner='pooling'": pooler_config is not None,
+            "batch_invariant": self.batch_invariant})
         return Config(
             model=ModelConfig(path=path, format=fmt, hf_config=hf_config, arch=arch,
                               dtype=dtype, max_model_len=max_len,
@@ -319,6 +331,7 @@ class EngineArgs:
             logits_processors=logits_processors,
             batch_invariant=self.batch_invariant,
             speculative=speculative,
+            lora=lora,
         )
 
     def _pooler_config(self, speculative: SpeculativeConfig | None) -> PoolerConfig | None:

@@ -3,6 +3,7 @@ import enum
 import logging
 
 from jaxllm.contracts.engine_core import EngineCoreRequest
+from jaxllm.lora.request import LoRARequest
 from jaxllm.pooling_params import PoolerConfig, PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
@@ -34,9 +35,11 @@ FINISH_REASONS = {
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: tuple[int, ...], seed: int, bad_words_token_ids: list[list[int]] = (),
-                 pooling_params: PoolingParams | None = None, pools_every_token: bool = False):
+                 pooling_params: PoolingParams | None = None, pools_every_token: bool = False,
+                 lora_request: LoRARequest | None = None):
         """pooling_params: a pooling request's (it ends at its prompt's end, with its pooled hidden state);
-        pools_every_token: its engine pools hidden states before the last (PoolerConfig.reads_every_token)."""
+        pools_every_token: its engine pools hidden states before the last (PoolerConfig.reads_every_token);
+        lora_request: the LoRA adapter it runs on."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -66,6 +69,9 @@ class Request:
         self.next_prompt_logprob = 1
         self.first_scheduled_time: float | None = None
         self.block_hashes: list[bytes] = []  # of its full blocks, for the prefix cache (core/kv_cache_utils.py)
+        self.lora_request = lora_request
+        # What else its blocks' hashes cover: another adapter's KV of the same tokens differs.
+        self.block_hash_keys = () if lora_request is None else (lora_request.lora_name, lora_request.lora_int_id)
         self.num_cached_tokens = -1  # prompt tokens the prefix cache held when first scheduled; -1 until then
         self.pooling_params = pooling_params
         # Prompt logprobs, and a pooler that reads every prompt token's hidden state, need each prompt
@@ -78,7 +84,12 @@ class Request:
         """pooler: the engine's (None: it does not pool)."""
         return cls(request.request_id, request.prompt_token_ids, request.sampling_params,
                    request.eos_token_ids, request.seed, request.bad_words_token_ids, request.pooling_params,
-                   pooler is not None and pooler.reads_every_token)
+                   pooler is not None and pooler.reads_every_token, request.lora_request)
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id, 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -23,6 +23,7 @@ from jaxllm.kernels import batch_invariant
 from jaxllm.kernels.attention import AttentionMetadata, write_kv
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.kv_layout import model_kv_layout
+from jaxllm.models.lora import LayerLoRA, LoRABatch
 from jaxllm.models.yarn import yarn_attention_factor, yarn_inv_freq
 
 INIT_STD = 0.02  # HF's initializer_range; keeps random-weight activations sane
@@ -136,20 +137,24 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x, cos, sin, kv_cache, md: AttentionMetadata, attn_fn):
+    def __call__(self, x, cos, sin, kv_cache, md: AttentionMetadata, attn_fn, lora: LayerLoRA | None = None):
         """x [num_tokens, hidden] -> ([num_tokens, hidden], (k_cache, v_cache)); md: the layer's
-        KV cache group's (AttentionMetadata.group)."""
+        KV cache group's (AttentionMetadata.group); lora: the step's adapters (models/lora.py)."""
         n, g = x.shape[0], self.num_heads // self.num_kv_heads
         qkv = self.qkv_proj(x).reshape(n, self.num_kv_heads, g + 2, self.head_dim)
         q = qkv[:, :, :g].reshape(n, self.num_heads, self.head_dim)  # q head i is KV head i // g's
         k, v = qkv[:, :, g], qkv[:, :, g + 1]
+        if lora is not None:  # HF's q_proj, k_proj and v_proj outputs, head by head
+            q, k, v = (p + lora(name, x).reshape(p.shape) for p, name in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = write_kv(*kv_cache, k, v, md.slot_mapping)
         o = attn_fn(q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables,
                     md.num_seqs, scale=self.head_dim ** -0.5, sliding_window=self.sliding_window)
-        return self.o_proj(o.reshape(n, self.num_heads * self.head_dim)), (k_cache, v_cache)
+        o = o.reshape(n, self.num_heads * self.head_dim)
+        out = self.o_proj(o) if lora is None else self.o_proj(o) + lora("o_proj", o)
+        return out, (k_cache, v_cache)
 
 
 class MLP(nnx.Module):
@@ -163,10 +168,14 @@ class MLP(nnx.Module):
         self.gate_up_proj = Linear(h, (2, m), ("embed", None, "mlp"), dtype=dtype, rngs=rngs)
         self.down_proj = Linear(m, h, ("mlp", "embed"), dtype=dtype, rngs=rngs)
 
-    def __call__(self, x):
-        """x [num_tokens, hidden] -> [num_tokens, hidden]."""
+    def __call__(self, x, lora: LayerLoRA | None = None):
+        """x [num_tokens, hidden] -> [num_tokens, hidden]; lora: the step's adapters (models/lora.py)."""
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2, intermediate]
-        return self.down_proj(self.activation(gate_up[:, 0]) * gate_up[:, 1])
+        gate, up = gate_up[:, 0], gate_up[:, 1]
+        if lora is None:
+            return self.down_proj(self.activation(gate) * up)
+        h = self.activation(gate + lora("gate_proj", x)) * (up + lora("up_proj", x))
+        return self.down_proj(h) + lora("down_proj", h)
 
 
 class DecoderLayer(nnx.Module):
@@ -180,10 +189,12 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.mlp = MLP(config, dtype=dtype, rngs=rngs) if mlp is None else mlp
 
-    def __call__(self, x, cos, sin, kv_cache, md, attn_fn):
-        h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, md, attn_fn)
+    def __call__(self, x, cos, sin, kv_cache, md, attn_fn, lora: LayerLoRA | None = None):
+        """lora: the step's adapters (only the Llama family's Attention and MLP take them)."""
+        with_lora = {} if lora is None else {"lora": lora}
+        h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, md, attn_fn, **with_lora)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+        return x + self.mlp(self.post_attention_layernorm(x), **with_lora), kv_cache
 
 
 class Embed(nnx.Module):
@@ -209,13 +220,14 @@ class LlamaForCausalLM(nnx.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
 
     def __call__(self, input_ids, positions, kv_caches, md: AttentionMetadata, attn_fn,
-                 aux_layers: tuple[int, ...] = ()):
+                 aux_layers: tuple[int, ...] = (), lora: LoRABatch | None = None):
         """One step over a flattened, padded ragged batch.
 
         input_ids, positions: [num_tokens] int32
         kv_caches: per KV tensor (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim];
           a layer uses its tensor (model_kv_layout)
         aux_layers: layers (ascending) whose input an EAGLE-3 head reads: the residual stream entering each
+        lora: the step's LoRA adapters and each token's slot (models/lora.py); None: the base model alone
         Returns (hidden [num_tokens, hidden_size], the updated kv_caches list), and with aux_layers a third
         item, those states side by side [num_tokens, len(aux_layers) * hidden_size].
         """
@@ -227,7 +239,8 @@ class LlamaForCausalLM(nnx.Module):
             if i in aux_layers:
                 aux.append(x)
             t = layer.kv_tensor
-            x, kv_caches[t] = layer(x, cos, sin, kv_caches[t], md.group(layer.kv_group), attn_fn)
+            with_lora = {} if lora is None else {"lora": lora.layer(i)}
+            x, kv_caches[t] = layer(x, cos, sin, kv_caches[t], md.group(layer.kv_group), attn_fn, **with_lora)
         if aux_layers:
             return self.norm(x), kv_caches, jnp.concatenate(aux, axis=-1)
         return self.norm(x), kv_caches

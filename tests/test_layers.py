@@ -16,11 +16,11 @@ import jaxllm
 LAYERS = [
     {"base": ["jaxllm.utils", "jaxllm.typecheck", "jaxllm.sharding", "jaxllm.distributed", "jaxllm.compilation",
               "jaxllm.kernels", "jaxllm.models", "jaxllm.sampling_params", "jaxllm.pooling_params",
-              "jaxllm.structured_output", "jaxllm.outputs", "jaxllm.sample.logits_processor"]},
+              "jaxllm.structured_output", "jaxllm.outputs", "jaxllm.sample.logits_processor", "jaxllm.lora"]},
     {"config": ["jaxllm.config", "jaxllm.model_source", "jaxllm.device_facts", "jaxllm.model_hub", "jaxllm.tokenizer", "jaxllm.profiling"]},
     {"contracts": ["jaxllm.contracts"]},
     {"sample": ["jaxllm.sample"]},
-    {"core": ["jaxllm.core", "jaxllm.request", "jaxllm.spec_decode"], "worker": ["jaxllm.worker"]},
+    {"core": ["jaxllm.core", "jaxllm.request", "jaxllm.spec_decode"], "worker": ["jaxllm.worker", "jaxllm.lora.slots"]},
     {"executor": ["jaxllm.executor"]},
     {"engine": ["jaxllm.engine"]},
     {"front": ["jaxllm.entrypoints", "jaxllm.benchmarks", "jaxllm.cli", "jaxllm"]},  # "jaxllm": the package's own names

@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from jaxllm.lora.request import LoRARequest
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
@@ -37,6 +38,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # A pooling request's (its sampling_params are then pooling_params.POOLING_SAMPLING_PARAMS): it ends
     # at its prompt's end with the prompt's pooled hidden state, and samples nothing
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None  # the LoRA adapter it runs on (an engine with enable_lora)
 
 
 class LogprobsArrays(msgspec.Struct, array_like=True, gc=False):
@@ -100,6 +102,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     spec_decoding: SpecDecodingStats | None = None  # None: no drafts since the last stats
+    # With LoRA (vLLM's lora_requests_info): the adapters of the running and of the waiting requests, by name
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

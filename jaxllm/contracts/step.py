@@ -12,6 +12,7 @@ import msgspec
 import numpy as np
 
 from jaxllm.contracts.engine_core import LogprobsArrays
+from jaxllm.lora.request import LoRARequest
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
@@ -28,6 +29,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     host_masked: bool = False  # its steps sample under TokenMasks from the core
     # A pooling request's: its steps sample nothing, and the one that reaches its prompt's end pools it
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None  # its LoRA adapter (jaxllm/lora); None: the base model
 
 
 # A draft that the step in flight makes on the device: the next step reads it there. Not -1, which

@@ -9,6 +9,10 @@ is preempted (its blocks freed, its progress reset) back to the head of waiting.
 A request admitted from waiting starts after the longest prefix the KV cache holds
 (prefix caching: KVCacheManager.get_computed_blocks), a resumed one included.
 
+LoRA (max_loras > 0): the running requests use at most max_loras distinct adapters, so every
+step's adapters fit the runner's device slots. A waiting request whose adapter would be one
+too many stays waiting, in its place, and those behind it may be admitted.
+
 Asynchronous scheduling: step N+1 is scheduled while step N runs, so a token that
 step N samples is not known yet. It counts as a placeholder
 (`num_output_placeholders`): its KV slot can be scheduled (the runner feeds it
@@ -53,12 +57,14 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, proposer=None,
-                 num_speculative_tokens: int = 0):
-        """proposer: the drafts' (spec_decode/), up to num_speculative_tokens per request and step."""
+                 num_speculative_tokens: int = 0, max_loras: int = 0):
+        """proposer: the drafts' (spec_decode/), up to num_speculative_tokens per request and step;
+        max_loras: with LoRA, the most distinct adapters the running requests may use."""
         self.config = config
         self.kv = kv_cache_manager
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
+        self.max_loras = max_loras
         self.num_lookahead_tokens = proposer.num_lookahead_tokens if proposer else 0
         # Since the last stats, and since start-up.
         self.spec_stats = SpecDecodingStats.empty(num_speculative_tokens) if proposer else None
@@ -119,9 +125,15 @@ class Scheduler:
                 i += 1
 
         # Admit waiting requests only in a step that preempted nothing: blocks are short.
+        skipped: list[Request] = []  # waiting requests whose adapter would be one too many, in order
+        running_loras = {r.lora_int_id for r in self.running} - {0} if self.max_loras else set()
         while (self.waiting and budget > 0 and not preempted and not self.paused
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            if request.lora_int_id and request.lora_int_id not in running_loras:
+                if len(running_loras) >= self.max_loras:
+                    skipped.append(self.waiting.popleft())
+                    continue
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             num_new = min(self._num_pending_tokens(request) - num_cached, budget)
             new_blocks = self._allocate(request, num_new, num_cached, computed_blocks)
@@ -136,13 +148,16 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.lora_int_id:
+                running_loras.add(request.lora_int_id)
             new_requests.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, request.sampling_params, request.seed,
                 request.stop_token_ids, list(request.output_token_ids), request.banned_token_ids,
-                request.needs_host_mask, request.pooling_params))
+                request.needs_host_mask, request.pooling_params, request.lora_request))
             out.append(self._schedule(request, num_new, new_blocks))
             requests.append(request)
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
 
         self.num_preemptions += preempted
         if not out:  # an empty output never reaches the runner: the ids wait for the next one
@@ -350,9 +365,13 @@ class Scheduler:
         spec_stats = self.spec_stats
         if spec_stats is not None:
             self.spec_stats = SpecDecodingStats.empty(self.num_speculative_tokens)
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions,
-                              queries - last_queries, hits - last_hits,
-                              spec_stats if spec_stats is not None and spec_stats.num_drafts else None)
+        stats = SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions,
+                               queries - last_queries, hits - last_hits,
+                               spec_stats if spec_stats is not None and spec_stats.num_drafts else None)
+        if self.max_loras:
+            stats.running_lora_adapters = _adapter_names(self.running)
+            stats.waiting_lora_adapters = _adapter_names(self.waiting)
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         """Forget the cached prefixes (vLLM's reset_prefix_cache): False while a request holds blocks."""
@@ -368,6 +387,11 @@ class Scheduler:
             self.proposer.forget(request.request_id)
         del self.requests[request.request_id]
         self._finished_req_ids.append(request.request_id)
+
+
+def _adapter_names(requests) -> list[str]:
+    """The distinct LoRA adapters of `requests`, by name, sorted."""
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
 
 
 def _columns(arrays: LogprobsArrays, num_logprobs: int, rows: slice = slice(None)) -> LogprobsArrays:

@@ -16,6 +16,7 @@ from jaxllm.engine.core_client import AsyncMPClient
 from jaxllm.engine.exceptions import EngineDeadError
 from jaxllm.engine.llm_engine import FrontEnd, data_parallel
 from jaxllm.engine.processor import PromptType
+from jaxllm.lora.request import LoRARequest, lora_request_fields
 from jaxllm.outputs import PoolingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
@@ -75,13 +76,14 @@ class AsyncLLM(FrontEnd):
         """True once the engine core has died (no request can be served again)."""
         return self._dead is not None or self.engine_core.dead
 
-    def generate(self, prompt: PromptType, sampling_params: SamplingParams,
-                 request_id: str) -> AsyncGenerator[RequestOutput, None]:
+    def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
+                 lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
         """This request's outputs as the engine makes them, per `sampling_params.output_kind`
         (FINAL_ONLY: one). A bad request raises ValueError or TypeError before any output.
         With n > 1, a streamed output holds the samples that changed since the last one
-        taken (each CompletionOutput's index says which); FINAL_ONLY's holds all n."""
-        return self._outputs(request_id, prompt, sampling_params)
+        taken (each CompletionOutput's index says which); FINAL_ONLY's holds all n.
+        lora_request: the LoRA adapter it runs on (an engine with enable_lora)."""
+        return self._outputs(request_id, prompt, sampling_params, lora_request)
 
     def encode(self, prompt: PromptType, pooling_params: PoolingParams,
                request_id: str) -> AsyncGenerator[PoolingRequestOutput, None]:
@@ -89,9 +91,10 @@ class AsyncLLM(FrontEnd):
         runner="pooling". A bad request raises ValueError or TypeError before it."""
         return self._outputs(request_id, prompt, pooling_params)
 
-    async def _outputs(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams):
+    async def _outputs(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
+                       lora_request: LoRARequest | None = None):
         """A request's outputs until its last; leaving early aborts it."""
-        collector = self._add_request(request_id, prompt, params)
+        collector = self._add_request(request_id, prompt, params, lora_request)
         finished = False
         try:
             while not finished:
@@ -102,11 +105,11 @@ class AsyncLLM(FrontEnd):
             if not finished and not self.errored:
                 self._abort([request_id])
 
-    def _add_request(self, request_id: str, prompt: PromptType,
-                     params: SamplingParams | PoolingParams) -> RequestOutputCollector:
+    def _add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
+                     lora_request: LoRARequest | None = None) -> RequestOutputCollector:
         if self._dead is not None:
             raise self._dead
-        requests = self._make_requests(request_id, prompt, params)
+        requests = self._make_requests(request_id, prompt, params, lora_request)
         kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.FINAL_ONLY
         collector = self._collectors[request_id] = RequestOutputCollector(kind)
         try:
@@ -173,6 +176,17 @@ class AsyncLLM(FrontEnd):
         if self._dead is not None:
             raise self._dead
         return await self.engine_core.call_utility_async("reset_prefix_cache")
+
+    # ---- LoRA adapters: as LLMEngine's ----
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        self.lora_checks.check(lora_request)
+        return await self.engine_core.call_utility_async("add_lora", *lora_request_fields(lora_request))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self.engine_core.call_utility_async("remove_lora", lora_id)
+
+    async def list_loras(self) -> set[int]:
+        return set(await self.engine_core.call_utility_async("list_loras"))
 
     # ---- inside a training loop (docs/jax.md); the core is in a process of its own ----
     async def pause_generation(self, mode: str = "wait") -> None:

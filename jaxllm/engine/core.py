@@ -37,6 +37,7 @@ from jaxllm.core.token_masks import make_token_masks
 from jaxllm.distributed import init_distributed
 from jaxllm.executor import make_executor
 from jaxllm.executor.multihost import HEARTBEAT_S
+from jaxllm.lora.request import LoRARequest
 from jaxllm.request import Request, RequestStatus, check_token_ids
 from jaxllm.spec_decode import make_proposer
 from jaxllm.worker.step_output import StepOutput
@@ -57,7 +58,8 @@ class EngineCore:
         kv = KVCacheManager(self.executor.num_blocks, config.cache.block_size, self.executor.kv_layout,
                             config.cache.enable_prefix_caching,
                             use_eagle=config.speculative is not None and config.speculative.method in EAGLE_METHODS)
-        self.scheduler = Scheduler(config.scheduler, kv, make_proposer(config), config.num_speculative_tokens)
+        self.scheduler = Scheduler(config.scheduler, kv, make_proposer(config), config.num_speculative_tokens,
+                                   config.lora.max_loras if config.lora else 0)
         self.batch_queue_size = 2 if config.scheduler.async_scheduling else 1
         self.batch_queue: collections.deque[tuple[SchedulerOutput, StepOutput]] = collections.deque()
         self._grammar_compiler = None  # made for the first request with structured outputs
@@ -76,6 +78,8 @@ class EngineCore:
             pooler = self.config.model.pooler_config
             if request.pooling_params is not None and pooler is None:
                 raise ValueError("pooling_params: this engine does not pool (start it with runner='pooling')")
+            if request.lora_request is not None and self.config.lora is None:
+                raise ValueError("lora_request: this engine was started without enable_lora")
             core_request = Request.from_engine_core_request(request, pooler)
         except Exception as e:
             logger.exception("request %s: rejected", request.request_id)
@@ -245,6 +249,26 @@ class EngineCore:
 
     def get_params(self) -> dict:
         return self.executor.collective_rpc("get_params")
+
+    # ---- LoRA adapters (vLLM's add_lora, remove_lora, list_loras) ----
+    def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str) -> bool:
+        """Read the adapter into the runner's host memory now; raises ValueError on a bad adapter."""
+        self._check_lora("add_lora")
+        self.executor.collective_rpc("add_lora", LoRARequest(lora_name, lora_int_id, lora_path))
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop the adapter from the runner's slots and host memory (False: not loaded, or still running)."""
+        self._check_lora("remove_lora")
+        return self.executor.collective_rpc("remove_lora", lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        self._check_lora("list_loras")
+        return self.executor.collective_rpc("list_loras")
+
+    def _check_lora(self, what: str) -> None:
+        if self.config.lora is None:
+            raise ValueError(f"{what}: this engine was started without enable_lora")
 
     def collective_rpc(self, method: str, args: list | tuple = ()):
         """Call a method of every model runner (vLLM's collective_rpc); this host's result."""

@@ -17,6 +17,8 @@ from jaxllm.engine.core_client import InprocClient, SyncMPClient
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.parallel_sampling import ParentRequest
 from jaxllm.engine.processor import Processor, PromptType
+from jaxllm.lora.adapter import AdapterChecks
+from jaxllm.lora.request import LoRARequest, lora_request_fields
 from jaxllm.outputs import PoolingRequestOutput, RequestOutput
 from jaxllm.pooling_params import POOLING_SAMPLING_PARAMS, PoolingParams
 from jaxllm.sampling_params import SamplingParams
@@ -73,6 +75,7 @@ class FrontEnd:
         if self.default_sampling_fields:
             logger.info("default sampling params from the model's files: %s", self.default_sampling_fields)
         self.processor = Processor(self.config, self.tokenizer)
+        self.lora_checks = AdapterChecks(self.config.lora, self.config.model.arch)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._arrivals = itertools.count()
         # Called with the SchedulerStats that come with the core's outputs (the server's metrics).
@@ -101,15 +104,18 @@ class FrontEnd:
         except (TypeError, ValueError) as e:
             raise type(e)(f"the model's default sampling params ({self.config.model.path}): {e}") from e
 
-    def _make_requests(self, request_id: str, prompt: PromptType,
-                       params: SamplingParams | PoolingParams) -> list[EngineCoreRequest]:
+    def _make_requests(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
+                       lora_request: LoRARequest | None = None) -> list[EngineCoreRequest]:
         """Validate one request and register it with the output processor; a bad one
         raises ValueError (or TypeError) here, before it reaches the core. Returns what
         the core runs: the request, or with n > 1 its n children (ParentRequest)."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise ValueError("lora_request: pooling requests run on the base model")
             return [self._make_pooling_request(request_id, prompt, params)]
+        self.lora_checks.check(lora_request)
         processed = self.processor.process(prompt, params)
         arrival_time = time.monotonic()
         parent = ParentRequest(request_id, params, arrival_time) if params.n > 1 else None
@@ -129,7 +135,8 @@ class FrontEnd:
             self.output_processor.add_request(core_id, processed.prompt, processed.prompt_token_ids, child_params,
                                               arrival_time, parent, index)
             requests.append(EngineCoreRequest(core_id, processed.prompt_token_ids, child_params, self.eos_token_ids,
-                                              seed, arrival_time, processed.bad_words_token_ids))
+                                              seed, arrival_time, processed.bad_words_token_ids,
+                                              lora_request=lora_request))
         return requests
 
     def _make_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams) -> EngineCoreRequest:
@@ -186,12 +193,14 @@ class LLMEngine(FrontEnd):
             return cls(SyncMPClient(config, show_progress))
         return cls(InprocClient(args.create_config(live_device_facts()), show_progress))
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams) -> None:
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
+                    lora_request: LoRARequest | None = None) -> None:
         """Validate and queue one request (with n > 1, its n children); a bad one raises
         ValueError and leaves the rest untouched. With n > 1 the RequestOutputs carry this
         request_id, and each CompletionOutput its child's index. With PoolingParams (an engine
-        with runner="pooling"), a pooling request: one PoolingRequestOutput, with its vector."""
-        for request in self._make_requests(request_id, prompt, params):
+        with runner="pooling"), a pooling request: one PoolingRequestOutput, with its vector.
+        lora_request: the LoRA adapter it runs on (an engine with enable_lora; docs/lora.md)."""
+        for request in self._make_requests(request_id, prompt, params, lora_request):
             self.engine_core.add_request(request)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -217,6 +226,20 @@ class LLMEngine(FrontEnd):
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (and nothing forgotten) while requests run."""
         return self.engine_core.call_utility("reset_prefix_cache")
+
+    # ---- LoRA adapters (vLLM's names) ----
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check the adapter and read it into the engine's host memory now, before its first request."""
+        self.lora_checks.check(lora_request)
+        return self.engine_core.call_utility("add_lora", *lora_request_fields(lora_request))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Drop a loaded adapter (False: not loaded, or a request still runs on it)."""
+        return self.engine_core.call_utility("remove_lora", lora_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters the engine holds read (max_cpu_loras at most; those on the device among them)."""
+        return set(self.engine_core.call_utility("list_loras"))
 
     def start_profile(self, log_dir: str | None = None) -> None:
         """Record a jax.profiler trace of the engine core into `log_dir` (default

@@ -16,6 +16,7 @@ from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.processor import PromptType
 from jaxllm.entrypoints.chat_utils import chat_messages
 from jaxllm.entrypoints.score_utils import check_score_inputs, cosine_scores
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput, ScoringRequestOutput
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
@@ -148,11 +149,13 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the prompts' order. A bad
         prompt raises ValueError or TypeError naming its index ("prompt 2: ...") and
         leaves none of this call's requests in the engine. Without sampling_params, the
-        model's defaults (get_default_sampling_params).
+        model's defaults (get_default_sampling_params). lora_request: the LoRA adapter every
+        prompt runs on, or one per prompt (None: the base model); the engine needs enable_lora.
 
         A request the engine failed (a model step that raised) comes back with
         finish_reason "error" and its `error` set, and a warning is logged."""
@@ -160,7 +163,7 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = self._params_list(sampling_params, len(prompts))
-        return self._run(prompts, params, use_tqdm)
+        return self._run(prompts, params, use_tqdm, _lora_list(lora_request, len(prompts)))
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
@@ -198,10 +201,11 @@ class LLM:
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat
         template. A message's content is a str or a list of OpenAI text parts
-        ([{"type": "text", "text": ...}], joined by newlines)."""
+        ([{"type": "text", "text": ...}], joined by newlines). lora_request: as generate's."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer, and this engine was started with skip_tokenizer_init")
@@ -216,7 +220,7 @@ class LLM:
             text = tokenizer.apply_chat_template(chat_messages(i, conversation), chat_template=chat_template,
                                                  tokenize=False, add_generation_prompt=add_generation_prompt)
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     @staticmethod
     def _params_list(params, n: int, kind: type = SamplingParams) -> list:
@@ -240,8 +244,8 @@ class LLM:
                     raise _prompt_error(i, e) from e
         return [final[id(p)] for p in params]
 
-    def _run(self, prompts: list, params: list[SamplingParams | PoolingParams],
-             use_tqdm: bool) -> list[RequestOutput | PoolingRequestOutput]:
+    def _run(self, prompts: list, params: list[SamplingParams | PoolingParams], use_tqdm: bool,
+             lora_requests: list[LoRARequest | None] | None = None) -> list[RequestOutput | PoolingRequestOutput]:
         if self._paused:
             raise ValueError("generation is paused: resume_generation() first")
         if self._asleep:
@@ -254,7 +258,7 @@ class LLM:
                     request_id = str(self._counter)
                     self._counter += 1
                     try:
-                        self.llm_engine.add_request(request_id, prompt, p)
+                        self.llm_engine.add_request(request_id, prompt, p, lora_requests and lora_requests[i])
                     except (ValueError, TypeError) as e:
                         raise _prompt_error(i, e) from e
                     self._inboxes[request_id] = inbox
@@ -318,6 +322,17 @@ def _prompt_list(prompts, name: str) -> list:
     if not isinstance(prompts, (list, tuple)):
         raise TypeError(f"{name} must be a str, a dict or a list of them, got {type(prompts).__name__}")
     return list(prompts)
+
+
+def _lora_list(lora_request, n: int) -> list | None:
+    """One LoRARequest (or None) per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    if not isinstance(lora_request, (list, tuple)):
+        raise TypeError(f"lora_request must be a LoRARequest or a list of them, got {type(lora_request).__name__}")
+    if len(lora_request) != n:
+        raise ValueError(f"got {len(lora_request)} lora_request for {n} prompts")
+    return list(lora_request)
 
 
 def _failed(out: RequestOutput | PoolingRequestOutput) -> bool:

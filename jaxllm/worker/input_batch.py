@@ -41,14 +41,16 @@ class StepBatch:
     first_rows: jax.Array      # [R] int32: each request's first row of logits if it samples, else -1 (a draft model's)
     # [R] int32, an EAGLE head's: after a prefill chunk that does not sample, the id of the token after it, else -1
     next_token_ids: jax.Array | None = None
+    lora_slots: jax.Array | None = None  # [T] int32, with LoRA: each token's adapter slot, -1 for none
 
 
 class BatchLayout:
     """Offsets and shapes of a bucket's fields in its int32 buffer."""
 
     def __init__(self, num_tokens: int, num_reqs: int, max_blocks_per_seq: int, num_groups: int = 1,
-                 num_rows: int | None = None, next_tokens: bool = False):
-        """num_rows: of logits (L; default num_reqs); next_tokens: with the next_token_ids field (EAGLE's)."""
+                 num_rows: int | None = None, next_tokens: bool = False, lora: bool = False):
+        """num_rows: of logits (L; default num_reqs); next_tokens: with the next_token_ids field (EAGLE's);
+        lora: with the lora_slots field."""
         T, R, G, L = num_tokens, num_reqs, num_groups, num_rows or num_reqs
         shapes = {
             "input_ids": (T,), "prev_rows": (T,), "positions": (T,), "slot_mapping": (G, T),
@@ -57,6 +59,8 @@ class BatchLayout:
         }
         if next_tokens:
             shapes["next_token_ids"] = (R,)
+        if lora:
+            shapes["lora_slots"] = (T,)
         self.num_tokens, self.num_reqs, self.num_rows = T, R, L
         self.fields: dict[str, tuple[int, tuple[int, ...]]] = {}
         offset = 0
@@ -91,7 +95,8 @@ class BatchLayout:
                                         seq_lens=field("seq_lens"), block_tables=field("block_tables"),
                                         num_seqs=field("num_seqs")),
             sampling=field("sampling"), first_rows=field("first_rows"),
-            next_token_ids=field("next_token_ids") if "next_token_ids" in self.fields else None)
+            next_token_ids=field("next_token_ids") if "next_token_ids" in self.fields else None,
+            lora_slots=field("lora_slots") if "lora_slots" in self.fields else None)
 
 
 class RequestRows:
@@ -214,15 +219,18 @@ def fill_padding(v: dict[str, np.ndarray]) -> None:
     v["first_rows"][:] = -1
     if "next_token_ids" in v:
         v["next_token_ids"][:] = -1
+    if "lora_slots" in v:
+        v["lora_slots"][:] = -1
 
 
 def pack(sched: SchedulerOutput, rows: np.ndarray, state: RequestRows, v: dict[str, np.ndarray],
-         block_size: int, table_width: int = 0) -> np.ndarray | None:
+         block_size: int, table_width: int = 0, lora_slots: np.ndarray | None = None) -> np.ndarray | None:
     """Write the scheduled requests (at `rows` of `state`) into a bucket's host views `v`.
     A request's last token, and with a drafter its drafts (DRAFT_ON_DEVICE), may be ones the
     previous step is still making on the device: the step then reads them there (`prev_rows`:
     their offsets in that step's device tokens) instead of the host. Those are its sampled ids,
     or with a drafter its table of `table_width` (2 + k) words per request (worker/draft_inputs.py).
+    lora_slots [n] int32: with LoRA, each scheduled request's adapter slot (-1: none).
     Returns each request's first row of logits when a request has drafts (its rows are its
     drafts' positions and its last token's), else None (row i is request i's)."""
     reqs = sched.scheduled
@@ -296,6 +304,9 @@ def pack(sched: SchedulerOutput, rows: np.ndarray, state: RequestRows, v: dict[s
         req_of_token = np.repeat(np.arange(n), ends - starts)
         pos = np.arange(total, dtype=np.int32) - qsl[req_of_token] + starts[req_of_token]
     v["positions"][:total] = pos
+    if lora_slots is not None:
+        v["lora_slots"][:total] = lora_slots[req_of_token]
+        v["lora_slots"][total:] = -1
     slots = v["slot_mapping"]
     slots[:, :total] = block_tables[:, req_of_token, pos // block_size] * block_size + pos % block_size
     slots[:, total:] = -1

@@ -43,6 +43,7 @@ from jaxllm import compilation
 from jaxllm.config import EAGLE_METHODS, Config
 from jaxllm.contracts.step import SchedulerOutput, TokenMasks
 from jaxllm.kernels.attention import get_attention_fn
+from jaxllm.lora.slots import LoRASlots
 from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.sample.sampler import SampleMode
 from jaxllm.sharding import make_mesh, replicated
@@ -113,7 +114,8 @@ class ModelRunner:
         num_spec = config.num_speculative_tokens
         eagle = config.speculative is not None and config.speculative.method in EAGLE_METHODS
         layouts = {t: batching.BatchLayout(t, batching.request_bucket(t, sc.max_num_seqs), self.max_blocks_per_seq,
-                                           num_groups, batching.logit_rows(t, sc.max_num_seqs, num_spec), eagle)
+                                           num_groups, batching.logit_rows(t, sc.max_num_seqs, num_spec), eagle,
+                                           config.lora is not None)
                    for t in self.token_buckets}
         self.layouts = layouts
         attn_fn = get_attention_fn(config.attention_backend, self.mesh, config.batch_invariant,
@@ -123,6 +125,9 @@ class ModelRunner:
             self.draft = (EagleProposer if eagle else DraftModel)(config, self.mesh, attn_fn, layouts)
         # The target layers whose input states an EAGLE-3 head reads: the forward returns them too.
         self.aux_layers = config.speculative.draft.arch.aux_layer_ids if eagle else ()
+        # With enable_lora, the adapters' device slots (jaxllm/lora/slots.py): the forward's `lora` argument.
+        self.lora = (LoRASlots(config.lora, mc.arch, self.arch, self._repeat, mc.dtype, self.mesh)
+                     if config.lora else None)
         self.startup_s = {"weights": time.perf_counter() - start}  # then "kv_cache", "compile" (warm_up)
         self.compile_split = ""  # what the compile phase spent its time on (warm_up)
         self.kv_cache = KVCache(config, self.arch, self.kv_layout, self.mesh,
@@ -256,6 +261,8 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Free the device memory now (weights and KV cache), not when a collector finds it."""
         self.weights.delete()
+        if self.lora:
+            self.lora.delete()
         if self.draft:
             self.draft.weights.delete()
         self.kv_cache.delete()
@@ -275,9 +282,11 @@ class ModelRunner:
             self.processor_rows.write(new_processed, failed)
         if self.processor_rows.users and (added or removed):
             self.processor_rows.update_users(added, removed, failed)
+        lora_slots = self.lora.prepare_step(sched, failed) if self.lora else None
         token_bucket = self._token_bucket(sched.num_scheduled_tokens)
         buffer, views = self.next_host_buffer(token_bucket)
-        first_rows = batching.pack(sched, rows, self.request_rows, views, self.block_size, self._table_width)
+        first_rows = batching.pack(sched, rows, self.request_rows, views, self.block_size, self._table_width,
+                                   lora_slots)
         mode = self.request_rows.batch_sample_mode(rows)
         processed = bool(self.processor_rows.users) or bool(self.request_rows.processed[rows].any())
         most = int(self.request_rows.num_logprobs[rows].max())
@@ -336,7 +345,7 @@ class ModelRunner:
         forward = self.executables.get(ExecutableKey(FORWARD, token_bucket), lambda: self.lower_forward(token_bucket))
         with TraceAnnotation("dispatch"):
             greedy, logits, words, hidden, self.kv_cache.caches, *drafter_inputs = forward(
-                self.weights.params, self.kv_cache.caches, self._prev_tokens, buffer)
+                self.weights.params, self.kv_cache.caches, self._prev_tokens, buffer, **self._lora_arg())
         draft_inputs = drafter_inputs[0] if drafter_inputs else None
         draft_hidden = drafter_inputs[1] if len(drafter_inputs) > 1 else hidden
         return _Forward(token_bucket, greedy, logits, words, hidden, draft_inputs, draft_hidden)
@@ -416,7 +425,20 @@ class ModelRunner:
     def lower_forward(self, token_bucket: int) -> jax.stages.Lowered:
         buffer = self._host_buffers[token_bucket][0][0]
         return self.fns.forward.lower(self.weights.params, self.kv_cache.caches, self._prev_tokens, buffer,
-                                      token_bucket)
+                                      token_bucket, **self._lora_arg())
+
+    def _lora_arg(self) -> dict:
+        return {} if self.lora is None else {"lora": self.lora.stacks}
+
+    # ---- LoRA adapters (jaxllm/lora/slots.py) ----
+    def add_lora(self, lora_request) -> None:
+        self.lora.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.lora.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self.lora.list_loras()
 
     def lower_draft(self, token_bucket: int, draft_inputs, sampled, draft_hidden) -> jax.stages.Lowered:
         """The forward's draft_inputs, sampled ids and draft_hidden (arrays or their shapes)."""

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.kernels import batch_invariant
+from jaxllm.models.lora import LoRABatch
 from jaxllm.sample import processors
 from jaxllm.sample.logprobs import compute_logprobs
 from jaxllm.sample.processors import ProcessorState
@@ -70,11 +71,12 @@ def _traced_invariant(fn):
 def make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout], num_sampled: int,
                     aux_layers: tuple[int, ...] = (), drafter_block_size: int | None = None):
     """The jitted forward's function (a closure, not a method: the runner is not kept alive by its executables)."""
-    def step(params, kv_caches, prev_tokens, buffer, token_bucket: int):
+    def step(params, kv_caches, prev_tokens, buffer, token_bucket: int, lora=None):
         """params: flat weights; kv_caches: per KV tensor its arrays (worker/kv_cache.py);
         prev_tokens: the previous step's tokens on the device, its sampled ids [num_sampled] int32, or with a
         drafter its table (draft_inputs.py); buffer [size] int32: this step's inputs, laid out as
-        `token_bucket`'s BatchLayout. Returns (the greedy ids [num_sampled] int32, the logits [L, vocab]
+        `token_bucket`'s BatchLayout; lora: with LoRA, each target module's stacked slots (jaxllm/lora/slots.py),
+        which the buffer's lora_slots index. Returns (the greedy ids [num_sampled] int32, the logits [L, vocab]
         float32 at each sampled position (a request's last token, and its drafts'), their L rows of sampling
         words, the final hidden states [T, hidden_size] (for prompt logprobs and an EAGLE head), kv_caches),
         with a drafter the buffer [size] holding the tokens and positions the step ran (what the drafter
@@ -88,10 +90,12 @@ def make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batchi
             batch = read_previous_step(batch, prev_tokens, drafter_block_size)
         model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, params))
         md = batch.attention
+        with_lora = {} if lora is None else {"lora": LoRABatch.of(lora, batch.lora_slots)}
         if aux_layers:
-            hidden, kv_caches, aux = model(batch.input_ids, batch.positions, kv_caches, md, attn_fn, aux_layers)
+            hidden, kv_caches, aux = model(batch.input_ids, batch.positions, kv_caches, md, attn_fn, aux_layers,
+                                           **with_lora)
         else:
-            hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, md, attn_fn)
+            hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, md, attn_fn, **with_lora)
         logits = model.compute_logits(hidden[batch.logits_indices])
         greedy = jnp.pad(jnp.argmax(logits, axis=-1).astype(jnp.int32), (0, num_sampled - logits.shape[0]))
         outputs = greedy, logits, batch.sampling, hidden, kv_caches

@@ -213,3 +213,19 @@ def test_scheduler_admits_after_the_cached_prefix_and_counts_it():
     stats = s.make_stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (13, 12)
     assert s.make_stats().prefix_cache_hits == 0  # increments since the last stats
+
+
+def test_requests_on_different_lora_adapters_never_share_cached_blocks():
+    from jaxllm.core.kv_cache_utils import update_block_hashes
+    from jaxllm.lora.request import LoRARequest
+    from jaxllm.request import Request
+    from jaxllm.sampling_params import SamplingParams
+
+    def hashes(i, lora):
+        request = Request(str(i), list(range(8)), SamplingParams(), eos_token_ids=(), seed=0, lora_request=lora)
+        return update_block_hashes(request, 4, 8)
+
+    a, b = LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")
+    assert hashes(0, a) == hashes(1, LoRARequest("a", 1, "/a"))
+    assert len({tuple(hashes(0, None)), tuple(hashes(1, a)), tuple(hashes(2, b))}) == 3
+    assert not set(hashes(0, None)) & set(hashes(1, a))

@@ -235,3 +235,23 @@ def test_drafts_in_flight_never_take_a_request_past_max_tokens():
     outputs = land(s, last, [65])
     assert outputs[0].finish_reason == "length" and request.num_output_tokens == 6
     assert s.kv.pool.num_free_blocks == 64
+
+
+def test_running_requests_use_at_most_max_loras_adapters_and_the_others_wait_in_place():
+    from jaxllm.lora.request import LoRARequest
+    s = make_scheduler()
+    s.max_loras = 2
+    adapters = [LoRARequest(f"a{i}", i, "/adapters") for i in (1, 2, 3)]
+    requests = []
+    for i, lora in enumerate([adapters[0], adapters[1], adapters[2], None, adapters[0]]):
+        requests.append(Request(str(i), [1, 2, 3], SamplingParams(max_tokens=2 if i == 0 else 4, temperature=0),
+                                eos_token_ids=(), seed=i, lora_request=lora))
+        s.add_request(requests[-1])
+    out, _ = run_step(s)
+    assert [r.req_id for r in out.scheduled] == ["0", "1", "3", "4"]  # adapter 3 would be a third
+    assert [r.lora_request for r in out.new_requests] == [adapters[0], adapters[1], None, adapters[0]]
+    assert [r.request_id for r in s.waiting] == ["2"]
+    while "2" not in [r.req_id for r in out.scheduled]:
+        assert len({r.lora_int_id for r in s.running} - {0}) <= 2
+        out, _ = run_step(s)
+    assert requests[0].is_finished and requests[4].is_finished  # adapter 3 waited for adapter 1's last request

@@ -2,7 +2,9 @@
 
 Endpoints: /v1/completions, /v1/chat/completions, /v1/responses (each streams as Server-Sent
 Events), GET /v1/responses/{id}, /v1/embeddings and /score (= /v1/score) with --runner pooling,
-/v1/models, /tokenize, /detokenize, /health, /version, /metrics (Prometheus). With an API key,
+/v1/models, /tokenize, /detokenize, /health, /version, /metrics (Prometheus), and with
+$JAXLLM_ALLOW_RUNTIME_LORA_UPDATING /v1/load_lora_adapter and /v1/unload_lora_adapter
+(serving_models.py: LoRA adapters are served under their own model names). With an API key,
 every /v1 route needs `Authorization: Bearer KEY`; the others stay open (a load balancer's
 health check, a Prometheus scrape). Errors are OpenAI's error JSON.
 
@@ -30,11 +32,13 @@ from jaxllm.entrypoints.openai.errors import APIError, engine_dead_error
 from jaxllm.entrypoints.openai.metrics import ServerMetrics, log_stats_periodically
 from jaxllm.entrypoints.openai.pooling_protocol import EmbeddingRequest, ScoreRequest
 from jaxllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                ModelCard, ModelList, TokenizeRequest)
+                                                LoadLoRAAdapterRequest, ModelList, TokenizeRequest,
+                                                UnloadLoRAAdapterRequest)
 from jaxllm.entrypoints.openai.request_body import RequestLimits, parse_request, read_body
 from jaxllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from jaxllm.entrypoints.openai.serving import MAX_TOKENIZE_TOKENS, OpenAIServing
 from jaxllm.entrypoints.openai.serving_chat import ChatServing
+from jaxllm.entrypoints.openai.serving_models import ServingModels, runtime_lora_updating
 from jaxllm.entrypoints.openai.serving_pooling import PoolingServing
 from jaxllm.entrypoints.openai.serving_responses import ResponsesServing
 
@@ -112,10 +116,14 @@ def _error_response(error: APIError) -> Response:
 
 def build_app(engine, model_names: list[str], api_key: str | None = None, chat_template: str | None = None,
               max_log_len: int | None = None, max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
-              max_seqs_per_request: int = MAX_SEQS_PER_REQUEST, features: ChatFeatures = ChatFeatures()) -> FastAPI:
-    metrics = ServerMetrics(model_names[0], engine.config.model.max_model_len)
+              max_seqs_per_request: int = MAX_SEQS_PER_REQUEST, features: ChatFeatures = ChatFeatures(),
+              lora_modules: list[tuple[str, str]] = ()) -> FastAPI:
+    """lora_modules: (name, path) of the LoRA adapters served under their own model names."""
+    models = ServingModels(engine, model_names, lora_modules)
+    lora = engine.config.lora
+    metrics = ServerMetrics(model_names[0], engine.config.model.max_model_len, lora.max_loras if lora else 0)
     engine.stats_listeners.append(metrics.record_scheduler_stats)
-    serving = OpenAIServing(engine, model_names, metrics, chat_template, max_log_len, max_seqs_per_request)
+    serving = OpenAIServing(engine, models, metrics, chat_template, max_log_len, max_seqs_per_request)
     chat = ChatServing(serving, features)
     responses = ResponsesServing(chat, features.max_stored_responses)
     pooling = PoolingServing(serving)
@@ -184,11 +192,17 @@ def build_app(engine, model_names: list[str], api_key: str | None = None, chat_t
         return _respond(await _unless_disconnected(request, pooling.create_score(body)))
 
     @app.get("/v1/models")
-    async def models():
-        max_model_len = engine.config.model.max_model_len
-        cards = [ModelCard(id=name, root=engine.config.model.path, max_model_len=max_model_len)
-                 for name in model_names]
-        return JSONResponse(ModelList(data=cards).model_dump())
+    async def list_models():
+        return JSONResponse(ModelList(data=models.cards()).model_dump())
+
+    if runtime_lora_updating():
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request):
+            return Response(await models.load_lora_adapter(await body_as(request, LoadLoRAAdapterRequest)))
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request):
+            return Response(await models.unload_lora_adapter(await body_as(request, UnloadLoRAAdapterRequest)))
 
     def tokenize_response(body: TokenizeRequest) -> Response:
         if body.messages is not None:
@@ -256,7 +270,8 @@ def run_server(engine, model_names: list[str], host: str, port: int, api_key: st
                chat_template: str | None = None, max_log_len: int | None = None,
                uvicorn_log_level: str = "info", max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
                max_seqs_per_request: int = MAX_SEQS_PER_REQUEST,
-               shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, features: ChatFeatures = ChatFeatures()) -> None:
+               shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S, features: ChatFeatures = ChatFeatures(),
+               lora_modules: list[tuple[str, str]] = ()) -> None:
     """Serve the engine until interrupted (SIGINT, SIGTERM); the engine is shut down then."""
     import uvicorn
 
@@ -274,7 +289,7 @@ def run_server(engine, model_names: list[str], host: str, port: int, api_key: st
     _raise_open_file_limit()
     try:
         app = build_app(engine, model_names, api_key, chat_template, max_log_len, max_request_body_bytes,
-                        max_seqs_per_request, features)
+                        max_seqs_per_request, features, lora_modules)
         logger.info("serving %s on http://%s:%d", ", ".join(model_names), host, port)
         # uvicorn's own deadline is a backstop: past it, it cancels what still runs.
         config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level, timeout_keep_alive=5,

@@ -1,6 +1,7 @@
 """`jaxllm serve`'s own flags (beside EngineArgs'), importable without the serve extra."""
 import argparse
 import dataclasses
+import json
 import os
 
 from jaxllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
@@ -64,6 +65,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="how the model writes tool calls (hermes: also Qwen2.5 and Qwen3)")
     parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                         help="split a reasoning model's thinking (reasoning_content) from its answer")
+    parser.add_argument("--lora-modules", nargs="+", type=lora_module, default=[], metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT folders) served under their own model names, as name=path or "
+                             'vLLM\'s JSON {"name": ..., "path": ...}; needs --enable-lora')
     parser.add_argument("--max-stored-responses", type=int, default=MAX_STORED_RESPONSES, metavar="N",
                         help="/v1/responses kept in memory for previous_response_id and GET, the least recently "
                              "used dropped first (default: %(default)s)")
@@ -77,6 +81,21 @@ def _positive(kind):
         return value
     parse.__name__ = kind.__name__  # argparse names the type in its error
     return parse
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """--lora-modules' item: name=path, or a JSON object with "name" and "path" -> (name, path)."""
+    if text.lstrip().startswith("{"):
+        try:
+            item = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
+        name, path = item.get("name"), item.get("path")
+    else:
+        name, _, path = text.partition("=")
+    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path or {{\"name\": ..., \"path\": ...}}, got {text!r}")
+    return name, path
 
 
 def served_model_names(ns: argparse.Namespace, model_path: str) -> list[str]:

@@ -52,7 +52,8 @@ def _token_buckets(max_model_len: int) -> list[int]:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, max_model_len: int):
+    def __init__(self, model_name: str, max_model_len: int, max_loras: int = 0):
+        """max_loras: with LoRA, the engine's (the lora_requests_info gauge's max_lora label)."""
         disable_created_metrics()  # no `_created` series beside every counter and histogram
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
@@ -85,6 +86,12 @@ class ServerMetrics:
         self._spec_decode_per_pos = Counter(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by their position.",
             registry=self.registry, labelnames=["model_name", "position"])
+        # vLLM's, with LoRA: one series, its labels the adapters' names (comma-separated), its value when seen.
+        self._lora_info = Gauge(PREFIX + "lora_requests_info", "Running and waiting LoRA adapters.",
+                                registry=self.registry,
+                                labelnames=["max_lora", "running_lora_adapters", "waiting_lora_adapters"]
+                                ) if max_loras else None
+        self._max_loras = max_loras
         tokens = _token_buckets(max_model_len)
         self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.", tokens)
         self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens per request.",
@@ -133,6 +140,11 @@ class ServerMetrics:
                 self._spec_decode_per_pos.labels(model_name=self._model_name, position=str(position)).inc(count)
             self.total_drafts += spec.num_drafts
             self.total_accepted += spec.num_accepted_tokens
+        if self._lora_info is not None:
+            self._lora_info.clear()
+            self._lora_info.labels(max_lora=str(self._max_loras),
+                                   running_lora_adapters=",".join(stats.running_lora_adapters),
+                                   waiting_lora_adapters=",".join(stats.waiting_lora_adapters)).set_to_current_time()
         self.scheduler_stats = stats
 
     def _add_prefix_cache(self, queries: int, hits: int) -> None:

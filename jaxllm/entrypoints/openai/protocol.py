@@ -206,6 +206,16 @@ class DetokenizeRequest(Strict):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(Strict):  # vLLM's /v1/load_lora_adapter
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(Strict):  # vLLM's /v1/unload_lora_adapter
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's field; the name alone says which
+
+
 # ---- responses ----
 class UsageInfo(Loose):
     prompt_tokens: int = 0

@@ -28,6 +28,8 @@ from jaxllm.entrypoints.openai.prompts import PromptEncoder, PromptTooLong
 from jaxllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                 CompletionResponse, SamplingRequest, UsageInfo, random_id)
 from jaxllm.entrypoints.openai.request_streams import RequestStreams, ServerShuttingDown
+from jaxllm.entrypoints.openai.serving_models import ServingModels
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -58,10 +60,11 @@ def token_text(token_id: int, logprob) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, engine, served_model_names: list[str], metrics: ServerMetrics,
+    def __init__(self, engine, models: ServingModels, metrics: ServerMetrics,
                  chat_template: str | None, max_log_len: int | None, max_seqs_per_request: int):
         self.engine = engine
-        self.model_names = served_model_names
+        self.models = models  # the base model's names and the LoRA adapters'
+        self.model_names = models.base_names
         self.metrics = metrics
         self.chat_template = chat_template
         self.max_log_len = max_log_len
@@ -92,9 +95,9 @@ class OpenAIServing:
         self._workers.shutdown(wait=False, cancel_futures=True)
 
     # ---- shared checks ----
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
-            raise APIError(404, f"The model {name[:200]!r} does not exist.", param="model", code="model_not_found")
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: the base model); an unknown name is a 404."""
+        return self.models.lora_request(name)
 
     @staticmethod
     def check_stream_options(request: SamplingRequest) -> None:
@@ -194,13 +197,13 @@ class OpenAIServing:
             logger.info("Received request %s: prompt: %r, params: %s", request_id, shown, changed)
 
     # ---- running requests ----
-    async def _outputs(self, request_id: str, prompt: dict, params: SamplingParams,
-                       tracker: RequestTracker) -> AsyncIterator[RequestOutput]:
+    async def _outputs(self, request_id: str, prompt: dict, params: SamplingParams, tracker: RequestTracker,
+                       lora_request: LoRARequest | None) -> AsyncIterator[RequestOutput]:
         """The engine's outputs of one request, counted in the metrics. Closing this
         generator before the last output aborts the request in the engine."""
         default_reason = "abort"
         try:
-            async with contextlib.aclosing(self.engine.generate(prompt, params, request_id)) as outputs:
+            async with contextlib.aclosing(self.engine.generate(prompt, params, request_id, lora_request)) as outputs:
                 async for out in outputs:
                     tracker.update(out)
                     yield out
@@ -214,7 +217,7 @@ class OpenAIServing:
             tracker.finish(default_reason)
 
     def start(self, request_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
-              max_tokens: int) -> RequestStreams:
+              max_tokens: int, lora_request: LoRARequest | None = None) -> RequestStreams:
         self.check_alive()  # again: the engine may have died, or a shutdown begun, while it was prepared
         streams = []
         for i, (text, token_ids) in enumerate(prompts):
@@ -222,7 +225,8 @@ class OpenAIServing:
             self.log_request(rid, text if text is not None else token_ids, params)
             prompt = {"prompt_token_ids": token_ids} if text is None else {"prompt": text,
                                                                           "prompt_token_ids": token_ids}
-            streams.append(self._outputs(rid, prompt, params, RequestTracker(self.metrics, params.n, max_tokens)))
+            streams.append(self._outputs(rid, prompt, params, RequestTracker(self.metrics, params.n, max_tokens),
+                                         lora_request))
         requests = RequestStreams(streams)
         self._running.add(requests)
         return requests
@@ -278,7 +282,7 @@ class OpenAIServing:
     # ---- /v1/completions ----
     async def create_completion(self, request: CompletionRequest):
         """A CompletionResponse, or for stream=true an async iterator of SSE lines."""
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         self.check_stream_options(request)
         self.check_alive()
         if request.best_of is not None and request.best_of != request.n:
@@ -290,7 +294,7 @@ class OpenAIServing:
         prompts, max_tokens, params = await self.in_worker(self._prepare_completion, request)
         request_id = random_id("cmpl")
         model = request.model or self.model_names[0]
-        requests = self.start(request_id, prompts, params, max_tokens)
+        requests = self.start(request_id, prompts, params, max_tokens, lora_request)
         firsts = await self.first_outputs(requests, CompletionRequest.model_fields)
         if request.stream:
             return self._completion_stream(request, request_id, model, prompts, requests)

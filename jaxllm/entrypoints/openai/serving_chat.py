@@ -29,6 +29,7 @@ from jaxllm.entrypoints.openai.serving import OpenAIServing, error_event, sse, t
 from jaxllm.entrypoints.openai.tool_calling import (forced_call_schema, resolve_tool_choice, template_messages,
                                                     template_tools)
 from jaxllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, NamedToolParser, RequiredToolParser
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import CompletionOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -47,6 +48,7 @@ class PreparedChat:
     params: SamplingParams
     new_parser: Callable[[], OutputParser]
     named_tool: bool  # tool_choice named a function (whose call is reported with finish_reason "stop")
+    lora_request: LoRARequest | None = None  # the LoRA adapter its `model` names
 
 
 def finish_reason(engine_reason: str, tools_called: bool, named_tool: bool) -> str:
@@ -111,7 +113,8 @@ class ChatServing:
             overrides["skip_special_tokens"] = False  # the calls' tags are special tokens
         params = base.sampling_params(request, max_tokens, logprobs, kind, **overrides)
         new_parser = functools.partial(self._output_parser, choice, prompt_state, request.parallel_tool_calls)
-        return PreparedChat(text, token_ids, max_tokens, params, new_parser, isinstance(choice, NamedToolChoice))
+        return PreparedChat(text, token_ids, max_tokens, params, new_parser, isinstance(choice, NamedToolChoice),
+                            base.check_model(request.model))
 
     def _structured_outputs(self, request: ChatCompletionRequest, choice, prompt_state: bool | None):
         structured = self.base.structured_outputs(request)
@@ -145,7 +148,7 @@ class ChatServing:
     async def start(self, request_id: str, prepared: PreparedChat, fields) -> tuple[RequestStreams, list]:
         """The request in the engine, and its first outputs (the engine's checks have passed)."""
         requests = self.base.start(request_id, [(prepared.prompt, prepared.token_ids)], prepared.params,
-                                   prepared.max_tokens)
+                                   prepared.max_tokens, prepared.lora_request)
         return requests, await self.base.first_outputs(requests, fields)
 
     @staticmethod

@@ -57,7 +57,9 @@ class PoolingServing:
                              usage=UsageInfo(prompt_tokens=num_tokens, total_tokens=num_tokens))
 
     def _check(self, model: str | None, api: str) -> None:
-        self.serving.check_model(model)
+        if self.serving.check_model(model) is not None:
+            raise APIError(400, f"The {api} API runs on the base model, not on a LoRA adapter ({model!r})",
+                           param="model")
         self.serving.check_alive()
         if self.engine.config.model.pooler_config is None:
             raise APIError(400, f"The model does not support the {api} API: this server's engine generates only "
