@@ -63,6 +63,8 @@
 #   moe-matmul  bench moe-matmul: the grouped GEMM at Qwen3-30B-A3B's experts (bf16, its Triton lowering, FP8)
 #   ssd         the SSD scan's Pallas kernel: its gpu-marked tests, then bench ssd (Mamba2-2.7B's heads,
 #               plain JAX and the kernel, beside an attention layer over the same prompt)
+#   lora        bench serve 1000/1000 on the 8B shape: the base model on a server without LoRA, then 8
+#               random rank-16 adapters mixed uniformly on a server with them (the throughput ratio)
 #   embed       bench throughput --runner pooling on the 8B shape: 1000 prompts of 512 tokens embedded
 #   models      for each of MODELS (default "qwen3-30b-a3b llama-3.1-8b"; any bundled config, e.g.
 #               deepseek-v2-lite, mamba2-2.7b) bench step at batch 1, 64 and 256 (128/128) and bench
@@ -101,7 +103,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 ALL_PARTS=" smoke step tput tput1000 tput2048 qwen startup fp8 prefix prefill serve sampling hf-compare kernels"
-ALL_PARTS+=" check hybrid weights invariant spec draft eagle moe-matmul ssd embed models kv-dtype quant sampler multi-gpu "
+ALL_PARTS+=" check hybrid weights invariant spec draft eagle moe-matmul ssd lora embed models kv-dtype quant sampler multi-gpu "
 [ ${#PARTS[@]} -gt 0 ] || { echo "name at least one part" >&2; usage 2 >&2; }
 expanded=()
 for part in "${PARTS[@]}"; do
@@ -434,6 +436,43 @@ part_serve() {
   fi
   run "${JAXLLM[@]}" bench report serve --dir "$D" --raw-dir "$raw" --concurrencies "$(IFS=,; echo "${conc[*]}")"
 }
+part_lora() {
+  local in=1000 out=1000 max_len=2048 prompts=500 conc=256 seqs=256 batched=8192 port=${PORT:-8766} rank=16 num=8
+  [ $TINY = 1 ] && in=32 out=32 max_len=512 prompts=32 conc=16 seqs=16 batched=512 rank=4 num=2
+  local tok=/tmp/wordtok adapters=/tmp/lora-adapters modules="" names=() mode
+  run "$PY" -m jaxllm.benchmarks.dummy_tokenizer word "$tok" --model "$MODEL8" || return 1
+  if [ $DRY = 1 ]; then  # what the writer prints: NAME=PATH of each adapter
+    show "$PY" -m jaxllm.benchmarks.lora_adapters "$adapters" --model "$MODEL8" --num $num --rank $rank >&3
+    for i in $(seq 0 $(( num - 1 ))); do modules+="lora$i=$adapters/lora$i "; done
+  else
+    modules=$("$PY" -m jaxllm.benchmarks.lora_adapters "$adapters" --model "$MODEL8" --num $num --rank $rank) || return 1
+  fi
+  for module in $modules; do names+=("${module%%=*}"); done
+  local engine=(--model "$MODEL8" "${WEIGHTS8[@]}" --tokenizer "$tok" --max-model-len "$max_len" --max-num-seqs "$seqs"
+                --max-num-batched-tokens "$batched")
+  # The base model on a server without LoRA, then the adapters mixed uniformly on one with them all.
+  for mode in base lora; do
+    local server=("${JAXLLM[@]}" serve "${engine[@]}" --host 127.0.0.1 --port "$port" --uvicorn-log-level warning
+                  --max-log-len 8) pick=()
+    [ $mode = lora ] && server+=(--enable-lora --max-loras $num --max-lora-rank $rank --lora-modules $modules) \
+      pick=(--lora-modules "${names[@]}")
+    local bench=("${JAXLLM[@]}" bench serve --base-url "http://127.0.0.1:$port" --num-prompts "$prompts"
+                 --random-input-len "$in" --random-output-len "$out" --ignore-eos --temperature 1.0
+                 --max-concurrency "$conc" "${pick[@]}" --output-json "$D/serve_$mode.json")
+    if [ $DRY = 1 ]; then
+      show "${server[@]}" >&3; show "${bench[@]}" >&3
+    elif [ "$(( $(left) - 20 ))" -lt 150 ]; then
+      echo "SKIPPED the $mode server: $(left) s left"
+    elif start_server; then
+      step 120 "bench serve, $mode" "${bench[@]}" 2>&1 | tail -22
+      stop_server
+    fi
+  done
+  [ $DRY = 1 ] || "$PY" -c "import json, os; r = {m: json.load(open(f'$D/serve_{m}.json'))['output_throughput']
+    for m in ('base', 'lora') if os.path.exists(f'$D/serve_{m}.json')}; print('output tok/s', r,
+    'LoRA / base: %.3f' % (r['lora'] / r['base']) if len(r) == 2 else '')"
+}
+
 # serve_bench I: bench serve at part_serve's I-th concurrency (its settings).
 serve_bench() {
   local c=${conc[$1]} n=${prompts[$1]}

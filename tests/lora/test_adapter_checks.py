@@ -77,3 +77,12 @@ def test_repeated_kv_heads_repeat_b_columns_head_by_head(tmp_path, arch):
     b, b2 = plain.modules["k_proj"][1], repeated.modules["k_proj"][1]
     heads = b.reshape(2, MAX_LORA_RANK, 2, 16)  # [layers, r, kv heads, head_dim]
     np.testing.assert_array_equal(b2.reshape(2, MAX_LORA_RANK, 4, 16), np.repeat(heads, 2, axis=2))
+
+
+def test_the_benchmarks_random_adapters_pass_the_checks(tmp_path, arch):
+    """jaxllm.benchmarks.lora_adapters (the GPU runner's LoRA serving bench): every module of every layer."""
+    from jaxllm.benchmarks.lora_adapters import main
+    assert main([str(tmp_path), "--model", tiny_model("llama"), "--num", "2", "--rank", "8"]) == 0
+    for name in ("lora0", "lora1"):
+        spec = check(tmp_path / name, arch)
+        assert spec.rank == 8 and spec.scaling == 2.0 and len(spec.tensors) == arch.num_layers * 7 * 2
