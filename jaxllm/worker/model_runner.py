@@ -462,5 +462,8 @@ class ModelRunner:
             dtype = jnp.dtype(self.config.cache.cache_dtype).name
             cache = (f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens{draft} "
                      f"({self.kv_cache.num_tokens} tokens, {gib:.2f} GiB, {dtype})")
+        if self.kv_layout.hybrid:
+            cache += (f"; Mamba states: {self.kv_cache.num_state_slots} slots "
+                      f"({self.kv_cache.state_bytes / 2**30:.2f} GiB, {jnp.dtype(self.config.model.dtype).name})")
         return (f"{cache}; token buckets {self.token_buckets}; "
                 f"attention backend {self.config.attention_backend}; start-up: {startup}")
