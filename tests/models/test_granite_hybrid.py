@@ -1,7 +1,9 @@
 """Granite 4.0-H (models/granite_hybrid.py) on CPU: against HF transformers' fp32 outputs for the tiny
 random model in tests/fixtures/tiny/granite_hybrid (scripts/make_fixtures.py), whole prompts and in
 chunks, and through the engine: greedy tokens, logprobs, prompt logprobs of chunked prefills, and the
-hybrid KV cache (attention's blocks and Mamba's state slots) through preemption and aborts."""
+hybrid KV cache (attention's blocks and Mamba's state slots) through preemption and aborts. Its
+experts also test what the engine tells of any MoE model's routing: the experts returned with the
+samples (SamplingParams.return_routed_experts) and the per-expert token counts of /metrics."""
 import functools
 import json
 import os
@@ -14,10 +16,13 @@ from flax import nnx
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineArgs
-from jaxllm.kernels.attention import get_attention_fn
+from jaxllm.engine.processor import Processor
+from jaxllm.entrypoints.openai.metrics import ServerMetrics
+from jaxllm.kernels.attention import AttentionMetadata, get_attention_fn
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.kv_layout import model_kv_layout, model_kv_specs
 from jaxllm.models.loader import abstract_params, create_model, iter_hf_weights
+from jaxllm.models.moe import recording_routing
 from jaxllm.sharding import make_mesh
 from tests.conftest import tiny_model
 from tests.models.state_checks import (ATOL, assert_chunked_prompt_logprobs_are_hfs, chunked_logits,
@@ -123,7 +128,8 @@ def test_the_plain_logprobs_function_gives_hfs(llm):
 
 
 def test_bundled_granite_4_0_h_tiny_has_its_size_and_layout():
-    """7B parameters (1B active); attention at layers 5, 15, 25, 35, in KV tensors 0-3, the 36 Mamba layers' states after."""
+    """7B parameters (1B active); attention at layers 5, 15, 25, 35, in KV tensors 0-3, the 36 Mamba layers'
+    states after."""
     config = EngineArgs(model="granite-4.0-h-tiny", load_format="dummy").create_config()
     assert not config.cache.enable_prefix_caching
     arch = config.model.arch
@@ -148,3 +154,67 @@ def test_a_bad_granite_config_names_its_key(change, message):
 def test_a_granite_model_on_several_devices_is_a_clear_error():
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineArgs(model=MODEL, tensor_parallel_size=2).create_config()
+
+
+def test_routed_experts_are_the_routers_choices_in_a_plain_forward_and_only_for_requests_that_ask(llm):
+    """Two requests that ask (the 33-token prompt prefilled in two chunks, and the golden one) beside one that
+    does not: each generated token's row is what every MoE layer chose at the token before it (the forward
+    that sampled it) in the model's plain forward over the whole sequence; nothing compiles after warm-up."""
+    config = ModelArchConfig.from_hf_config(hf_config())
+    model = create_model(config, dtype=jnp.float32, mesh=make_mesh(1), weights=iter_hf_weights(MODEL))
+    graphdef, state = nnx.split(model)
+    caches = [tuple(jnp.zeros(a.shape, a.dtype) for a in spec.arrays(1, jnp.float32, jnp.float32))
+              for spec in model_kv_specs(config, 128)]
+
+    @jax.jit
+    def plain_routing(token_ids):
+        """[n, moe_layers, k]: every layer's choice at each of the n tokens, as one prefill."""
+        n = token_ids.shape[0]
+        md = AttentionMetadata(slot_mapping=jnp.tile(jnp.arange(n, dtype=jnp.int32), (2, 1)),
+                               query_start_loc=jnp.array([0, n], jnp.int32), seq_lens=jnp.array([n], jnp.int32),
+                               block_tables=jnp.zeros((2, 1, 1), jnp.int32), num_seqs=jnp.array([1], jnp.int32))
+        with recording_routing() as recorded:
+            nnx.merge(graphdef, state)(token_ids, jnp.arange(n, dtype=jnp.int32), caches, md,
+                                       get_attention_fn("reference"))
+        return jnp.stack(recorded, axis=1)
+
+    before = llm.llm_engine.get_stats()["num_compilations"]
+    asks = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, return_routed_experts=True)
+    prompts = [GOLDEN["prompt_33"].tolist(), GOLDEN["greedy_prompt"].tolist(), [3, 4, 5]]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           [asks, asks, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)], use_tqdm=False)
+    assert llm.llm_engine.get_stats()["num_compilations"] == before
+    assert outputs[2].outputs[0].routed_experts is None
+    for prompt, out in zip(prompts, outputs[:2]):
+        tokens = list(out.outputs[0].token_ids)
+        routed = out.outputs[0].routed_experts
+        assert routed.shape == (6, 4, 2) and routed.dtype == np.int32
+        plain = np.asarray(plain_routing(jnp.asarray(prompt + tokens[:-1], jnp.int32)))
+        np.testing.assert_array_equal(routed, plain[len(prompt) - 1:])
+
+
+def test_routed_experts_of_a_model_without_experts_are_refused_at_the_request():
+    config = EngineArgs(model=tiny_model("llama"), skip_tokenizer_init=True).create_config()
+    with pytest.raises(ValueError, match="return_routed_experts"):
+        Processor(config, None).process({"prompt_token_ids": [1, 2]}, SamplingParams(return_routed_experts=True))
+
+
+def test_the_expert_token_counts_reach_the_metrics_and_add_up_to_every_token_run(llm):
+    """Each token the model runs (a prompt's, and every generated one but the last) counts once per expert of
+    its top k in each MoE layer: jaxllm:moe_expert_tokens_total{layer, expert} over a run sums to
+    tokens * top_k * moe_layers."""
+    metrics = ServerMetrics("granite", 128, (0, 1, 2, 3))
+    llm.llm_engine.stats_listeners.append(metrics.record_scheduler_stats)
+    try:
+        lengths, max_tokens = (7, 33, 50), 5
+        llm.generate([{"prompt_token_ids": list(range(3, 3 + n))} for n in lengths],
+                     SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.llm_engine.stats_listeners.remove(metrics.record_scheduler_stats)
+    run = sum(lengths) + len(lengths) * (max_tokens - 1)
+    totals = metrics.expert_tokens.totals
+    assert totals.shape == (4, 8) and (totals.sum(axis=1) == run * 2).all()
+    text = metrics.render().decode()
+    series = [line for line in text.splitlines() if line.startswith("jaxllm:moe_expert_tokens_total{")]
+    assert len(series) == 4 * 8 and 'layer="3"' in text
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in series) == run * 2 * 4

@@ -113,7 +113,8 @@ def _error_response(error: APIError) -> Response:
 def build_app(engine, model_names: list[str], api_key: str | None = None, chat_template: str | None = None,
               max_log_len: int | None = None, max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
               max_seqs_per_request: int = MAX_SEQS_PER_REQUEST, features: ChatFeatures = ChatFeatures()) -> FastAPI:
-    metrics = ServerMetrics(model_names[0], engine.config.model.max_model_len)
+    moe = engine.config.model.arch.moe
+    metrics = ServerMetrics(model_names[0], engine.config.model.max_model_len, moe.sparse_layers if moe else ())
     engine.stats_listeners.append(metrics.record_scheduler_stats)
     serving = OpenAIServing(engine, model_names, metrics, chat_template, max_log_len, max_seqs_per_request)
     chat = ChatServing(serving, features)
