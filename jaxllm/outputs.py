@@ -31,6 +31,9 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None   # one dict per token of token_ids, if SamplingParams.logprobs
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # SamplingParams.return_routed_experts: per token of token_ids, the experts each MoE layer's router chose
+    # in the forward that sampled it, [len(token_ids), num_moe_layers, top_k] int32 (layers in model order)
+    routed_experts: np.ndarray | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

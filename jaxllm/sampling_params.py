@@ -87,6 +87,9 @@ class SamplingParams:
     # Log probabilities of each prompt token after the first (the first gets None): the prompt
     # token's and the top `prompt_logprobs` tokens', of the raw distribution as `logprobs`.
     prompt_logprobs: int | None = None
+    # A mixture-of-experts model's routing of each generated token (CompletionOutput.routed_experts): the
+    # expert ids each MoE layer's router chose in the forward that sampled the token.
+    return_routed_experts: bool = False
     structured_outputs: StructuredOutputsParams | None = None
     extra_args: dict[str, Any] | None = None  # for users' logits processors (vLLM's extra_args)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE

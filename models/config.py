@@ -5,10 +5,12 @@ Gemma 3: they differ only in a few flags (qkv bias, q/k norm, sliding window, ro
 scaling; Gemma's soft-caps, query scale and local rope base). The mixture-of-experts
 models (Qwen2-MoE, Qwen3-MoE, Mixtral) are their attention with a MoeConfig for the MLPs;
 DeepSeek-V2 and V3 are experts too, with multi-head latent attention (an MlaConfig); Mamba2 is
-its state-space layers' MambaConfig (models/mamba_config.py).
+its state-space layers' MambaConfig (models/mamba_config.py); Granite 4.0-H has attention and Mamba2
+layers, experts and Granite's scalings (a GraniteConfig, models/granite_config.py).
 """
 import dataclasses
 
+from jaxllm.models.granite_config import GraniteConfig, granite_hybrid_fields
 from jaxllm.models.mamba_config import MambaConfig, mamba2_fields
 from jaxllm.models.yarn import softmax_mscale
 
@@ -27,6 +29,7 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Mamba2ForCausalLM": "mamba2",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
 }
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 MLA_ARCHITECTURES = ("deepseek_v2", "deepseek_v3")
@@ -120,7 +123,7 @@ class MlaConfig:
 @dataclasses.dataclass(frozen=True)
 class ModelArchConfig:
     # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3" | "qwen2_moe" | "qwen3_moe" | "mixtral"
-    # | "deepseek_v2" | "deepseek_v3"
+    # | "deepseek_v2" | "deepseek_v3" | "mamba2" | "granitemoehybrid"
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -146,6 +149,7 @@ class ModelArchConfig:
     moe: MoeConfig | None = None  # the mixture-of-experts models' MLPs; None: dense MLPs
     mla: MlaConfig | None = None  # DeepSeek's latent attention (num_kv_heads = num_heads, head_dim its rope part's)
     mamba: MambaConfig | None = None  # the Mamba2 layers (models/mamba2.py); None: attention only
+    granite: GraniteConfig | None = None  # Granite 4.0-H's scalings (models/granite_hybrid.py)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -173,6 +177,8 @@ class ModelArchConfig:
         """The factor on q.k scores (latent attention's: its query dimensions' and YaRN's mscale, as DeepSeek)."""
         if self.mla is not None:
             return (self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim) ** -0.5 * softmax_mscale(self.rope_scaling)
+        if self.granite is not None:
+            return self.granite.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def layer_rope(self, layer: int) -> tuple[float, dict | None]:
@@ -203,6 +209,12 @@ class ModelArchConfig:
         arch = SUPPORTED_ARCHITECTURES[known[0]]
         if arch == "mamba2":
             return cls(architecture=arch, **mamba2_fields(d))
+        if arch == "granitemoehybrid":
+            fields = granite_hybrid_fields(d)
+            moe = fields.pop("moe")
+            rope_theta, rope_scaling, _ = _rope_from_hf(d, arch)
+            return cls(architecture=arch, rope_theta=rope_theta, rope_scaling=rope_scaling,
+                       moe=None if moe is None else MoeConfig(**moe), **fields)
         if isinstance(d.get("text_config"), dict):  # a multimodal Gemma 3: its text model
             d = {**d["text_config"], "architectures": archs}
             _check_hf_values(d)

@@ -28,7 +28,7 @@ from flax import nnx
 from jaxllm.kernels.attention import AttentionMetadata, write_slots
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.llama import MLP, DecoderLayer, Linear, RMSNorm, apply_rope, dot
-from jaxllm.models.moe import Experts, MoeForCausalLM, Router, route
+from jaxllm.models.moe import Experts, MoeForCausalLM, Router, record_routing, route
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's (DeepSeek's and HF's default, not rms_norm_eps)
 
@@ -108,6 +108,7 @@ class DeepseekMoeBlock(nnx.Module):
                              None if bias is None else bias[...], sigmoid=moe.scoring == "sigmoid",
                              num_groups=moe.num_groups, topk_groups=moe.topk_groups, group_score=moe.group_score,
                              scaling_factor=moe.routed_scaling_factor)
+        record_routing(ids)
         y = self.experts(x, weights, ids)
         return y if self.shared_experts is None else y + self.shared_experts(x)
 

@@ -41,11 +41,12 @@ class GemmaRMSNorm(nnx.Module):
 
 
 class GemmaAttention(Attention):
-    """llama.py's attention with Gemma's query scale, score soft-cap and (1 + w) q/k norms."""
+    """llama.py's attention (its scale Gemma's query_pre_attn_scalar's) with Gemma's score soft-cap and (1 + w)
+    q/k norms."""
 
     def __init__(self, config: ModelArchConfig, layer: int, *, dtype, rngs):
         super().__init__(config, layer, dtype=dtype, rngs=rngs)
-        self.scale, self.soft_cap = config.attn_scale, config.attn_logit_softcap
+        self.soft_cap = config.attn_logit_softcap
         if config.qk_norm:  # Gemma 3
             self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype, rngs=rngs)
             self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype, rngs=rngs)
@@ -53,8 +54,8 @@ class GemmaAttention(Attention):
     def __call__(self, x, cos, sin, kv_cache, md: AttentionMetadata, attn_fn):
         """x [num_tokens, hidden]; cos, sin [num_tokens, head_dim // 2] (this layer's rope);
         md: the layer's KV cache group's -> ([num_tokens, hidden], (k_cache, v_cache))."""
-        def gemma_attn_fn(*args, **kwargs):  # the same call, with Gemma's scale and soft-cap
-            return attn_fn(*args, **{**kwargs, "scale": self.scale, "soft_cap": self.soft_cap})
+        def gemma_attn_fn(*args, **kwargs):  # the same call, with Gemma's soft-cap
+            return attn_fn(*args, **{**kwargs, "soft_cap": self.soft_cap})
         return super().__call__(x, cos, sin, kv_cache, md, gemma_attn_fn)
 
 

@@ -14,6 +14,14 @@ A group of Mamba layers (vLLM's MambaSpec) holds one block per request, whatever
 state slot, which indexes each layer's fixed-size states (models/mamba_config.py) instead of K/V.
     Mamba2: one group of every layer, one state tensor pair (conv, SSM) per layer.
 
+A hybrid model (Granite 4.0-H: attention and Mamba layers) has its attention layers' groups as
+above, then one Mamba group whose layers' states are KV tensors of their own, after the attention
+ones. Its state slots come from a pool of their own, one per running request (max_num_seqs), not
+from the blocks (a state is some hundred times an attention block of a layer), so the tensors of
+one model hold arrays of two sizes: [num_blocks, ...] K and V, [num_state_slots, ...] states.
+    Granite 4.0-H Tiny: attention at 5, 15, 25, 35 -> group (5, 15, 25, 35) in tensors 0-3;
+    the 36 other layers a Mamba group in tensors 4-39.
+
 What each KV tensor holds is the model's KVCacheSpec: K and V for attention, multi-head latent
 attention's one latent a token (DeepSeek-V3: 576 values where its 128 heads' K and V would take
 40,960), or a Mamba layer's states. The scheduler sees blocks only: a latent layer's blocks are
@@ -33,6 +41,7 @@ class KVCacheGroup:
     sliding_window: int | None  # None: full attention
     layers: tuple[int, ...]
     mamba: bool = False  # Mamba layers: a request's one block is its state slot
+    first_tensor: int = 0  # the KV tensor of its first layer (a hybrid model's Mamba group's follow attention's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,33 +71,66 @@ class KVCacheSpec:
 @dataclasses.dataclass(frozen=True)
 class KVCacheLayout:
     groups: tuple[KVCacheGroup, ...]  # the full-attention groups first
-    num_tensors: int  # KV tensors: a group's j-th layer uses tensor j
+    num_tensors: int  # KV tensors: a group's j-th layer uses tensor first_tensor + j
+
+    @property
+    def hybrid(self) -> bool:
+        """Attention and Mamba groups both: the Mamba groups' state slots are a pool of their own."""
+        return any(g.mamba for g in self.groups) and not all(g.mamba for g in self.groups)
 
     def layer_slot(self, layer: int) -> tuple[int, int]:
         """(group, tensor) of layer `layer`."""
         for g, group in enumerate(self.groups):
             if layer in group.layers:
-                return g, group.layers.index(layer)
+                return g, group.first_tensor + group.layers.index(layer)
         raise ValueError(f"layer {layer} is in no KV cache group")
+
+    def state_tensors(self) -> range:
+        """The KV tensors a hybrid layout's Mamba group holds its states in (none otherwise)."""
+        if not self.hybrid:
+            return range(0)
+        group = next(g for g in self.groups if g.mamba)
+        return range(group.first_tensor, group.first_tensor + len(group.layers))
 
 
 def model_kv_spec(config, block_size: int) -> KVCacheSpec:
-    """What a ModelArchConfig's KV tensors hold, in blocks of `block_size` tokens."""
+    """What a ModelArchConfig's KV tensors hold, in blocks of `block_size` tokens (a hybrid model's:
+    model_kv_specs)."""
     if config.mamba is not None:
-        return KVCacheSpec((config.mamba.conv_state_shape, config.mamba.ssm_state_shape), model_dtype=True)
+        return _state_spec(config)
     if config.mla is not None:
         return KVCacheSpec(((block_size, 1, config.mla.latent_dim),))
     return KVCacheSpec(((block_size, config.num_kv_heads, config.head_dim),) * 2, kv_heads=True)
 
 
+def _state_spec(config) -> KVCacheSpec:
+    return KVCacheSpec((config.mamba.conv_state_shape, config.mamba.ssm_state_shape), model_dtype=True)
+
+
+def model_kv_specs(config, block_size: int) -> tuple[KVCacheSpec, ...]:
+    """What each of a ModelArchConfig's KV tensors holds: a hybrid model's attention tensors K and V, its
+    Mamba tensors states; any other model's the one spec of model_kv_spec."""
+    layout = model_kv_layout(config)
+    if not layout.hybrid:
+        return (model_kv_spec(config, block_size),) * layout.num_tensors
+    attention = KVCacheSpec(((block_size, config.num_kv_heads, config.head_dim),) * 2, kv_heads=True)
+    states = layout.state_tensors()
+    return tuple(_state_spec(config) if t in states else attention for t in range(layout.num_tensors))
+
+
 def model_kv_layout(config) -> KVCacheLayout:
-    """The layout of a ModelArchConfig's layers: each layer's sliding window decides its group; a
-    Mamba2 model's layers form one Mamba group."""
-    if config.mamba is not None:
-        if len(config.mamba.layers) != config.num_layers:
-            raise ValueError("a model of both attention and Mamba layers is not built yet")
-        return KVCacheLayout((KVCacheGroup(None, config.mamba.layers, mamba=True),), config.num_layers)
-    return kv_cache_layout([config.layer_sliding_window(i) for i in range(config.num_layers)])
+    """The layout of a ModelArchConfig's layers: each layer's sliding window decides its group; Mamba
+    layers form one Mamba group (after the attention layers' groups and tensors, in a hybrid model)."""
+    if config.mamba is None:
+        return kv_cache_layout([config.layer_sliding_window(i) for i in range(config.num_layers)])
+    mamba_layers = config.mamba.layers
+    if len(mamba_layers) == config.num_layers:
+        return KVCacheLayout((KVCacheGroup(None, mamba_layers, mamba=True),), config.num_layers)
+    attention = [i for i in range(config.num_layers) if i not in mamba_layers]
+    inner = kv_cache_layout([config.layer_sliding_window(i) for i in attention])  # over attention's layers
+    groups = tuple(dataclasses.replace(g, layers=tuple(attention[i] for i in g.layers)) for g in inner.groups)
+    mamba = KVCacheGroup(None, mamba_layers, mamba=True, first_tensor=inner.num_tensors)
+    return KVCacheLayout((*groups, mamba), inner.num_tensors + len(mamba_layers))
 
 
 def kv_cache_layout(sliding_windows: list[int | None]) -> KVCacheLayout:

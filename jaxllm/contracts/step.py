@@ -98,3 +98,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Per scheduled request, a pooling request's vector if this step reached its prompt's end (else
     # None); None if no step of a pooling request pooled.
     pooler_output: list[np.ndarray | None] | None = None
+    # A MoE model's, when a request asked (SamplingParams.return_routed_experts): a row per token taken, the
+    # requests' in order (as logprobs), each the expert ids [moe_layers, k] int32 of the forward that sampled it.
+    routed_experts: np.ndarray | None = None
+    # A MoE model's: the step's tokens routed to each expert of each MoE layer [moe_layers, num_experts] int32.
+    expert_counts: np.ndarray | None = None

@@ -13,9 +13,12 @@ from jaxllm.models.kv_layout import KVCacheLayout
 
 
 class NoPrefixCacheCoordinator:
-    def __init__(self, layout: KVCacheLayout, pool: BlockPool, block_size: int):
+    def __init__(self, layout: KVCacheLayout, pool: BlockPool, block_size: int, num_state_slots: int = 0):
+        """num_state_slots: a hybrid layout's state slots, a pool of their own (models/kv_layout.py)."""
         self.block_size = block_size
-        self.managers = [make_manager(pool, g, block_size, group) for g, group in enumerate(layout.groups)]
+        self.state_slots = BlockPool(num_state_slots, enable_caching=False) if layout.hybrid else None
+        self.managers = [make_manager(pool, g, block_size, group, self.state_slots)
+                         for g, group in enumerate(layout.groups)]
         self.no_hit: list[Blocks] = [[] for _ in self.managers]
 
     def find_longest_cache_hit(self, hashes: list[BlockHash], max_length: int) -> tuple[list[Blocks], int]:
@@ -26,7 +29,8 @@ class NoPrefixCacheCoordinator:
         for manager in self.managers:
             manager.remove_skipped_blocks(request_id, num_computed_tokens)
 
-    def num_blocks_needed(self, request_id: str, num_tokens: int, computed: list[Blocks]) -> int:
+    def num_blocks_needed(self, request_id: str, num_tokens: int, computed: list[Blocks]) -> int | float:
+        """Free blocks of the pool an allocation takes (infinitely many when a state slot it needs is not free)."""
         return sum(m.num_blocks_needed(request_id, num_tokens, c) for m, c in zip(self.managers, computed))
 
     def allocate(self, request_id: str, num_tokens: int, computed: list[Blocks]) -> list[Blocks]:
@@ -59,9 +63,10 @@ class HybridCoordinator(NoPrefixCacheCoordinator):
             length = shortest
 
 
-def make_coordinator(layout: KVCacheLayout, pool: BlockPool, block_size: int) -> NoPrefixCacheCoordinator:
+def make_coordinator(layout: KVCacheLayout, pool: BlockPool, block_size: int,
+                     num_state_slots: int = 0) -> NoPrefixCacheCoordinator:
     if not pool.enable_caching:
-        return NoPrefixCacheCoordinator(layout, pool, block_size)
+        return NoPrefixCacheCoordinator(layout, pool, block_size, num_state_slots)
     if len(layout.groups) == 1:
-        return UnitaryCoordinator(layout, pool, block_size)
-    return HybridCoordinator(layout, pool, block_size)
+        return UnitaryCoordinator(layout, pool, block_size, num_state_slots)
+    return HybridCoordinator(layout, pool, block_size, num_state_slots)

@@ -10,13 +10,14 @@ from jaxllm.request import Request
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, layout: KVCacheLayout | None = None,
-                 enable_caching: bool = True, use_eagle: bool = False):
-        """use_eagle: an EAGLE head's KV shares the blocks; a prefix hit then ends a block earlier (vLLM's)."""
+                 enable_caching: bool = True, use_eagle: bool = False, num_state_slots: int = 0):
+        """use_eagle: an EAGLE head's KV shares the blocks; a prefix hit then ends a block earlier (vLLM's).
+        num_state_slots: a hybrid layout's Mamba state slots, apart from the blocks (models/kv_layout.py)."""
         self.block_size = block_size
         self.use_eagle = use_eagle
         self.layout = layout or KVCacheLayout((KVCacheGroup(None, (0,)),), 1)
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.coordinator = make_coordinator(self.layout, self.pool, block_size)
+        self.coordinator = make_coordinator(self.layout, self.pool, block_size, num_state_slots)
         # The decode fast path: most steps add no block and fill none. Per request, the tokens its
         # blocks hold and the full blocks offered to the cache; a sliding window frees blocks as it
         # moves, so models with one take the full path.
@@ -28,6 +29,11 @@ class KVCacheManager:
     @property
     def enable_caching(self) -> bool:
         return self.pool.enable_caching
+
+    @property
+    def state_slots(self) -> BlockPool | None:
+        """A hybrid layout's pool of Mamba state slots; None for any other."""
+        return self.coordinator.state_slots
 
     @property
     def usage(self) -> float:

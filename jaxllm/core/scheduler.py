@@ -46,6 +46,8 @@ import collections
 import logging
 import time
 
+import numpy as np
+
 from jaxllm.config import SchedulerConfig
 from jaxllm.contracts.engine_core import EngineCoreOutput, LogprobsArrays, SchedulerStats, SpecDecodingStats
 from jaxllm.contracts.step import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
@@ -74,6 +76,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.prefix_cache_totals = [0, 0]  # tokens since start-up: looked up, found
+        self.expert_tokens: np.ndarray | None = None  # a MoE model's tokens per expert since the last stats
         self._totals_at_last_stats = (0, 0)  # SchedulerStats carry the increments since
         self._finished_req_ids: list[str] = []
         self._preempted_req_ids: list[str] = []
@@ -253,6 +256,9 @@ class Scheduler:
         the error; the others go on."""
         outputs, failed = [], runner_output.failed
         requests = self._in_flight.pop(scheduler_output.step_id, [])
+        if runner_output.expert_counts is not None:
+            counts = runner_output.expert_counts.astype(np.int64)
+            self.expert_tokens = counts if self.expert_tokens is None else self.expert_tokens + counts
         logprob_row = 0  # runner_output.logprobs has a row per token taken, the requests' in order
         for i, (sched, request) in enumerate(zip(scheduler_output.scheduled, requests)):
             token_ids = runner_output.sampled_token_ids[i]
@@ -321,6 +327,8 @@ class Scheduler:
         if num_logprobs is not None and runner_output.logprobs is not None:
             output.new_logprobs = _columns(runner_output.logprobs, num_logprobs,
                                            slice(logprob_row, logprob_row + len(taken)))
+        if request.sampling_params.return_routed_experts and runner_output.routed_experts is not None:
+            output.routed_experts = runner_output.routed_experts[logprob_row:logprob_row + len(taken)]
         if stopped:
             self._free(request)
             output.finish_reason, output.stop_reason = FINISH_REASONS[request.status], request.stop_reason
@@ -365,9 +373,10 @@ class Scheduler:
         spec_stats = self.spec_stats
         if spec_stats is not None:
             self.spec_stats = SpecDecodingStats.empty(self.num_speculative_tokens)
+        expert_tokens, self.expert_tokens = self.expert_tokens, None
         stats = SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions,
                                queries - last_queries, hits - last_hits,
-                               spec_stats if spec_stats is not None and spec_stats.num_drafts else None)
+                               spec_stats if spec_stats is not None and spec_stats.num_drafts else None, expert_tokens)
         if self.max_loras:
             stats.running_lora_adapters = _adapter_names(self.running)
             stats.waiting_lora_adapters = _adapter_names(self.waiting)

@@ -6,6 +6,8 @@ None marks a position the group does not hold: a sliding window's blocks that fe
 out of the window, or that a prefix hit did not need. The runner's block table
 writes 0 there, which no token reads unmasked and none writes.
 """
+import math
+
 from jaxllm.core.block_pool import BlockPool, KVCacheBlock
 from jaxllm.core.kv_cache_utils import BlockHash
 from jaxllm.models.kv_layout import KVCacheGroup
@@ -113,13 +115,24 @@ class SlidingWindowManager(FullAttentionManager):
 class MambaManager(FullAttentionManager):
     """One block per request from its first allocation to its end, whatever its length: its state
     slot in every Mamba layer of the group (vLLM's MambaSpec). A state holds the whole prefix it
-    was computed from, so no block is cached (the engine turns prefix caching off: config.py)."""
+    was computed from, so no block is cached (the engine turns prefix caching off: config.py).
+    slots: a hybrid model's pool of state slots, apart from the KV blocks (models/kv_layout.py);
+    None: the slots are the pool's blocks."""
+
+    def __init__(self, pool: BlockPool, group: int, block_size: int, slots: BlockPool | None = None):
+        super().__init__(slots or pool, group, block_size)
+        self.own_slots = slots is not None
 
     def find_longest_cache_hit(self, hashes: list[BlockHash], max_length: int) -> Blocks:
         return []
 
-    def num_blocks_needed(self, request_id: str, num_tokens: int, computed: Blocks) -> int:
-        return 0 if request_id in self.req_to_blocks else 1
+    def num_blocks_needed(self, request_id: str, num_tokens: int, computed: Blocks) -> int | float:
+        """Of the KV blocks: none from a pool of its own (infinitely many when every slot is taken)."""
+        if request_id in self.req_to_blocks:
+            return 0
+        if self.own_slots:
+            return 0 if self.pool.num_free_blocks else math.inf
+        return 1
 
     def allocate(self, request_id: str, num_tokens: int, computed: Blocks) -> Blocks:
         if request_id in self.req_to_blocks:
@@ -131,9 +144,10 @@ class MambaManager(FullAttentionManager):
         """A state slot is never cached."""
 
 
-def make_manager(pool: BlockPool, g: int, block_size: int, group: KVCacheGroup) -> FullAttentionManager:
+def make_manager(pool: BlockPool, g: int, block_size: int, group: KVCacheGroup,
+                 slots: BlockPool | None = None) -> FullAttentionManager:
     if group.mamba:
-        return MambaManager(pool, g, block_size)
+        return MambaManager(pool, g, block_size, slots)
     if group.sliding_window is None:
         return FullAttentionManager(pool, g, block_size)
     return SlidingWindowManager(pool, g, block_size, group.sliding_window)

@@ -57,7 +57,8 @@ class EngineCore:
         logger.info(self.executor.describe())
         kv = KVCacheManager(self.executor.num_blocks, config.cache.block_size, self.executor.kv_layout,
                             config.cache.enable_prefix_caching,
-                            use_eagle=config.speculative is not None and config.speculative.method in EAGLE_METHODS)
+                            use_eagle=config.speculative is not None and config.speculative.method in EAGLE_METHODS,
+                            num_state_slots=self.executor.num_state_slots)
         self.scheduler = Scheduler(config.scheduler, kv, make_proposer(config), config.num_speculative_tokens,
                                    config.lora.max_loras if config.lora else 0)
         self.batch_queue_size = 2 if config.scheduler.async_scheduling else 1
@@ -288,7 +289,13 @@ class EngineCore:
                 "num_waiting": len(self.scheduler.waiting), "num_preemptions": self.scheduler.num_preemptions,
                 "num_cached_blocks": pool.num_cached_blocks, "num_compilations": compilation.num_compilations(),
                 "prefix_cache_queries": self.scheduler.prefix_cache_totals[0],
-                "prefix_cache_hits": self.scheduler.prefix_cache_totals[1], **spec_decode}
+                "prefix_cache_hits": self.scheduler.prefix_cache_totals[1], **spec_decode, **self._state_slot_stats()}
+
+    def _state_slot_stats(self) -> dict:
+        """A hybrid model's Mamba state slots (a pool apart from the KV blocks)."""
+        slots = self.scheduler.kv.state_slots
+        return {} if slots is None else {"num_state_slots": slots.num_blocks,
+                                         "num_free_state_slots": slots.num_free_blocks}
 
     def describe(self) -> str:
         return self.executor.describe()

@@ -105,7 +105,7 @@ class _DPClient:
                 sum(s.num_running_reqs for s in all_stats), sum(s.num_waiting_reqs for s in all_stats),
                 sum(s.kv_cache_usage for s in all_stats) / len(all_stats), sum(s.num_preemptions for s in all_stats),
                 # increments: this replica's own
-                stats.prefix_cache_queries, stats.prefix_cache_hits, stats.spec_decoding)
+                stats.prefix_cache_queries, stats.prefix_cache_hits, stats.spec_decoding, stats.expert_tokens)
         return outputs
 
     @staticmethod

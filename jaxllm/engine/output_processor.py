@@ -5,6 +5,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import numpy as np
 from tokenizers.decoders import DecodeStream
 
 from jaxllm.contracts.engine_core import EngineCoreOutput, LogprobsArrays
@@ -76,6 +77,8 @@ class RequestState:
         # One dict per output token, and their sum: when the request asked for logprobs (vLLM's None otherwise).
         self.logprobs: SampleLogprobs | None = None if params.logprobs is None else []
         self.cumulative_logprob: float | None = None if params.logprobs is None else 0.0
+        # The output tokens' expert ids, as they came ([n, moe_layers, k] each): when the request asked.
+        self.routed_experts: list[np.ndarray] | None = [] if params.return_routed_experts else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
@@ -167,14 +170,17 @@ class RequestState:
         if not finished and self.params.stop and not self.params.include_stop_str_in_output:
             # Hold back what could be the start of a stop string until it is known not to be.
             text = text[:max(len(text) - max(len(s) for s in self.params.stop) + 1, self._sent_text)]
+        routed = None if self.routed_experts is None else _stacked(self.routed_experts)
         if kind == RequestOutputKind.DELTA:
             self._sent_text, text = len(text), text[self._sent_text:]
             logprobs = None if self.logprobs is None else self.logprobs[self._sent_tokens:]
+            routed = None if routed is None else routed[self._sent_tokens:]
             self._sent_tokens, token_ids = len(token_ids), token_ids[self._sent_tokens:]
         else:
             logprobs = None if self.logprobs is None else list(self.logprobs)
         completion = CompletionOutput(self.index, text, list(token_ids), self.cumulative_logprob, logprobs,
-                                      finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+                                      finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+                                      routed_experts=routed)
         request_id, outputs, error = self.request_id, [completion], self.error
         if self.parent is not None:  # the output is the parent's
             outputs = self.parent.add_output(completion, self.error)
@@ -293,6 +299,8 @@ class OutputProcessor:
         stopped = bool(co.new_token_ids) and state.append(co.new_token_ids, stop_terminated=co.finish_reason == "stop")
         if co.new_logprobs is not None:  # of the tokens kept
             state.append_logprobs(co.new_logprobs.head(len(state.token_ids) - num_tokens))
+        if co.routed_experts is not None and state.routed_experts is not None:
+            state.routed_experts.append(co.routed_experts[:len(state.token_ids) - num_tokens])
         if not stopped and co.finish_reason is not None:
             state.finish_reason, state.stop_reason, state.error = co.finish_reason, co.stop_reason, co.error
         return state.output(), stopped
@@ -312,3 +320,10 @@ class OutputProcessor:
             if last is not None:
                 outputs.append(last)
         return core_ids
+
+
+def _stacked(parts: list[np.ndarray]) -> np.ndarray | None:
+    """The parts' rows in one array, kept so (None before any token)."""
+    if len(parts) > 1:
+        parts[:] = [np.concatenate(parts)]
+    return parts[0] if parts else None

@@ -32,6 +32,7 @@ class Processor:
         self.max_logprobs = config.model.max_logprobs
         self.hf_config, self.hidden_size = config.model.hf_config, config.model.arch.hidden_size
         self.pools = config.model.pooler_config is not None
+        self.has_experts = config.model.arch.moe is not None
         self.tokenizer = tokenizer
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedRequest:
@@ -85,6 +86,8 @@ class Processor:
 
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: the limits of this engine and its model."""
+        if params.return_routed_experts and not self.has_experts:
+            raise ValueError("return_routed_experts: the model has no mixture-of-experts layers")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:

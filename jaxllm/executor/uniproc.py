@@ -18,6 +18,10 @@ class UniprocExecutor:
         return self.runner.num_blocks
 
     @property
+    def num_state_slots(self) -> int:
+        return self.runner.kv_cache.num_state_slots
+
+    @property
     def kv_layout(self):
         return self.runner.kv_layout
 

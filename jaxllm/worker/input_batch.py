@@ -116,6 +116,7 @@ class RequestRows:
         self.sample_mode = np.zeros(num_rows, np.int8)
         self.processed = np.zeros(num_rows, bool)
         self.num_logprobs = np.full(num_rows, -1, np.int32)  # SamplingParams.logprobs, -1 for None
+        self.routed_experts = np.zeros(num_rows, bool)  # SamplingParams.return_routed_experts
         self.host_masked = np.zeros(num_rows, bool)
         self.prev_offset = np.full(num_rows, -1, np.int32)
         self._num_blocks = np.zeros((num_groups, num_rows), np.int32)  # a group's table entries of a row
@@ -142,6 +143,7 @@ class RequestRows:
             self.sample_mode[row] = sample_mode(params)
             self.processed[row] = self.sampling[row, COLUMN["processed"]]
             self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+            self.routed_experts[row] = params.return_routed_experts
             self.host_masked[row] = new.host_masked
             self._num_blocks[:, row] = 0
             if params.prompt_logprobs is not None:

@@ -5,7 +5,8 @@ themselves, per KV tensor the arrays its KVCacheSpec names (models/kv_layout.py)
 state slots (conv [num_blocks, conv_kernel - 1, conv_dim], SSM [num_blocks, heads, head_dim,
 state_size]) in the model's dtype, one slot per running request. A block id means one block in
 one layer of each KV cache group (models/kv_layout.py), and in each of a draft model's KV
-tensors (worker/draft_model.py)."""
+tensors (worker/draft_model.py). A hybrid model's Mamba tensors hold num_state_slots state slots
+(max_num_seqs: one per running request), apart from the blocks, which the budget left takes."""
 import functools
 
 import jax
@@ -16,7 +17,7 @@ from jaxllm import distributed
 from jaxllm.config import Config
 from jaxllm.kernels.ssd import max_chunks
 from jaxllm.models.config import ModelArchConfig
-from jaxllm.models.kv_layout import KVCacheLayout, model_kv_spec
+from jaxllm.models.kv_layout import KVCacheLayout, KVCacheSpec, model_kv_specs
 from jaxllm.sample.processors import ProcessorState
 from jaxllm.utils import cdiv
 
@@ -31,9 +32,11 @@ class KVCache:
         self.config, self.arch, self.layout, self.mesh = config, arch, layout, mesh
         self._models = [(arch, layout)] + ([draft] if draft else [])
         self.block_size = config.cache.block_size
-        self._specs = [model_kv_spec(a, self.block_size) for a, _ in self._models]
+        self._specs = [model_kv_specs(a, self.block_size) for a, _ in self._models]  # per model, per KV tensor
         # Blocks per block id in each model's tensors: the draft's groups each take one (draft_model.py).
         self._blocks_per_id = [1] + ([len(draft[1].groups)] if draft else [])
+        self.num_state_slots = config.scheduler.max_num_seqs if layout.hybrid else 0
+        self._state_tensors = layout.state_tensors()  # the target's tensors of num_state_slots rows
         self.num_blocks = self._num_blocks()
         if self.num_blocks < self.blocks_per_request():
             raise ValueError(
@@ -42,20 +45,39 @@ class KVCache:
                 "gpu_memory_utilization or num_gpu_blocks_override, or lower max_model_len")
         self.caches: list[tuple[jax.Array, ...]] | None = None
         self.draft_caches: list[tuple[jax.Array, ...]] | None = None
-        self.shardings = [self._specs[0].shardings(mesh)] * layout.num_tensors  # the target's, per KV tensor
+        self.shardings = [spec.shardings(mesh) for spec in self._specs[0]]  # the target's, per KV tensor
         # Compiled once and kept: a cache made again (after a failed step, a wake-up) compiles nothing.
-        dtypes = config.cache.cache_dtype, config.model.dtype
-        self._zeros = [tuple(jax.jit(functools.partial(jnp.zeros, a.shape, a.dtype), out_shardings=sharding)
-                             .lower().compile()
-                             for a, sharding in zip(spec.arrays(self.num_blocks * blocks, *dtypes), spec.shardings(mesh)))
-                       for spec, blocks in zip(self._specs, self._blocks_per_id)]
+        self._zeros_made: dict[tuple[KVCacheSpec, int], tuple] = {}
+        self._zeros = [[self._zeros_fns(spec, self._rows(m, t)) for t, spec in enumerate(specs)]
+                       for m, specs in enumerate(self._specs)]
+
+    def _rows(self, model: int, tensor: int) -> int:
+        """The leading dimension of a model's KV tensor: its state slots, or its blocks."""
+        if model == 0 and tensor in self._state_tensors:
+            return self.num_state_slots
+        return self.num_blocks * self._blocks_per_id[model]
+
+    def _zeros_fns(self, spec: KVCacheSpec, rows: int) -> tuple:
+        """Compiled makers of a tensor's zeroed arrays (one per spec and size: every layer shares them)."""
+        if (spec, rows) not in self._zeros_made:
+            dtypes = self.config.cache.cache_dtype, self.config.model.dtype
+            self._zeros_made[spec, rows] = tuple(
+                jax.jit(functools.partial(jnp.zeros, a.shape, a.dtype), out_shardings=sharding).lower().compile()
+                for a, sharding in zip(spec.arrays(rows, *dtypes), spec.shardings(self.mesh)))
+        return self._zeros_made[spec, rows]
 
     @property
     def bytes_per_block(self) -> int:
         """A block id holds one block in each KV tensor (a layer of each group), the draft's too."""
         dtypes = self.config.cache.cache_dtype, self.config.model.dtype
-        return sum(layout.num_tensors * blocks * spec.bytes_per_block(*dtypes)
-                   for (_, layout), spec, blocks in zip(self._models, self._specs, self._blocks_per_id))
+        return sum(blocks * spec.bytes_per_block(*dtypes) for m, (specs, blocks) in enumerate(zip(self._specs,
+                   self._blocks_per_id)) for t, spec in enumerate(specs) if m or t not in self._state_tensors)
+
+    @property
+    def state_bytes(self) -> int:
+        """A hybrid model's state slots (0 for any other model)."""
+        dtypes = self.config.cache.cache_dtype, self.config.model.dtype
+        return self.num_state_slots * sum(self._specs[0][t].bytes_per_block(*dtypes) for t in self._state_tensors)
 
     @property
     def num_tokens(self) -> int:
@@ -68,7 +90,7 @@ class KVCache:
         stats = jax.local_devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
             budget = (stats["bytes_limit"] * cache.gpu_memory_utilization - stats["bytes_in_use"]
-                      - self._activation_bytes() - self._processor_state_bytes())
+                      - self._activation_bytes() - self._processor_state_bytes() - self.state_bytes)
         else:
             budget = min(_CPU_KV_CACHE_BYTES,
                          self.config.scheduler.max_num_seqs * self.blocks_per_request() * self.bytes_per_block)
@@ -86,7 +108,8 @@ class KVCache:
         sliding window's group holds its window and a prefill chunk (a bound)."""
         sc = self.config.scheduler
         full = cdiv(sc.max_model_len, self.block_size)
-        return sum(1 if group.mamba else full if group.sliding_window is None else
+        slots = 0 if self.layout.hybrid else 1  # a hybrid model's state slot is not a block
+        return sum(slots if group.mamba else full if group.sliding_window is None else
                    min(full, cdiv(group.sliding_window + sc.max_num_batched_tokens, self.block_size) + 1)
                    for group in self.layout.groups)
 
@@ -122,8 +145,7 @@ class KVCache:
         """Zeroed caches on the mesh (a block's old contents never matter: a step writes a
         slot before any step reads it)."""
         self.caches, *draft = jax.block_until_ready(
-            [[tuple(zeros() for zeros in per_array) for _ in range(layout.num_tensors)]
-             for per_array, (_, layout) in zip(self._zeros, self._models)])
+            [[tuple(zeros() for zeros in per_tensor) for per_tensor in model] for model in self._zeros])
         self.draft_caches = draft[0] if draft else None
 
     def delete(self) -> None:

@@ -74,6 +74,8 @@ class _Forward(NamedTuple):
     hidden: jax.Array  # [T, hidden_size]: for prompt logprobs
     draft_inputs: jax.Array | None  # with a drafter, the step's inputs as the forward ran them (draft_inputs.py)
     draft_hidden: jax.Array  # what an EAGLE head reads: `hidden`, or an EAGLE-3 head's [T, 3 * hidden_size]
+    # A MoE model's (expert ids [L, moe_layers, k] at each row of logits, counts [moe_layers, E]); else ()
+    routing: tuple
 
 
 class _Step(NamedTuple):
@@ -159,7 +161,7 @@ class ModelRunner:
         self.logprob_buckets = sorted({0, min(8, self.num_logprobs), self.num_logprobs})
         self.fns = StepFunctions(self.weights.graphdef, self.weights.treedef, attn_fn, layouts, self.num_sampled, self.mesh,
             self.kv_cache.shardings, user_processors, self.num_logprobs, config.batch_invariant, num_spec,
-            self.aux_layers, self.block_size if self.draft else None)
+            self.aux_layers, self.block_size if self.draft else None, mc.arch.moe.num_experts if mc.arch.moe else 0)
         self.processor_rows = ProcessorRows(config, user_processors, self.fns.write_rows,
                                             self.fns.processor_state_sharding)
         # Per request of the drafter's table (draft_inputs.py): its last token, its k drafts, its rejected count.
@@ -325,12 +327,17 @@ class ModelRunner:
     def _sample_step(self, step: _Step, bitmask: np.ndarray | None) -> StepOutput:
         sampled, logprobs, prompt_logprobs, table = self._sample(
             step.forward, step.mode, step.processed, step.num_logprobs, bitmask, step.prompt_inputs, step.rows)
+        # A MoE model's expert counts always (for /metrics); its sampled rows' experts when a request asked.
+        routed, counts = step.forward.routing or (None, None)
+        if routed is not None and not self.request_rows.routed_experts[step.rows].any():
+            routed = None
         for array in (sampled, *(logprobs or ()), *(a for p in prompt_logprobs for a in p)):
             array.copy_to_host_async()
-        if table is not None:
-            table.copy_to_host_async()
+        for array in (table, routed, counts):
+            if array is not None:
+                array.copy_to_host_async()
         return StepOutput(sampled, step.sched.scheduled, step.first_rows, logprobs, prompt_logprobs,
-                          step.prompt_segments, step.failed, table, step.pooling)
+                          step.prompt_segments, step.failed, table, step.pooling, routed, counts)
 
     def _token_bucket(self, num_tokens: int) -> int:
         return next(b for b in self.token_buckets if b >= num_tokens)
@@ -344,11 +351,11 @@ class ModelRunner:
     def _forward(self, token_bucket: int, buffer: np.ndarray) -> _Forward:
         forward = self.executables.get(ExecutableKey(FORWARD, token_bucket), lambda: self.lower_forward(token_bucket))
         with TraceAnnotation("dispatch"):
-            greedy, logits, words, hidden, self.kv_cache.caches, *drafter_inputs = forward(
+            greedy, logits, words, hidden, self.kv_cache.caches, routing, *drafter_inputs = forward(
                 self.weights.params, self.kv_cache.caches, self._prev_tokens, buffer, **self._lora_arg())
         draft_inputs = drafter_inputs[0] if drafter_inputs else None
         draft_hidden = drafter_inputs[1] if len(drafter_inputs) > 1 else hidden
-        return _Forward(token_bucket, greedy, logits, words, hidden, draft_inputs, draft_hidden)
+        return _Forward(token_bucket, greedy, logits, words, hidden, draft_inputs, draft_hidden, routing)
 
     def _pool(self, fwd: _Forward, token_rows: np.ndarray) -> jax.Array:
         """The forward's hidden states summed into a row per request (worker/pooler.py), on their way to the
@@ -484,5 +491,8 @@ class ModelRunner:
             dtype = jnp.dtype(self.config.cache.cache_dtype).name
             cache = (f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens{draft} "
                      f"({self.kv_cache.num_tokens} tokens, {gib:.2f} GiB, {dtype})")
+        if self.kv_layout.hybrid:
+            cache += (f"; Mamba states: {self.kv_cache.num_state_slots} slots "
+                      f"({self.kv_cache.state_bytes / 2**30:.2f} GiB, {jnp.dtype(self.config.model.dtype).name})")
         return (f"{cache}; token buckets {self.token_buckets}; "
                 f"attention backend {self.config.attention_backend}; start-up: {startup}")

@@ -9,7 +9,7 @@ from flax import nnx
 
 from jaxllm.kernels import batch_invariant, reference
 from jaxllm.kernels.attention import AttentionMetadata
-from jaxllm.models.kv_layout import model_kv_spec
+from jaxllm.models.kv_layout import model_kv_specs
 from jaxllm.models.params import flatten
 from jaxllm.utils import cdiv
 
@@ -22,7 +22,8 @@ def make_logprobs_fn(runner):
     weights, layout = runner.weights, runner.kv_layout
     graphdef, treedef, paths = weights.graphdef, weights.treedef, list(weights.paths)
     block_size = runner.block_size
-    spec, dtypes = model_kv_spec(runner.arch, block_size), (runner.config.cache.cache_dtype, runner.config.model.dtype)
+    specs = model_kv_specs(runner.arch, block_size)
+    dtypes = runner.config.cache.cache_dtype, runner.config.model.dtype
     invariant = runner.config.batch_invariant
     attention = _attention(invariant)
 
@@ -32,8 +33,9 @@ def make_logprobs_fn(runner):
         batch = token_ids.reshape(-1, token_ids.shape[-1])
         num_seqs, n = batch.shape
         per_seq, num_groups = cdiv(n, block_size), len(layout.groups)
-        arrays = spec.arrays(num_seqs * per_seq, *dtypes)  # K and V, a latent, or states
-        caches = [tuple(jnp.zeros(a.shape, a.dtype) for a in arrays) for _ in range(layout.num_tensors)]
+        # Per KV tensor: K and V, a latent, or states
+        caches = [tuple(jnp.zeros(a.shape, a.dtype) for a in spec.arrays(num_seqs * per_seq, *dtypes))
+                  for spec in specs]
         # Sequence b's blocks are b * per_seq .. (b + 1) * per_seq - 1, its tokens' slots from b * per_seq * block_size.
         slots = (jnp.arange(num_seqs, dtype=jnp.int32)[:, None] * per_seq * block_size
                  + jnp.arange(n, dtype=jnp.int32)[None, :]).reshape(-1)

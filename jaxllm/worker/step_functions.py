@@ -1,7 +1,8 @@
 """The functions ModelRunner jits: the forward pass of one step (to the logits at each
 request's last token and their argmax), the sampler with and without the logits
 processors, the logprobs of the sampled ids and of prompt positions, the writer of
-the processors' state rows, and the pooling of hidden states (worker/pooler.py).
+the processors' state rows, and the pooling of hidden states (worker/pooler.py). A MoE model's
+forward also gives the experts its routers chose (step_routing).
 Closures and plain functions, not methods: the runner is not kept alive by its executables."""
 import dataclasses
 import functools
@@ -11,7 +12,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.kernels import batch_invariant
+from jaxllm.kernels.attention import AttentionMetadata
 from jaxllm.models.lora import LoRABatch
+from jaxllm.models.moe import recording_routing
 from jaxllm.sample import processors
 from jaxllm.sample.logprobs import compute_logprobs
 from jaxllm.sample.processors import ProcessorState
@@ -29,18 +32,20 @@ class StepFunctions:
     def __init__(self, graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout],
                  num_sampled: int, mesh, kv_shardings: list[tuple], user_processors: tuple, num_logprobs: int,
                  invariant: bool = False, num_speculative_tokens: int = 0, aux_layers: tuple[int, ...] = (),
-                 drafter_block_size: int | None = None):
+                 drafter_block_size: int | None = None, num_experts: int = 0):
         """num_sampled: the length of the sampled ids' array (the most rows of logits a step has);
         kv_shardings: each KV tensor's arrays' shardings (KVCacheSpec.shardings);
         invariant: the model traces with the batch-invariant ops (kernels/batch_invariant.py);
         aux_layers: an EAGLE-3 head's target layers, whose input states the forward returns too;
-        drafter_block_size: with a draft model or an EAGLE head, the KV block size (draft_inputs.py)."""
+        drafter_block_size: with a draft model or an EAGLE head, the KV block size (draft_inputs.py);
+        num_experts: a MoE model's experts per layer (0: a dense model), whose forward gives step_routing's arrays."""
         rep = replicated(mesh)
         self.processor_state_sharding = ProcessorState(*[named_sharding(mesh, (None, "vocab"))] * 4)
         model_fn = _traced_invariant if invariant else (lambda fn: fn)
         forward = model_fn(make_forward_fn(graphdef, params_treedef, attn_fn, layouts, num_sampled, aux_layers,
-                                           drafter_block_size))
-        forward_shardings = (rep, named_sharding(mesh, (None, "vocab")), rep, rep, kv_shardings)
+                                           drafter_block_size, num_experts))
+        routing_shardings = (rep, rep) if num_experts else ()
+        forward_shardings = (rep, named_sharding(mesh, (None, "vocab")), rep, rep, kv_shardings, routing_shardings)
         drafter_outputs = (rep,) * ((drafter_block_size is not None) + bool(aux_layers))
         self.forward = jax.jit(forward, donate_argnums=(1,), static_argnums=(4,),
                                out_shardings=forward_shardings + drafter_outputs)
@@ -68,8 +73,19 @@ def _traced_invariant(fn):
     return traced
 
 
+def step_routing(recorded: list, logits_indices, md: AttentionMetadata, num_experts: int):
+    """A MoE model's routing in a step: recorded, each MoE layer's expert ids [T, k] (recording_routing) ->
+    (the ids at each sampled token [L, moe_layers, k] int32: the row of a token taken is the routing of the
+    forward that sampled it; the step's real tokens routed to each expert [moe_layers, num_experts] int32)."""
+    ids = jnp.stack(recorded, axis=1)  # [T, moe_layers, k]
+    real = jnp.arange(ids.shape[0]) < md.query_start_loc[md.num_seqs[0]]
+    counts = jnp.zeros((ids.shape[1], num_experts), jnp.int32)
+    counts = counts.at[jnp.arange(ids.shape[1])[None, :, None], ids].add(real[:, None, None].astype(jnp.int32))
+    return ids[logits_indices], counts
+
+
 def make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout], num_sampled: int,
-                    aux_layers: tuple[int, ...] = (), drafter_block_size: int | None = None):
+                    aux_layers: tuple[int, ...] = (), drafter_block_size: int | None = None, num_experts: int = 0):
     """The jitted forward's function (a closure, not a method: the runner is not kept alive by its executables)."""
     def step(params, kv_caches, prev_tokens, buffer, token_bucket: int, lora=None):
         """params: flat weights; kv_caches: per KV tensor its arrays (worker/kv_cache.py);
@@ -78,7 +94,8 @@ def make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batchi
         `token_bucket`'s BatchLayout; lora: with LoRA, each target module's stacked slots (jaxllm/lora/slots.py),
         which the buffer's lora_slots index. Returns (the greedy ids [num_sampled] int32, the logits [L, vocab]
         float32 at each sampled position (a request's last token, and its drafts'), their L rows of sampling
-        words, the final hidden states [T, hidden_size] (for prompt logprobs and an EAGLE head), kv_caches),
+        words, the final hidden states [T, hidden_size] (for prompt logprobs and an EAGLE head), kv_caches,
+        a MoE model's step_routing arrays (else ())),
         with a drafter the buffer [size] holding the tokens and positions the step ran (what the drafter
         reads), and with aux_layers the states entering them [T, len(aux_layers) * hidden_size]."""
         layout = layouts[token_bucket]
@@ -91,14 +108,16 @@ def make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batchi
         model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, params))
         md = batch.attention
         with_lora = {} if lora is None else {"lora": LoRABatch.of(lora, batch.lora_slots)}
-        if aux_layers:
-            hidden, kv_caches, aux = model(batch.input_ids, batch.positions, kv_caches, md, attn_fn, aux_layers,
-                                           **with_lora)
-        else:
-            hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, md, attn_fn, **with_lora)
+        with recording_routing() as recorded:
+            if aux_layers:
+                hidden, kv_caches, aux = model(batch.input_ids, batch.positions, kv_caches, md, attn_fn, aux_layers,
+                                               **with_lora)
+            else:
+                hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, md, attn_fn, **with_lora)
         logits = model.compute_logits(hidden[batch.logits_indices])
         greedy = jnp.pad(jnp.argmax(logits, axis=-1).astype(jnp.int32), (0, num_sampled - logits.shape[0]))
-        outputs = greedy, logits, batch.sampling, hidden, kv_caches
+        routing = step_routing(recorded, batch.logits_indices, md, num_experts) if num_experts else ()
+        outputs = greedy, logits, batch.sampling, hidden, kv_caches, routing
         if drafter_block_size is not None:
             outputs += (layout.replace(buffer, input_ids=batch.input_ids, positions=batch.positions,
                                        slot_mapping=md.slot_mapping, seq_lens=md.seq_lens, sampling=batch.sampling),)

@@ -32,6 +32,10 @@ class StepOutput:
     # token it took last, the drafts for after it, and how many of its drafts the model rejected.
     drafter_table: jax.Array | None = None
     pooling: StepPooling | None = None  # with pooling requests whose tokens pooled in the step
+    # A MoE model's expert ids at each row of logits [L, moe_layers, k] (when a request asked), and its
+    # step's tokens routed to each expert [moe_layers, num_experts]
+    routed_experts: jax.Array | None = None
+    expert_counts: jax.Array | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -54,8 +58,10 @@ class StepOutput:
         if table is not None:
             drafts = [table[i, 1:-1].tolist() if s.samples else [] for i, s in enumerate(self.scheduled)]
         pooled = None if self.pooling is None else self.pooling.outputs(self.num_reqs)
+        routed = None if self.routed_experts is None else np.asarray(self.routed_experts)[self._taken_rows(taken)]
+        counts = None if self.expert_counts is None else np.asarray(self.expert_counts)
         return ModelRunnerOutput(taken, self._host_logprobs(taken), self._host_prompt_logprobs(), self.failed, drafts,
-                                 pooled)
+                                 pooled, routed, counts)
 
     @staticmethod
     def _accepted(s: ScheduledRequest, samples: np.ndarray, first: int) -> list[int]:
@@ -66,12 +72,16 @@ class StepOutput:
             n += 1
         return rows[:n]
 
+    def _taken_rows(self, taken: list[list[int]]) -> list[int]:
+        """The rows of logits of the tokens taken, in the requests' order."""
+        first_rows = range(self.num_reqs) if self.first_rows is None else self.first_rows.tolist()
+        return [row for first, tokens in zip(first_rows, taken) for row in range(first, first + len(tokens))]
+
     def _host_logprobs(self, taken: list[list[int]]) -> LogprobsArrays | None:
         """Those of the tokens taken, in the requests' order."""
         if self.logprobs is None:
             return None
-        first_rows = range(self.num_reqs) if self.first_rows is None else self.first_rows.tolist()
-        rows = [row for first, tokens in zip(first_rows, taken) for row in range(first, first + len(tokens))]
+        rows = self._taken_rows(taken)
         return LogprobsArrays(*(np.asarray(a)[rows] for a in self.logprobs))
 
     def _host_prompt_logprobs(self) -> list[LogprobsArrays | None] | None:

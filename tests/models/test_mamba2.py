@@ -14,16 +14,16 @@ from flax import nnx
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineArgs
-from jaxllm.kernels.attention import AttentionMetadata
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.loader import abstract_params, create_model, iter_hf_weights
 from jaxllm.sharding import make_mesh
 from tests.conftest import tiny_model
+from tests.models.state_checks import (ATOL, assert_chunked_prompt_logprobs_are_hfs, chunked_logits,
+                                       hf_prompt_logprobs, run_through_aborts_and_a_pause)
 from tests.models.test_moe import assert_greedy_is_hfs
 
 MODEL = tiny_model("mamba2")
 GOLDEN = np.load(os.path.join(MODEL, "golden.npz"))
-ATOL = 1e-4  # fp32 against HF's fp32: observed ~2e-6 on logits and ~5e-7 on logprobs
 # 3 state slots for up to 4 running requests: a request waits for a slot; the budget chunks prompts.
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_gpu_blocks_override=3,
               skip_tokenizer_init=True, show_progress=False, enable_multiprocessing=False)
@@ -32,13 +32,6 @@ ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_
 def hf_config() -> dict:
     with open(os.path.join(MODEL, "config.json")) as f:
         return json.load(f)
-
-
-def hf_prompt_logprobs(length: int) -> np.ndarray:
-    """HF's logprob of each prompt token after the first, from its logits."""
-    logits = GOLDEN[f"logits_{length}"].astype(np.float64)
-    logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    return logprobs[np.arange(length - 1), GOLDEN[f"prompt_{length}"][1:]]
 
 
 def make_model_step():
@@ -79,19 +72,9 @@ def test_the_pallas_ssd_kernel_gives_hfs_logits(monkeypatch):
 
 def assert_chunks_give_hfs_logits(model_step, length: int, chunks: list[int]) -> None:
     step, make_states = model_step
-    states = make_states()
-    ids, logits, start = GOLDEN[f"prompt_{length}"], [], 0
-    for n in chunks:
-        tokens = np.zeros(128, np.int32)
-        tokens[:n] = ids[start:start + n]
-        md = AttentionMetadata(slot_mapping=jnp.full((1, 128), -1, jnp.int32),
-                               query_start_loc=jnp.array([0, n, n], jnp.int32),
-                               seq_lens=jnp.array([start + n, 0], jnp.int32),
-                               block_tables=jnp.array([[[2], [0]]], jnp.int32), num_seqs=jnp.array([1], jnp.int32))
-        out, states = step(states, jnp.asarray(tokens), md)
-        logits.append(np.asarray(out[:n]))
-        start += n
-    np.testing.assert_allclose(np.concatenate(logits), GOLDEN[f"logits_{length}"], atol=ATOL, rtol=0)
+    logits = chunked_logits(step, make_states(), GOLDEN[f"prompt_{length}"], chunks,
+                            lambda start, n: np.full((1, 128), -1, np.int32), np.array([[[2], [0]]], np.int32))
+    np.testing.assert_allclose(logits, GOLDEN[f"logits_{length}"], atol=ATOL, rtol=0)
 
 
 @pytest.fixture(scope="module")
@@ -109,48 +92,17 @@ def test_greedy_tokens_and_logprobs_match_hf_and_nothing_compiles_after_warm_up(
 def test_chunked_prefills_of_any_split_give_hfs_prompt_logprobs(llm):
     """The 100-token prompt in chunks of the 32-token budget, alone and behind other requests that
     move its chunks' boundaries; the 33-token one likewise."""
-    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=0)
-    for others in ([], [3], [20, 9], [30]):
-        prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in others]
-        prompts += [{"prompt_token_ids": GOLDEN[f"prompt_{n}"].tolist()} for n in (100, 33)]
-        outputs = llm.generate(prompts, params, use_tqdm=False)[len(others):]
-        for out, length in zip(outputs, (100, 33)):
-            got = [lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
-            np.testing.assert_allclose(got, hf_prompt_logprobs(length), atol=ATOL, rtol=0)
+    assert_chunked_prompt_logprobs_are_hfs(llm, GOLDEN, ([], [3], [20, 9], [30]))
 
 
 def test_waiting_preemption_and_aborts_leave_every_state_slot_free_and_the_others_outputs(llm):
     """Six requests on three slots: some wait for a slot another frees; two are aborted; a pause that
     keeps the requests preempts every running one, which recomputes from scratch. The golden prompt's
     tokens stay HF's, the others' what each gives alone, and every slot ends free."""
-    engine = llm.llm_engine
-    rng = np.random.default_rng(0)
-    prompts = [{"prompt_token_ids": GOLDEN["greedy_prompt"].tolist()}]
-    prompts += [{"prompt_token_ids": rng.integers(3, 256, int(n)).tolist()} for n in (40, 5, 61, 17, 9)]
-    params = SamplingParams(max_tokens=len(GOLDEN["greedy_tokens"]), temperature=0, ignore_eos=True)
-    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-    before = engine.get_stats()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    outputs, steps = {}, 0
-    while engine.has_unfinished_requests():
-        outputs.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step()
-                        if o.finished and o.outputs[0].finish_reason != "abort"})
-        steps += 1
-        if steps == 3:
-            engine.abort_request(["2", "4"])
-        if steps == 5:
-            engine.pause_generation("keep")
-            stats = engine.get_stats()
-            assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
-            engine.resume_generation()
-    assert outputs.keys() == {"0", "1", "3", "5"}
-    assert outputs["0"] == GOLDEN["greedy_tokens"].tolist()
-    assert all(outputs[i] == list(alone[int(i)]) for i in outputs)
-    stats = engine.get_stats()
+    before, stats = run_through_aborts_and_a_pause(llm, GOLDEN, (40, 5, 61, 17, 9),
+                                                   lambda stats: stats["num_free_blocks"] == stats["num_blocks"])
     assert stats["num_preemptions"] > before["num_preemptions"]
     assert stats["num_free_blocks"] == stats["num_blocks"] == 3 and stats["num_cached_blocks"] == 0
-    assert stats["num_compilations"] == before["num_compilations"]
 
 
 def test_bundled_mamba2_2_7b_has_its_size():
@@ -182,4 +134,4 @@ def test_the_plain_logprobs_function_gives_hfs(llm):
     """LLM.get_logprobs_fn (a trainer's view: the model over its own zero states) on the 33-token prompt."""
     fn = jax.jit(llm.get_logprobs_fn())
     logprobs = np.asarray(fn(llm.get_params(), jnp.asarray(GOLDEN["prompt_33"], jnp.int32)))
-    np.testing.assert_allclose(logprobs, hf_prompt_logprobs(33), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(logprobs, hf_prompt_logprobs(GOLDEN, 33), atol=ATOL, rtol=0)

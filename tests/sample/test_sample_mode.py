@@ -72,7 +72,7 @@ def test_the_step_holds_no_conditional():
     params = runner.weights.params
     forward = runner.fns.forward.lower(params, runner.kv_caches, runner._prev_tokens, buffer, token_bucket)
     texts = [forward.as_text()]
-    _, logits, words, _, _ = runner.fns.forward.eval_shape(params, runner.kv_caches, runner._prev_tokens,
+    _, logits, words, *_ = runner.fns.forward.eval_shape(params, runner.kv_caches, runner._prev_tokens,
                                                            buffer, token_bucket)
     texts += [runner.fns.sample.lower(logits, words, mode).as_text() for mode in list(SampleMode)[1:]]
     bitmask = runner.all_allowed_bitmask(logits.shape[0])

@@ -120,8 +120,9 @@ def build_app(engine, model_names: list[str], api_key: str | None = None, chat_t
               lora_modules: list[tuple[str, str]] = ()) -> FastAPI:
     """lora_modules: (name, path) of the LoRA adapters served under their own model names."""
     models = ServingModels(engine, model_names, lora_modules)
-    lora = engine.config.lora
-    metrics = ServerMetrics(model_names[0], engine.config.model.max_model_len, lora.max_loras if lora else 0)
+    lora, moe = engine.config.lora, engine.config.model.arch.moe
+    metrics = ServerMetrics(model_names[0], engine.config.model.max_model_len, lora.max_loras if lora else 0,
+                            moe.sparse_layers if moe else ())
     engine.stats_listeners.append(metrics.record_scheduler_stats)
     serving = OpenAIServing(engine, models, metrics, chat_template, max_log_len, max_seqs_per_request)
     chat = ChatServing(serving, features)

@@ -11,7 +11,9 @@ speculative decoding counters (vLLM's spec_decode_*: requests' steps with drafts
 tokens, accepted ones, and accepted ones by position). The intervals are vLLM's:
 queue = arrival .. first scheduled, prefill = first scheduled .. first token,
 decode = first token .. last token, inference = first scheduled .. last token,
-end-to-end = arrival .. the server saw the request finish.
+end-to-end = arrival .. the server saw the request finish. A mixture-of-experts model's
+moe_expert_tokens counts the tokens each expert of each MoE layer took (a token once per expert
+of its top k), from the stats' per-step counts, kept as one array and rendered at a scrape.
 """
 import asyncio
 import collections
@@ -19,8 +21,10 @@ import logging
 import os
 import time
 
+import numpy as np
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
                                disable_created_metrics, generate_latest)
+from prometheus_client.core import CounterMetricFamily
 
 from jaxllm.contracts.engine_core import SchedulerStats
 from jaxllm.outputs import RequestOutput
@@ -51,9 +55,32 @@ def _token_buckets(max_model_len: int) -> list[int]:
         scale *= 10
 
 
+class ExpertTokens:
+    """jaxllm:moe_expert_tokens_total{layer, expert}: a series per MoE layer (the model's layer index) and
+    expert, 6,144 for Qwen3-30B-A3B's 48 layers of 128. The counts add up in one array as the stats
+    come (a labelled Counter would take a lookup per series and step); a scrape renders them."""
+
+    def __init__(self, model_name: str, moe_layers: tuple[int, ...]):
+        self.model_name, self.moe_layers = model_name, moe_layers
+        self.totals: np.ndarray | None = None  # [moe_layers, experts] int64
+
+    def add(self, counts: np.ndarray) -> None:
+        counts = counts.astype(np.int64)
+        self.totals = counts if self.totals is None else self.totals + counts
+
+    def collect(self):
+        family = CounterMetricFamily(PREFIX + "moe_expert_tokens", "Tokens routed to each expert of each MoE layer.",
+                                     labels=["model_name", "layer", "expert"])
+        if self.totals is not None:
+            for (i, expert), count in np.ndenumerate(self.totals):
+                family.add_metric([self.model_name, str(self.moe_layers[i]), str(expert)], int(count))
+        yield family
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str, max_model_len: int, max_loras: int = 0):
-        """max_loras: with LoRA, the engine's (the lora_requests_info gauge's max_lora label)."""
+    def __init__(self, model_name: str, max_model_len: int, max_loras: int = 0, moe_layers: tuple[int, ...] = ()):
+        """max_loras: with LoRA, the engine's (the lora_requests_info gauge's max_lora label); moe_layers: a
+        mixture-of-experts model's MoE layers (MoeConfig.sparse_layers), for moe_expert_tokens."""
         disable_created_metrics()  # no `_created` series beside every counter and histogram
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
@@ -119,6 +146,9 @@ class ServerMetrics:
         self.total_queries = self.total_hits = 0
         self.total_drafts = self.total_accepted = 0
         self.scheduler_stats = SchedulerStats()  # the newest
+        self.expert_tokens = ExpertTokens(model_name, moe_layers)
+        if moe_layers:
+            self.registry.register(self.expert_tokens)
 
     def request_success(self, finished_reason: str) -> None:
         self._request_success.labels(model_name=self._model_name, finished_reason=finished_reason).inc()
@@ -145,6 +175,8 @@ class ServerMetrics:
             self._lora_info.labels(max_lora=str(self._max_loras),
                                    running_lora_adapters=",".join(stats.running_lora_adapters),
                                    waiting_lora_adapters=",".join(stats.waiting_lora_adapters)).set_to_current_time()
+        if stats.expert_tokens is not None:
+            self.expert_tokens.add(stats.expert_tokens)
         self.scheduler_stats = stats
 
     def _add_prefix_cache(self, queries: int, hits: int) -> None:
