@@ -1,6 +1,7 @@
 """EngineArgs (the user's flags, vLLM's names) -> one validated Config."""
 import dataclasses
 import logging
+import os
 import typing
 
 import jax
@@ -60,13 +61,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     async_scheduling: bool  # schedule step N+1 while step N runs on the device
+    # Steps in flight, one per pipeline stage: a request waits for its sampled token before its next step
+    pipeline_parallel_size: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int
     data_parallel_size: int = 1      # engine cores, each in a process of its own (engine/dp_client.py)
-    pipeline_parallel_size: int = 1  # only 1 until pipeline parallelism is built
+    pipeline_parallel_size: int = 1  # stages of consecutive decoder layers, each on tp devices of its own
+    layer_partition: tuple[int, ...] = ()  # with pipeline_parallel_size > 1: each stage's number of layers
     num_hosts: int = 1               # processes joined by jax.distributed into one mesh (executor/multihost.py)
     host_rank: int = 0
     coordinator_address: str | None = None
@@ -235,8 +239,7 @@ class EngineArgs:
                f"quantization={self.quantization!r}")
         _check(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         _check(self.data_parallel_size >= 1, f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
-        _check(self.pipeline_parallel_size == 1, "pipeline_parallel_size must be 1 (pipeline parallelism is "
-               f"not built yet), got {self.pipeline_parallel_size}")
+        _check(self.pipeline_parallel_size >= 1, f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
         _check(self.distributed_executor_backend in ("uni", "multihost", "ray"),
                "distributed_executor_backend must be 'uni', 'multihost' or 'ray', "
                f"got {self.distributed_executor_backend!r}")
@@ -259,8 +262,9 @@ class EngineArgs:
                "'draft_model', 'eagle' or 'eagle3'")
         devices = devices or device_facts()
         num_devices = devices.local_device_count * self.num_hosts
-        _check(self.tensor_parallel_size <= num_devices,
-               f"tensor_parallel_size={self.tensor_parallel_size} exceeds the {num_devices} visible device(s)")
+        _check(self.tensor_parallel_size * self.pipeline_parallel_size <= num_devices,
+               f"tensor_parallel_size={self.tensor_parallel_size} x pipeline_parallel_size="
+               f"{self.pipeline_parallel_size} exceeds the {num_devices} visible device(s)")
         from jaxllm.kernels.attention import BACKENDS
         _check(self.attention_backend in (None, *BACKENDS),
                f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
@@ -285,6 +289,7 @@ class EngineArgs:
         backend = self._attention_backend(arch, quantization, speculative, devices)
         arch = self._check_experts(arch, quantization)
         prefix_caching = self._check_mamba(arch, speculative, quantization)
+        layer_partition = self._layer_partition(arch, speculative, quantization)
         max_len = arch.max_position_embeddings if self.max_model_len is None else self.max_model_len
         # A Mamba2 model has no positions: its config's length is only the default.
         _check(arch.mamba is not None or max_len <= arch.max_position_embeddings,
@@ -311,9 +316,10 @@ class EngineArgs:
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.num_gpu_blocks_override,
                               KV_CACHE_DTYPES[self.kv_cache_dtype] or dtype, prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, batched, max_len,
-                                      not host_drafts if self.async_scheduling is None else self.async_scheduling),
+                                      not host_drafts if self.async_scheduling is None else self.async_scheduling,
+                                      self.pipeline_parallel_size),
             parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.pipeline_parallel_size,
-                                    self.num_hosts, self.host_rank, self.coordinator_address),
+                                    layer_partition, self.num_hosts, self.host_rank, self.coordinator_address),
             attention_backend=backend,
             seed=self.seed,
             logits_processors=logits_processors,
@@ -383,6 +389,31 @@ class EngineArgs:
                         "not blocks to share", arch.architecture)
         return False
 
+    def _layer_partition(self, arch: ModelArchConfig, speculative: SpeculativeConfig | None,
+                         quantization: QuantConfig | None) -> tuple[int, ...]:
+        """With pipeline_parallel_size > 1, each stage's number of decoder layers (vLLM's split, or
+        $JAXLLM_PP_LAYER_PARTITION's "n0,n1,..."), checked against what pipeline parallelism runs with."""
+        pp = self.pipeline_parallel_size
+        if pp == 1:
+            return ()
+        for ok, what in ((self.num_hosts == 1, f"num_hosts={self.num_hosts}"),
+                         (self.data_parallel_size == 1, f"data_parallel_size={self.data_parallel_size}"),
+                         (speculative is None, "speculative_config"), (quantization is None, "quantization"),
+                         (arch.moe is None, f"a mixture-of-experts model ({arch.architecture})"),
+                         (arch.mamba is None, f"a Mamba model ({arch.architecture})")):
+            _check(ok, f"pipeline_parallel_size={pp} does not run with {what} yet")
+        text = os.environ.get(PP_LAYER_PARTITION_ENV)
+        if text is None:
+            return layer_partition(arch.num_layers, pp)
+        try:
+            partition = tuple(int(n) for n in text.split(","))
+        except ValueError:
+            partition = ()
+        _check(len(partition) == pp and min(partition) >= 1 and sum(partition) == arch.num_layers,
+               f"${PP_LAYER_PARTITION_ENV} must be {pp} counts >= 1 (one per pipeline stage) adding up to the "
+               f"model's {arch.num_layers} layers, got {text!r}")
+        return partition
+
     def _draft_model(self, model: str, target: ModelArchConfig, max_len: int, platform: str) -> ModelConfig:
         """speculative_config.model resolved as the draft of `target`: its tokens must be the
         target's, its context as long, its heads as divisible, and its attention no wider than
@@ -438,6 +469,19 @@ class EngineArgs:
         windows = [arch.layer_sliding_window(i) for i in range(arch.num_layers)]
         _check(window is None or all(w is not None and w <= window for w in windows),
                f"speculative_config.model: the {what} attends beyond the target's sliding window ({window})")
+
+
+PP_LAYER_PARTITION_ENV = "JAXLLM_PP_LAYER_PARTITION"
+
+
+def layer_partition(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """vLLM's split of the decoder layers into stages: equal parts, the remainder one layer each to the
+    stages before the last (which also holds the final norm and the LM head). 10 over 4 -> (2, 3, 3, 2)."""
+    _check(num_stages <= num_layers, f"pipeline_parallel_size={num_stages} exceeds the model's {num_layers} layers")
+    partition = [num_layers // num_stages] * num_stages
+    for i in range(2, num_layers % num_stages + 2):
+        partition[-i] += 1
+    return tuple(partition)
 
 
 def _resolve_quantization(requested: str | None, hf_config: dict, fmt: str, arch: ModelArchConfig, tp: int,

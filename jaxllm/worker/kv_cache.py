@@ -5,7 +5,12 @@ themselves, per KV tensor the arrays its KVCacheSpec names (models/kv_layout.py)
 state slots (conv [num_blocks, conv_kernel - 1, conv_dim], SSM [num_blocks, heads, head_dim,
 state_size]) in the model's dtype, one slot per running request. A block id means one block in
 one layer of each KV cache group (models/kv_layout.py), and in each of a draft model's KV
-tensors (worker/draft_model.py)."""
+tensors (worker/draft_model.py).
+
+Under pipeline parallelism each stage holds the arrays of the KV tensors its layers use, on its own
+mesh: `caches` lists them stage by stage (StageCaches says where each stage's run), and a block id
+means the same block in every stage's arrays, so one block table serves every stage."""
+import dataclasses
 import functools
 
 import jax
@@ -18,20 +23,49 @@ from jaxllm.kernels.ssd import max_chunks
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.kv_layout import KVCacheLayout, model_kv_spec
 from jaxllm.sample.processors import ProcessorState
+from jaxllm.sharding import StageMeshes
 from jaxllm.utils import cdiv
 
 _CPU_KV_CACHE_BYTES = 512 << 20  # CPU devices report no memory: cap the cache at 512 MiB
 
 
+@dataclasses.dataclass(frozen=True)
+class StageCaches:
+    """A pipeline stage's part of the cache: its mesh, and the KV tensors its layers use, whose arrays
+    are KVCache.caches[start:start + len(tensors)]."""
+    mesh: jax.sharding.Mesh
+    tensors: tuple[int, ...]
+    start: int
+
+    @property
+    def slice(self) -> slice:
+        return slice(self.start, self.start + len(self.tensors))
+
+
+def _stage_tensors(layout: KVCacheLayout, meshes: StageMeshes) -> list[tuple[jax.sharding.Mesh, tuple[int, ...]]]:
+    """Each stage's mesh and the KV tensors its layers write. A tensor that layers of several stages share
+    (a hybrid model's groups: models/kv_layout.py) has an array on each of them."""
+    tensors = [set() for _ in meshes.meshes]
+    for layer, stage in enumerate(meshes.layer_stage):
+        tensors[stage].add(layout.layer_slot(layer)[1])
+    return [(mesh, tuple(sorted(t))) for mesh, t in zip(meshes.meshes, tensors)]
+
+
 class KVCache:
     def __init__(self, config: Config, arch: ModelArchConfig, layout: KVCacheLayout, mesh: jax.sharding.Mesh,
-                 draft: tuple[ModelArchConfig, KVCacheLayout] | None = None):
+                 draft: tuple[ModelArchConfig, KVCacheLayout] | None = None, stage_meshes: StageMeshes | None = None):
         """Sizes the cache from the memory left once the weights are on the devices. draft: a draft
-        model's architecture and layout, whose KV tensors (`draft_caches`) take the same block ids."""
+        model's architecture and layout, whose KV tensors (`draft_caches`) take the same block ids.
+        stage_meshes: under pipeline parallelism, the stages' (each holds its layers' KV tensors)."""
         self.config, self.arch, self.layout, self.mesh = config, arch, layout, mesh
         self._models = [(arch, layout)] + ([draft] if draft else [])
         self.block_size = config.cache.block_size
         self._specs = [model_kv_spec(a, self.block_size) for a, _ in self._models]
+        self.stages, start = [], 0
+        for stage_mesh, tensors in _stage_tensors(layout, stage_meshes) if stage_meshes else [
+                (mesh, tuple(range(layout.num_tensors)))]:
+            self.stages.append(StageCaches(stage_mesh, tuple(tensors), start))
+            start += len(tensors)
         # Blocks per block id in each model's tensors: the draft's groups each take one (draft_model.py).
         self._blocks_per_id = [1] + ([len(draft[1].groups)] if draft else [])
         self.num_blocks = self._num_blocks()
@@ -42,20 +76,33 @@ class KVCache:
                 "gpu_memory_utilization or num_gpu_blocks_override, or lower max_model_len")
         self.caches: list[tuple[jax.Array, ...]] | None = None
         self.draft_caches: list[tuple[jax.Array, ...]] | None = None
-        self.shardings = [self._specs[0].shardings(mesh)] * layout.num_tensors  # the target's, per KV tensor
-        # Compiled once and kept: a cache made again (after a failed step, a wake-up) compiles nothing.
-        dtypes = config.cache.cache_dtype, config.model.dtype
-        self._zeros = [tuple(jax.jit(functools.partial(jnp.zeros, a.shape, a.dtype), out_shardings=sharding)
-                             .lower().compile()
-                             for a, sharding in zip(spec.arrays(self.num_blocks * blocks, *dtypes), spec.shardings(mesh)))
-                       for spec, blocks in zip(self._specs, self._blocks_per_id)]
+        # The target's, per array of `caches` (per KV tensor, and under pipeline parallelism per stage)
+        self.shardings = [self._specs[0].shardings(stage.mesh) for stage in self.stages for _ in stage.tensors]
+        # Compiled once (per stage) and kept: a cache made again (after a failed step, a wake-up) compiles
+        # nothing. Per model, per entry of its caches: the functions that make its arrays.
+        per_stage = [self._zeros_fns(self._specs[0], 1, self._specs[0].shardings(stage.mesh)) for stage in self.stages]
+        self._zeros = [[fns for fns, stage in zip(per_stage, self.stages) for _ in stage.tensors]]
+        if draft:
+            self._zeros.append([self._zeros_fns(self._specs[1], self._blocks_per_id[1], self._specs[1].shardings(mesh))]
+                               * draft[1].num_tensors)
+
+    def _zeros_fns(self, spec, blocks_per_id: int, shardings: tuple) -> tuple:
+        dtypes = self.config.cache.cache_dtype, self.config.model.dtype
+        return tuple(jax.jit(functools.partial(jnp.zeros, a.shape, a.dtype), out_shardings=sharding).lower().compile()
+                     for a, sharding in zip(spec.arrays(self.num_blocks * blocks_per_id, *dtypes), shardings))
 
     @property
     def bytes_per_block(self) -> int:
-        """A block id holds one block in each KV tensor (a layer of each group), the draft's too."""
+        """A block id holds one block in each KV tensor (a layer of each group), the draft's too, and under
+        pipeline parallelism in each stage's copy of a tensor its layers share."""
+        return sum(self._stage_bytes_per_block(s) for s in range(len(self.stages)))
+
+    def _stage_bytes_per_block(self, stage: int) -> int:
+        """What one block id takes on pipeline stage `stage` (a draft's tensors are the only stage's)."""
         dtypes = self.config.cache.cache_dtype, self.config.model.dtype
-        return sum(layout.num_tensors * blocks * spec.bytes_per_block(*dtypes)
-                   for (_, layout), spec, blocks in zip(self._models, self._specs, self._blocks_per_id))
+        target = len(self.stages[stage].tensors) * self._specs[0].bytes_per_block(*dtypes)
+        return target + sum(layout.num_tensors * blocks * spec.bytes_per_block(*dtypes) for (_, layout), spec, blocks
+                            in zip(self._models[1:], self._specs[1:], self._blocks_per_id[1:]))
 
     @property
     def num_tokens(self) -> int:
@@ -65,14 +112,16 @@ class KVCache:
         cache = self.config.cache
         if cache.num_gpu_blocks_override:
             return cache.num_gpu_blocks_override
-        stats = jax.local_devices()[0].memory_stats() or {}
-        if "bytes_limit" in stats:
-            budget = (stats["bytes_limit"] * cache.gpu_memory_utilization - stats["bytes_in_use"]
-                      - self._activation_bytes() - self._processor_state_bytes())
+        stats = [stage.mesh.devices.flat[0].memory_stats() or {} for stage in self.stages]
+        if "bytes_limit" in stats[0]:  # each stage's first device, after its weights: the fewest blocks of any
+            num_blocks = min(
+                int((s["bytes_limit"] * cache.gpu_memory_utilization - s["bytes_in_use"] - self._activation_bytes()
+                     - self._processor_state_bytes()) // self._stage_bytes_per_block(i)) for i, s in enumerate(stats))
         else:
             budget = min(_CPU_KV_CACHE_BYTES,
                          self.config.scheduler.max_num_seqs * self.blocks_per_request() * self.bytes_per_block)
-        num_blocks = max(int(budget // self.bytes_per_block), 0)
+            num_blocks = int(budget // self.bytes_per_block)
+        num_blocks = max(num_blocks, 0)
         if all(group.mamba for group in self.layout.groups):  # a state slot per running request, no more
             num_blocks = min(num_blocks, self.config.scheduler.max_num_seqs)
         if jax.process_count() > 1:  # every host schedules alike: the same cache on each (the smallest)
@@ -122,8 +171,7 @@ class KVCache:
         """Zeroed caches on the mesh (a block's old contents never matter: a step writes a
         slot before any step reads it)."""
         self.caches, *draft = jax.block_until_ready(
-            [[tuple(zeros() for zeros in per_array) for _ in range(layout.num_tensors)]
-             for per_array, (_, layout) in zip(self._zeros, self._models)])
+            [[tuple(zeros() for zeros in per_array) for per_array in per_entry] for per_entry in self._zeros])
         self.draft_caches = draft[0] if draft else None
 
     def delete(self) -> None:

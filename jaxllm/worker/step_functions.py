@@ -36,10 +36,10 @@ class StepFunctions:
         drafter_block_size: with a draft model or an EAGLE head, the KV block size (draft_inputs.py)."""
         rep = replicated(mesh)
         self.processor_state_sharding = ProcessorState(*[named_sharding(mesh, (None, "vocab"))] * 4)
-        model_fn = _traced_invariant if invariant else (lambda fn: fn)
+        model_fn = traced_invariant if invariant else (lambda fn: fn)
         forward = model_fn(make_forward_fn(graphdef, params_treedef, attn_fn, layouts, num_sampled, aux_layers,
                                            drafter_block_size))
-        forward_shardings = (rep, named_sharding(mesh, (None, "vocab")), rep, rep, kv_shardings)
+        forward_shardings = forward_out_shardings(mesh, kv_shardings)
         drafter_outputs = (rep,) * ((drafter_block_size is not None) + bool(aux_layers))
         self.forward = jax.jit(forward, donate_argnums=(1,), static_argnums=(4,),
                                out_shardings=forward_shardings + drafter_outputs)
@@ -58,7 +58,21 @@ class StepFunctions:
         self.pool = jax.jit(pool_hidden, static_argnums=(2,), out_shardings=rep)
 
 
-def _traced_invariant(fn):
+def forward_out_shardings(mesh, kv_shardings: list) -> tuple:
+    """Where a forward's outputs live: (greedy ids, logits, sampling words, hidden states, KV caches)."""
+    rep = replicated(mesh)
+    return rep, named_sharding(mesh, (None, "vocab")), rep, rep, kv_shardings
+
+
+def sampled_rows(model, hidden, batch: batching.StepBatch, num_sampled: int) -> tuple:
+    """A forward's outputs but its caches, from the final hidden states [T, hidden_size]: (the greedy ids
+    [num_sampled] int32, the logits [L, vocab] float32 at batch.logits_indices, their sampling words, hidden)."""
+    logits = model.compute_logits(hidden[batch.logits_indices])
+    greedy = jnp.pad(jnp.argmax(logits, axis=-1).astype(jnp.int32), (0, num_sampled - logits.shape[0]))
+    return greedy, logits, batch.sampling, hidden
+
+
+def traced_invariant(fn):
     """fn, its model traced with the batch-invariant ops."""
     @functools.wraps(fn)
     def traced(*args, **kwargs):
@@ -92,9 +106,7 @@ def make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batchi
             hidden, kv_caches, aux = model(batch.input_ids, batch.positions, kv_caches, md, attn_fn, aux_layers)
         else:
             hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, md, attn_fn)
-        logits = model.compute_logits(hidden[batch.logits_indices])
-        greedy = jnp.pad(jnp.argmax(logits, axis=-1).astype(jnp.int32), (0, num_sampled - logits.shape[0]))
-        outputs = greedy, logits, batch.sampling, hidden, kv_caches
+        outputs = sampled_rows(model, hidden, batch, num_sampled) + (kv_caches,)
         if drafter_block_size is not None:
             outputs += (layout.replace(buffer, input_ids=batch.input_ids, positions=batch.positions,
                                        slot_mapping=md.slot_mapping, seq_lens=md.seq_lens, sampling=batch.sampling),)
