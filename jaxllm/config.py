@@ -1,7 +1,6 @@
 """EngineArgs (the user's flags, vLLM's names) -> one validated Config."""
 import dataclasses
 import logging
-import os
 import typing
 
 import jax
@@ -14,6 +13,7 @@ from jaxllm.models.eagle_config import EAGLE_ARCHITECTURES, EAGLE_TARGETS, Eagle
 from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.models.quant_config import QUANTIZATIONS, QuantConfig, resolve_quantization
 from jaxllm.pooling_params import PoolerConfig
+from jaxllm.sharding import layer_partition
 from jaxllm.typecheck import check_field_types
 
 logger = logging.getLogger(__name__)
@@ -141,6 +141,7 @@ class Config:
     logits_processors: tuple = ()  # LogitsProcessor subclasses (jaxllm/sample/logits_processor.py)
     batch_invariant: bool = False  # a request's numbers do not depend on its batch (kernels/batch_invariant.py)
     speculative: SpeculativeConfig | None = None  # speculative decoding (jaxllm/spec_decode)
+    enable_dbo: bool = False  # dual-batch overlap: each layer over one half of the tokens, then the other
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -210,6 +211,9 @@ class EngineArgs:
     runner: str = "auto"
     # vLLM's, with runner="pooling": {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} (LAST, true)
     pooler_config: dict[str, typing.Any] | None = None
+    # vLLM's dual-batch overlap: every layer on one half of a step's tokens, then the other, so one half's
+    # collectives (all-reduces, all-to-alls) may overlap the other's compute (models/dual_batch.py)
+    enable_dbo: bool = False
 
     def create_config(self, devices: DeviceFacts | None = None) -> Config:
         """The validated Config, for the devices `devices` describes (default: those a fresh process
@@ -262,9 +266,9 @@ class EngineArgs:
                "'draft_model', 'eagle' or 'eagle3'")
         devices = devices or device_facts()
         num_devices = devices.local_device_count * self.num_hosts
+        pp = "" if self.pipeline_parallel_size == 1 else f"pipeline_parallel_size={self.pipeline_parallel_size} x "
         _check(self.tensor_parallel_size * self.pipeline_parallel_size <= num_devices,
-               f"tensor_parallel_size={self.tensor_parallel_size} x pipeline_parallel_size="
-               f"{self.pipeline_parallel_size} exceeds the {num_devices} visible device(s)")
+               f"{pp}tensor_parallel_size={self.tensor_parallel_size} exceeds the {num_devices} visible device(s)")
         from jaxllm.kernels.attention import BACKENDS
         _check(self.attention_backend in (None, *BACKENDS),
                f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
@@ -289,7 +293,9 @@ class EngineArgs:
         backend = self._attention_backend(arch, quantization, speculative, devices)
         arch = self._check_experts(arch, quantization)
         prefix_caching = self._check_mamba(arch, speculative, quantization)
-        layer_partition = self._layer_partition(arch, speculative, quantization)
+        partition = self._layer_partition(arch, speculative, quantization)
+        for ok, what in ((speculative is None, "speculative_config"), (arch.mamba is None, "a Mamba model")):
+            _check(not self.enable_dbo or ok, f"enable_dbo does not run with {what} yet")
         max_len = arch.max_position_embeddings if self.max_model_len is None else self.max_model_len
         # A Mamba2 model has no positions: its config's length is only the default.
         _check(arch.mamba is not None or max_len <= arch.max_position_embeddings,
@@ -319,12 +325,13 @@ class EngineArgs:
                                       not host_drafts if self.async_scheduling is None else self.async_scheduling,
                                       self.pipeline_parallel_size),
             parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.pipeline_parallel_size,
-                                    layer_partition, self.num_hosts, self.host_rank, self.coordinator_address),
+                                    partition, self.num_hosts, self.host_rank, self.coordinator_address),
             attention_backend=backend,
             seed=self.seed,
             logits_processors=logits_processors,
             batch_invariant=self.batch_invariant,
             speculative=speculative,
+            enable_dbo=self.enable_dbo,
         )
 
     def _pooler_config(self, speculative: SpeculativeConfig | None) -> PoolerConfig | None:
@@ -391,8 +398,8 @@ class EngineArgs:
 
     def _layer_partition(self, arch: ModelArchConfig, speculative: SpeculativeConfig | None,
                          quantization: QuantConfig | None) -> tuple[int, ...]:
-        """With pipeline_parallel_size > 1, each stage's number of decoder layers (vLLM's split, or
-        $JAXLLM_PP_LAYER_PARTITION's "n0,n1,..."), checked against what pipeline parallelism runs with."""
+        """With pipeline_parallel_size > 1, each stage's number of decoder layers (sharding.layer_partition),
+        checked against what pipeline parallelism runs with."""
         pp = self.pipeline_parallel_size
         if pp == 1:
             return ()
@@ -402,17 +409,7 @@ class EngineArgs:
                          (arch.moe is None, f"a mixture-of-experts model ({arch.architecture})"),
                          (arch.mamba is None, f"a Mamba model ({arch.architecture})")):
             _check(ok, f"pipeline_parallel_size={pp} does not run with {what} yet")
-        text = os.environ.get(PP_LAYER_PARTITION_ENV)
-        if text is None:
-            return layer_partition(arch.num_layers, pp)
-        try:
-            partition = tuple(int(n) for n in text.split(","))
-        except ValueError:
-            partition = ()
-        _check(len(partition) == pp and min(partition) >= 1 and sum(partition) == arch.num_layers,
-               f"${PP_LAYER_PARTITION_ENV} must be {pp} counts >= 1 (one per pipeline stage) adding up to the "
-               f"model's {arch.num_layers} layers, got {text!r}")
-        return partition
+        return layer_partition(arch.num_layers, pp)
 
     def _draft_model(self, model: str, target: ModelArchConfig, max_len: int, platform: str) -> ModelConfig:
         """speculative_config.model resolved as the draft of `target`: its tokens must be the
@@ -469,19 +466,6 @@ class EngineArgs:
         windows = [arch.layer_sliding_window(i) for i in range(arch.num_layers)]
         _check(window is None or all(w is not None and w <= window for w in windows),
                f"speculative_config.model: the {what} attends beyond the target's sliding window ({window})")
-
-
-PP_LAYER_PARTITION_ENV = "JAXLLM_PP_LAYER_PARTITION"
-
-
-def layer_partition(num_layers: int, num_stages: int) -> tuple[int, ...]:
-    """vLLM's split of the decoder layers into stages: equal parts, the remainder one layer each to the
-    stages before the last (which also holds the final norm and the LM head). 10 over 4 -> (2, 3, 3, 2)."""
-    _check(num_stages <= num_layers, f"pipeline_parallel_size={num_stages} exceeds the model's {num_layers} layers")
-    partition = [num_layers // num_stages] * num_stages
-    for i in range(2, num_layers % num_stages + 2):
-        partition[-i] += 1
-    return tuple(partition)
 
 
 def _resolve_quantization(requested: str | None, hf_config: dict, fmt: str, arch: ModelArchConfig, tp: int,

@@ -9,6 +9,7 @@ and XLA inserts the collectives. Changing the parallelism changes the mesh (and
 at most this table), never the model.
 """
 import dataclasses
+import os
 
 import jax
 import numpy as np
@@ -60,6 +61,31 @@ class StageMeshes:
         if path[0] == "layers":
             return self.meshes[self.layer_stage[path[1]]]
         return self.meshes[0] if path[0] == "embed_tokens" else self.meshes[-1]
+
+
+PP_LAYER_PARTITION_ENV = "JAXLLM_PP_LAYER_PARTITION"
+
+
+def layer_partition(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """Each pipeline stage's number of decoder layers: $JAXLLM_PP_LAYER_PARTITION's "n0,n1,..." if set,
+    else vLLM's split: equal parts, the remainder one layer each to the stages before the last (which also
+    holds the final norm and the LM head). 10 over 4 -> (2, 3, 3, 2)."""
+    text = os.environ.get(PP_LAYER_PARTITION_ENV)
+    if text is not None:
+        try:
+            partition = tuple(int(n) for n in text.split(","))
+        except ValueError:
+            partition = ()
+        if len(partition) != num_stages or min(partition) < 1 or sum(partition) != num_layers:
+            raise ValueError(f"${PP_LAYER_PARTITION_ENV} must be {num_stages} counts >= 1 (one per pipeline stage) "
+                             f"adding up to the model's {num_layers} layers, got {text!r}")
+        return partition
+    if num_stages > num_layers:
+        raise ValueError(f"pipeline_parallel_size={num_stages} exceeds the model's {num_layers} layers")
+    partition = [num_layers // num_stages] * num_stages
+    for i in range(2, num_layers % num_stages + 2):
+        partition[-i] += 1
+    return tuple(partition)
 
 
 def make_stage_meshes(tensor_parallel_size: int, layer_partition: tuple[int, ...]) -> StageMeshes | None:

@@ -162,11 +162,12 @@ class ModelRunner:
         self.logprob_buckets = sorted({0, min(8, self.num_logprobs), self.num_logprobs})
         self.fns = StepFunctions(self.weights.graphdef, self.weights.treedef, attn_fn, layouts, self.num_sampled, self.mesh,
             self.kv_cache.shardings, user_processors, self.num_logprobs, config.batch_invariant, num_spec,
-            self.aux_layers, self.block_size if self.draft else None)
+            self.aux_layers, self.block_size if self.draft else None, config.enable_dbo)
         self.processor_rows = ProcessorRows(config, user_processors, self.fns.write_rows,
                                             self.fns.processor_state_sharding)
         self.pipeline = Pipeline(self.weights, self.stage_meshes, self.arch, self.kv_cache, layouts, self.num_sampled,
-                                 config.attention_backend, config.batch_invariant, mc.dtype) if self.stage_meshes else None
+                                 config.attention_backend, config.batch_invariant, mc.dtype,
+                                 config.enable_dbo) if self.stage_meshes else None
         # Per request of the drafter's table (draft_inputs.py): its last token, its k drafts, its rejected count.
         self._table_width = 2 + num_spec if self.draft else 0
         self._prev_tokens = self._zero_prev_tokens()  # the last step's tokens on the device, for the next one

@@ -29,6 +29,7 @@ from jax.profiler import TraceAnnotation
 
 from jaxllm.kernels.attention import get_attention_fn
 from jaxllm.models.config import ModelArchConfig
+from jaxllm.models.dual_batch import decode_two_halves
 from jaxllm.sharding import StageMeshes, replicated
 from jaxllm.worker import input_batch as batching
 from jaxllm.worker.executables import FORWARD, STAGE, ExecutableKey, Executables
@@ -51,15 +52,16 @@ class _Stage:
 class Pipeline:
     def __init__(self, weights: ModelWeights, meshes: StageMeshes, arch: ModelArchConfig, kv_cache: KVCache,
                  layouts: dict[int, batching.BatchLayout], num_sampled: int, attention_backend: str,
-                 invariant: bool, dtype):
-        """layouts: each token bucket's BatchLayout; num_sampled: the greedy ids' length (ModelRunner's)."""
+                 invariant: bool, dtype, dbo: bool = False):
+        """layouts: each token bucket's BatchLayout; num_sampled: the greedy ids' length (ModelRunner's);
+        dbo: each stage runs its layers on each half of the tokens in turn (models/dual_batch.py)."""
         self.meshes, self.arch, self.kv_cache, self.layouts = meshes, arch, kv_cache, layouts
         self.dtype = dtype
         n = len(meshes.meshes)
         starts = [meshes.layer_stage.index(s) for s in range(n)] + [arch.num_layers]
         self.stages = [_Stage(s, mesh, range(starts[s], starts[s + 1]), s == 0, s == n - 1)
                        for s, mesh in enumerate(meshes.meshes)]
-        self.fns = [self._jit(stage, weights, attention_backend, invariant, num_sampled) for stage in self.stages]
+        self.fns = [self._jit(stage, weights, attention_backend, invariant, num_sampled, dbo) for stage in self.stages]
         self.params: list[list[jax.Array]] = []
         self.set_weights(weights)
 
@@ -89,12 +91,13 @@ class Pipeline:
         """The last stage's param list: what computes logits from its hidden states (prompt logprobs)."""
         return self.params[-1]
 
-    def _jit(self, stage: _Stage, weights: ModelWeights, attention_backend: str, invariant: bool, num_sampled: int):
+    def _jit(self, stage: _Stage, weights: ModelWeights, attention_backend: str, invariant: bool, num_sampled: int,
+             dbo: bool):
         kv = self.kv_cache.stages[stage.index]
         kv_shardings = self.kv_cache.shardings[kv.slice]
         attn_fn = get_attention_fn(attention_backend, stage.mesh, invariant, latent=self.arch.mla is not None)
         fn = make_stage_fn(weights.graphdef, weights.treedef, attn_fn, self.layouts, num_sampled, stage,
-                           kv.tensors, self.kv_cache.layout.num_tensors)
+                           kv.tensors, self.kv_cache.layout.num_tensors, dbo)
         fn = traced_invariant(fn) if invariant else fn
         out = forward_out_shardings(stage.mesh, kv_shardings) if stage.last else (replicated(stage.mesh), kv_shardings)
         return jax.jit(fn, donate_argnums=(1,), static_argnums=(4,), out_shardings=out)
@@ -133,7 +136,7 @@ class Pipeline:
 
 
 def make_stage_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout], num_sampled: int,
-                  stage: _Stage, tensors: tuple[int, ...], num_tensors: int):
+                  stage: _Stage, tensors: tuple[int, ...], num_tensors: int, dbo: bool = False):
     """The jitted function of one stage (a closure, not a method: the runner is not kept alive by it)."""
     def run(params, kv_caches, x, buffer, token_bucket: int):
         """params: the stage's flat param list (placeholders for the other stages'); kv_caches: the arrays of
@@ -147,7 +150,10 @@ def make_stage_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching
         every = [None] * num_tensors
         for t, cache in zip(tensors, kv_caches):
             every[t] = cache
-        x, every, _ = model.decode_layers(x, batch.positions, every, batch.attention, attn_fn, stage.layers)
+        if dbo:
+            x, every = decode_two_halves(model, x, batch.positions, every, batch.attention, attn_fn, stage.layers)
+        else:
+            x, every, _ = model.decode_layers(x, batch.positions, every, batch.attention, attn_fn, stage.layers)
         kv_caches = [every[t] for t in tensors]
         if not stage.last:
             return x, kv_caches

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.kernels import batch_invariant
+from jaxllm.models.dual_batch import decode_two_halves
 from jaxllm.sample import processors
 from jaxllm.sample.logprobs import compute_logprobs
 from jaxllm.sample.processors import ProcessorState
@@ -28,17 +29,18 @@ class StepFunctions:
     def __init__(self, graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout],
                  num_sampled: int, mesh, kv_shardings: list[tuple], user_processors: tuple, num_logprobs: int,
                  invariant: bool = False, num_speculative_tokens: int = 0, aux_layers: tuple[int, ...] = (),
-                 drafter_block_size: int | None = None):
+                 drafter_block_size: int | None = None, dbo: bool = False):
         """num_sampled: the length of the sampled ids' array (the most rows of logits a step has);
         kv_shardings: each KV tensor's arrays' shardings (KVCacheSpec.shardings);
         invariant: the model traces with the batch-invariant ops (kernels/batch_invariant.py);
         aux_layers: an EAGLE-3 head's target layers, whose input states the forward returns too;
-        drafter_block_size: with a draft model or an EAGLE head, the KV block size (draft_inputs.py)."""
+        drafter_block_size: with a draft model or an EAGLE head, the KV block size (draft_inputs.py);
+        dbo: the layers run on each half of the tokens in turn (models/dual_batch.py)."""
         rep = replicated(mesh)
         self.processor_state_sharding = ProcessorState(*[named_sharding(mesh, (None, "vocab"))] * 4)
         model_fn = traced_invariant if invariant else (lambda fn: fn)
         forward = model_fn(make_forward_fn(graphdef, params_treedef, attn_fn, layouts, num_sampled, aux_layers,
-                                           drafter_block_size))
+                                           drafter_block_size, dbo))
         forward_shardings = forward_out_shardings(mesh, kv_shardings)
         drafter_outputs = (rep,) * ((drafter_block_size is not None) + bool(aux_layers))
         self.forward = jax.jit(forward, donate_argnums=(1,), static_argnums=(4,),
@@ -82,7 +84,7 @@ def traced_invariant(fn):
 
 
 def make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout], num_sampled: int,
-                    aux_layers: tuple[int, ...] = (), drafter_block_size: int | None = None):
+                    aux_layers: tuple[int, ...] = (), drafter_block_size: int | None = None, dbo: bool = False):
     """The jitted forward's function (a closure, not a method: the runner is not kept alive by its executables)."""
     def step(params, kv_caches, prev_tokens, buffer, token_bucket: int):
         """params: flat weights; kv_caches: per KV tensor its arrays (worker/kv_cache.py);
@@ -102,7 +104,11 @@ def make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batchi
             batch = read_previous_step(batch, prev_tokens, drafter_block_size)
         model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, params))
         md = batch.attention
-        if aux_layers:
+        if dbo:
+            x, kv_caches = decode_two_halves(model, model.embed(batch.input_ids), batch.positions, kv_caches, md,
+                                             attn_fn, range(len(model.layers)))
+            hidden = model.norm(x)
+        elif aux_layers:
             hidden, kv_caches, aux = model(batch.input_ids, batch.positions, kv_caches, md, attn_fn, aux_layers)
         else:
             hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, md, attn_fn)

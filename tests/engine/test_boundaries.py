@@ -197,7 +197,9 @@ ENGINE_INVALID = {
     "batch_invariant": NOT_BOOL,
     "enable_expert_parallel": st.one_of(st.just(True), NOT_BOOL),  # True: the tiny Llama has no experts
     "data_parallel_size": st.one_of(st.integers(max_value=0), not_of(int)),
-    "pipeline_parallel_size": st.one_of(st.integers().filter(lambda n: n != 1), not_of(int)),
+    # 3+: more stages than the tiny Llama's 2 layers (and than the devices of most machines)
+    "pipeline_parallel_size": st.one_of(st.integers(max_value=0), st.integers(min_value=3), not_of(int)),
+    "enable_dbo": NOT_BOOL,
     "revision": not_of(str, type(None)),
     "tokenizer_revision": not_of(str, type(None)),
     "download_dir": not_of(str, type(None)),

@@ -2,6 +2,7 @@
 same tokens and logprobs as one device, each stage's layers and KV arrays on its own devices, one
 step per stage in flight with no request in two of them, nothing lost under chunked prefill,
 preemption and prefix caching, nothing compiled after warm-up, and a killed core an EngineDeadError.
+Dual-batch overlap (enable_dbo), with and without stages, gives one device's outputs too.
 The tests need 8 devices; in a process with fewer, the last test runs them in a child with 8 forced
 host devices."""
 import jax
@@ -10,7 +11,7 @@ import pytest
 pytestmark = pytest.mark.timeout(900)
 
 from jaxllm import LLM, EngineArgs, LLMEngine, SamplingParams
-from jaxllm.config import PP_LAYER_PARTITION_ENV, layer_partition
+from jaxllm.sharding import PP_LAYER_PARTITION_ENV, layer_partition
 from jaxllm.device_facts import DeviceFacts
 from tests.conftest import child_pids, kill_core_and_expect_engine_dead, run_with_host_devices, tiny_model
 from tests.engine.test_tensor_parallel import assert_same_outputs, write_model
@@ -119,6 +120,19 @@ def test_steps_in_flight_hold_other_requests_and_lose_no_output(one_device, pp4_
 
 
 @needs_8
+def test_dual_batch_overlap_gives_one_devices_outputs_and_compiles_nothing_after_warm_up(four_layers, one_device):
+    """enable_dbo over 2 tensor-parallel devices, alone and in each of 2 pipeline stages, against one device
+    running each step in one piece."""
+    want, want_workload = outputs(one_device), outputs(one_device, WORKLOAD, WORKLOAD_PARAMS)[0]
+    for pp in (1, 2):
+        with LLM(four_layers, pipeline_parallel_size=pp, tensor_parallel_size=2, enable_dbo=True, **ENGINE) as llm:
+            before = llm.llm_engine.get_stats()["num_compilations"]
+            assert_same_outputs(outputs(llm), want, f"dbo, pp={pp}")
+            assert outputs(llm, WORKLOAD, WORKLOAD_PARAMS)[0] == want_workload, f"dbo, pp={pp}"
+            assert llm.llm_engine.get_stats()["num_compilations"] == before
+
+
+@needs_8
 def test_killing_a_pipeline_parallel_core_raises_engine_dead_error(four_layers):
     args = EngineArgs(model=four_layers, pipeline_parallel_size=2, **{**ARGS, "enable_multiprocessing": True})
     engine = LLMEngine.from_engine_args(args, show_progress=False)
@@ -159,10 +173,16 @@ def test_what_pipeline_parallelism_does_not_run_with_is_a_clear_error(model, kwa
         EngineArgs(model=tiny_model(model), pipeline_parallel_size=2, **kwargs).create_config(EIGHT_DEVICES)
 
 
+def test_dual_batch_overlap_with_speculative_decoding_is_a_clear_error():
+    with pytest.raises(ValueError, match="enable_dbo does not run with speculative_config yet"):
+        EngineArgs(model=tiny_model("llama"), enable_dbo=True,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 2}).create_config(EIGHT_DEVICES)
+
+
 def test_more_stages_than_layers_or_devices_is_a_clear_error():
     with pytest.raises(ValueError, match="pipeline_parallel_size=3 exceeds the model's 2 layers"):
         EngineArgs(model=tiny_model("llama"), pipeline_parallel_size=3).create_config(EIGHT_DEVICES)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 x pipeline_parallel_size=2 exceeds the 2"):
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 x tensor_parallel_size=2 exceeds the 2"):
         EngineArgs(model=tiny_model("llama"), pipeline_parallel_size=2, tensor_parallel_size=2).create_config(
             DeviceFacts("cpu", 2, "reference"))
 
@@ -172,4 +192,4 @@ def test_pipeline_parallel_over_eight_forced_devices():
     if jax.device_count() >= 8:
         pytest.skip("this process has the devices: the tests above run here")
     run_with_host_devices(__file__, "not eight_forced and not clear_error and not vllm_splits and not environment",
-                          8, "4 passed", timeout_s=900)
+                          8, "5 passed", timeout_s=900)
