@@ -112,8 +112,11 @@ class KVCache:
         cache = self.config.cache
         if cache.num_gpu_blocks_override:
             return cache.num_gpu_blocks_override
-        stats = [stage.mesh.devices.flat[0].memory_stats() or {} for stage in self.stages]
-        if "bytes_limit" in stats[0]:  # each stage's first device, after its weights: the fewest blocks of any
+        # This host's first device (every host sizes alike), or under pipeline parallelism each stage's first,
+        # after its weights: the fewest blocks of any.
+        devices = [jax.local_devices()[0]] if len(self.stages) == 1 else [s.mesh.devices.flat[0] for s in self.stages]
+        stats = [device.memory_stats() or {} for device in devices]
+        if "bytes_limit" in stats[0]:
             num_blocks = min(
                 int((s["bytes_limit"] * cache.gpu_memory_utilization - s["bytes_in_use"] - self._activation_bytes()
                      - self._processor_state_bytes()) // self._stage_bytes_per_block(i)) for i, s in enumerate(stats))
