@@ -14,6 +14,7 @@ from jaxllm.models.eagle_config import EAGLE_ARCHITECTURES, EAGLE_TARGETS, Eagle
 from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.models.quant_config import INT4, QUANTIZATIONS, QuantConfig, resolve_quantization
 from jaxllm.pooling_params import PoolerConfig
+from jaxllm.sharding import layer_partition
 from jaxllm.typecheck import check_field_types
 
 logger = logging.getLogger(__name__)
@@ -61,13 +62,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     async_scheduling: bool  # schedule step N+1 while step N runs on the device
+    # Steps in flight, one per pipeline stage: a request waits for its sampled token before its next step
+    pipeline_parallel_size: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int
     data_parallel_size: int = 1      # engine cores, each in a process of its own (engine/dp_client.py)
-    pipeline_parallel_size: int = 1  # only 1 until pipeline parallelism is built
+    pipeline_parallel_size: int = 1  # stages of consecutive decoder layers, each on tp devices of its own
+    layer_partition: tuple[int, ...] = ()  # with pipeline_parallel_size > 1: each stage's number of layers
     num_hosts: int = 1               # processes joined by jax.distributed into one mesh (executor/multihost.py)
     host_rank: int = 0
     coordinator_address: str | None = None
@@ -139,6 +143,7 @@ class Config:
     batch_invariant: bool = False  # a request's numbers do not depend on its batch (kernels/batch_invariant.py)
     speculative: SpeculativeConfig | None = None  # speculative decoding (jaxllm/spec_decode)
     lora: LoRAConfig | None = None  # with enable_lora: per-request LoRA adapters (jaxllm/lora)
+    enable_dbo: bool = False  # dual-batch overlap: each layer over one half of the tokens, then the other
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -215,6 +220,9 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's dual-batch overlap: every layer on one half of a step's tokens, then the other, so one half's
+    # collectives (all-reduces, all-to-alls) may overlap the other's compute (models/dual_batch.py)
+    enable_dbo: bool = False
 
     def create_config(self, devices: DeviceFacts | None = None) -> Config:
         """The validated Config, for the devices `devices` describes (default: those a fresh process
@@ -244,8 +252,7 @@ class EngineArgs:
                f"quantization={self.quantization!r}")
         _check(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         _check(self.data_parallel_size >= 1, f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
-        _check(self.pipeline_parallel_size == 1, "pipeline_parallel_size must be 1 (pipeline parallelism is "
-               f"not built yet), got {self.pipeline_parallel_size}")
+        _check(self.pipeline_parallel_size >= 1, f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
         _check(self.distributed_executor_backend in ("uni", "multihost", "ray"),
                "distributed_executor_backend must be 'uni', 'multihost' or 'ray', "
                f"got {self.distributed_executor_backend!r}")
@@ -268,8 +275,9 @@ class EngineArgs:
                "'draft_model', 'eagle' or 'eagle3'")
         devices = devices or device_facts()
         num_devices = devices.local_device_count * self.num_hosts
-        _check(self.tensor_parallel_size <= num_devices,
-               f"tensor_parallel_size={self.tensor_parallel_size} exceeds the {num_devices} visible device(s)")
+        pp = "" if self.pipeline_parallel_size == 1 else f"pipeline_parallel_size={self.pipeline_parallel_size} x "
+        _check(self.tensor_parallel_size * self.pipeline_parallel_size <= num_devices,
+               f"{pp}tensor_parallel_size={self.tensor_parallel_size} exceeds the {num_devices} visible device(s)")
         from jaxllm.kernels.attention import BACKENDS
         _check(self.attention_backend in (None, *BACKENDS),
                f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
@@ -294,6 +302,10 @@ class EngineArgs:
         backend = self._attention_backend(arch, quantization, speculative, devices)
         arch = self._check_experts(arch, quantization)
         prefix_caching = self._check_mamba(arch, speculative, quantization)
+        partition = self._layer_partition(arch, speculative, quantization)
+        for ok, what in ((speculative is None, "speculative_config"), (arch.mamba is None, "a Mamba model"),
+                         (not self.enable_lora, "enable_lora")):
+            _check(not self.enable_dbo or ok, f"enable_dbo does not run with {what} yet")
         max_len = arch.max_position_embeddings if self.max_model_len is None else self.max_model_len
         # A Mamba2 model has no positions: its config's length is only the default.
         _check(arch.mamba is not None or max_len <= arch.max_position_embeddings,
@@ -323,15 +335,17 @@ class EngineArgs:
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.num_gpu_blocks_override,
                               KV_CACHE_DTYPES[self.kv_cache_dtype] or dtype, prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, batched, max_len,
-                                      not host_drafts if self.async_scheduling is None else self.async_scheduling),
+                                      not host_drafts if self.async_scheduling is None else self.async_scheduling,
+                                      self.pipeline_parallel_size),
             parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.pipeline_parallel_size,
-                                    self.num_hosts, self.host_rank, self.coordinator_address),
+                                    partition, self.num_hosts, self.host_rank, self.coordinator_address),
             attention_backend=backend,
             seed=self.seed,
             logits_processors=logits_processors,
             batch_invariant=self.batch_invariant,
             speculative=speculative,
             lora=lora,
+            enable_dbo=self.enable_dbo,
         )
 
     def _pooler_config(self, speculative: SpeculativeConfig | None) -> PoolerConfig | None:
@@ -395,6 +409,22 @@ class EngineArgs:
             logger.info("prefix caching is off for the %s model: its state slots hold whole prefixes, "
                         "not blocks to share", arch.architecture)
         return False
+
+    def _layer_partition(self, arch: ModelArchConfig, speculative: SpeculativeConfig | None,
+                         quantization: QuantConfig | None) -> tuple[int, ...]:
+        """With pipeline_parallel_size > 1, each stage's number of decoder layers (sharding.layer_partition),
+        checked against what pipeline parallelism runs with."""
+        pp = self.pipeline_parallel_size
+        if pp == 1:
+            return ()
+        for ok, what in ((self.num_hosts == 1, f"num_hosts={self.num_hosts}"),
+                         (self.data_parallel_size == 1, f"data_parallel_size={self.data_parallel_size}"),
+                         (speculative is None, "speculative_config"), (quantization is None, "quantization"),
+                         (arch.moe is None, f"a mixture-of-experts model ({arch.architecture})"),
+                         (arch.mamba is None, f"a Mamba model ({arch.architecture})"),
+                         (not self.enable_lora, "enable_lora")):
+            _check(ok, f"pipeline_parallel_size={pp} does not run with {what} yet")
+        return layer_partition(arch.num_layers, pp)
 
     def _draft_model(self, model: str, target: ModelArchConfig, max_len: int, platform: str) -> ModelConfig:
         """speculative_config.model resolved as the draft of `target`: its tokens must be the

@@ -1,5 +1,5 @@
 """Where every weight and cache lives: a ("data", "model") mesh and one table of
-logical-axis rules.
+logical-axis rules; under pipeline parallelism, one such mesh per stage (StageMeshes).
 
 Model params carry logical axis names as NNX metadata (`out_sharding`, e.g.
 ("embed", "qkv")); the rules below map each name to a mesh axis. Tensor
@@ -8,6 +8,9 @@ axis, row-parallel o/down their input axis, embedding and head their vocab axis,
 and XLA inserts the collectives. Changing the parallelism changes the mesh (and
 at most this table), never the model.
 """
+import dataclasses
+import os
+
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
@@ -42,6 +45,63 @@ def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, device
                          f"[1, {len(devices)}] (the number of {jax.default_backend()} devices)")
     grid = np.array(devices[:n]).reshape(data_parallel_size, tensor_parallel_size)
     return Mesh(grid, ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+@dataclasses.dataclass(frozen=True)
+class StageMeshes:
+    """Pipeline parallelism's meshes: stage s is a [data, model] mesh of its own tensor_parallel_size
+    devices (devices s * tp .. (s + 1) * tp - 1, disjoint from the other stages'), and holds the
+    decoder layers layer_stage maps to it; the embedding lives on the first stage, the final norm and
+    the LM head on the last (models/loader.py places each param with of_param)."""
+    meshes: tuple[Mesh, ...]
+    layer_stage: tuple[int, ...]  # per decoder layer, its stage
+
+    def of_param(self, path: tuple) -> Mesh:
+        """The mesh of a param at `path` in the model (("layers", 3, "mlp", ...), ("embed_tokens", ...))."""
+        if path[0] == "layers":
+            return self.meshes[self.layer_stage[path[1]]]
+        return self.meshes[0] if path[0] == "embed_tokens" else self.meshes[-1]
+
+
+PP_LAYER_PARTITION_ENV = "JAXLLM_PP_LAYER_PARTITION"
+
+
+def layer_partition(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """Each pipeline stage's number of decoder layers: $JAXLLM_PP_LAYER_PARTITION's "n0,n1,..." if set,
+    else vLLM's split: equal parts, the remainder one layer each to the stages before the last (which also
+    holds the final norm and the LM head). 10 over 4 -> (2, 3, 3, 2)."""
+    text = os.environ.get(PP_LAYER_PARTITION_ENV)
+    if text is not None:
+        try:
+            partition = tuple(int(n) for n in text.split(","))
+        except ValueError:
+            partition = ()
+        if len(partition) != num_stages or min(partition) < 1 or sum(partition) != num_layers:
+            raise ValueError(f"${PP_LAYER_PARTITION_ENV} must be {num_stages} counts >= 1 (one per pipeline stage) "
+                             f"adding up to the model's {num_layers} layers, got {text!r}")
+        return partition
+    if num_stages > num_layers:
+        raise ValueError(f"pipeline_parallel_size={num_stages} exceeds the model's {num_layers} layers")
+    partition = [num_layers // num_stages] * num_stages
+    for i in range(2, num_layers % num_stages + 2):
+        partition[-i] += 1
+    return tuple(partition)
+
+
+def make_stage_meshes(tensor_parallel_size: int, layer_partition: tuple[int, ...]) -> StageMeshes | None:
+    """One [1, tp] mesh per stage over consecutive devices; layer_partition: each stage's number of
+    decoder layers, in order (None for one stage or none: no pipeline)."""
+    tp, num_stages = tensor_parallel_size, len(layer_partition)
+    if num_stages <= 1:
+        return None
+    devices = jax.devices()
+    if tp * num_stages > len(devices):
+        raise ValueError(f"pipeline_parallel_size * tensor_parallel_size = {tp * num_stages} exceeds the "
+                         f"{len(devices)} {jax.default_backend()} devices")
+    meshes = tuple(make_mesh(tp, device_ids=tuple(d.id for d in devices[s * tp:(s + 1) * tp]))
+                   for s in range(num_stages))
+    layer_stage = tuple(s for s, n in enumerate(layer_partition) for _ in range(n))
+    return StageMeshes(meshes, layer_stage)
 
 
 def logical_to_spec(logical_axes: tuple[str | None, ...]) -> PartitionSpec:

@@ -87,27 +87,28 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     norm, its embedding scale, per-layer ropes and final soft-cap."""
     decoder_layer, final_norm = GemmaDecoderLayer, GemmaRMSNorm
 
-    def __call__(self, input_ids, positions, kv_caches, md: AttentionMetadata, attn_fn):
-        """One step over a flattened, padded ragged batch (LlamaForCausalLM's interface).
-
-        input_ids, positions: [num_tokens] int32
-        kv_caches: per KV tensor (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim];
-          a layer uses its tensor, and its KV cache group's metadata (model_kv_layout)
-        Returns (hidden [num_tokens, hidden_size], the updated kv_caches list).
-        """
-        ropes = {}  # (theta, scaling items) -> (cos, sin): two at most (Gemma 3's local and global)
+    def embed(self, input_ids):
         x = self.embed_tokens(input_ids)
         # HF multiplies by sqrt(hidden) rounded to the model dtype (e.g. 25.25 in bf16 for 640).
-        x = x * jnp.asarray(self.config.hidden_size ** 0.5, dtype=x.dtype)
-        kv_caches = list(kv_caches)
-        for i, layer in enumerate(self.layers):
+        return x * jnp.asarray(self.config.hidden_size ** 0.5, dtype=x.dtype)
+
+    def decode_layers(self, x, positions, kv_caches, md: AttentionMetadata, attn_fn, layers: range,
+                      aux_layers: tuple[int, ...] = ()):
+        """LlamaForCausalLM.decode_layers with each layer's rope (Gemma 3's local and global), and its
+        KV cache group's metadata (model_kv_layout)."""
+        ropes = {}  # (theta, scaling items) -> (cos, sin): two at most (Gemma 3's local and global)
+        kv_caches, aux = list(kv_caches), []
+        for i in layers:
+            if i in aux_layers:
+                aux.append(x)
             theta, scaling = self.config.layer_rope(i)
             key = (theta, tuple(sorted((scaling or {}).items())))
             if key not in ropes:
                 ropes[key] = _cos_sin(self.config, theta, scaling, positions)
+            layer = self.layers[i]
             t = layer.kv_tensor
             x, kv_caches[t] = layer(x, *ropes[key], kv_caches[t], md.group(layer.kv_group), attn_fn)
-        return self.norm(x), kv_caches
+        return x, kv_caches, aux
 
     def compute_logits(self, hidden):
         """hidden [n, hidden_size] -> logits [n, vocab_size] float32, soft-capped (Gemma 2)."""

@@ -231,16 +231,9 @@ class LlamaForCausalLM(nnx.Module):
         Returns (hidden [num_tokens, hidden_size], the updated kv_caches list), and with aux_layers a third
         item, those states side by side [num_tokens, len(aux_layers) * hidden_size].
         """
-        cos, sin = self.rope(positions)
-        x = self.embed_tokens(input_ids)
-        kv_caches = list(kv_caches)
-        aux = []
-        for i, layer in enumerate(self.layers):
-            if i in aux_layers:
-                aux.append(x)
-            t = layer.kv_tensor
-            with_lora = {} if lora is None else {"lora": lora.layer(i)}
-            x, kv_caches[t] = layer(x, cos, sin, kv_caches[t], md.group(layer.kv_group), attn_fn, **with_lora)
+        with_lora = {} if lora is None else {"lora": lora}  # the Llama family's layers alone take adapters
+        x, kv_caches, aux = self.decode_layers(self.embed(input_ids), positions, kv_caches, md, attn_fn,
+                                               range(len(self.layers)), aux_layers, **with_lora)
         if aux_layers:
             return self.norm(x), kv_caches, jnp.concatenate(aux, axis=-1)
         return self.norm(x), kv_caches
@@ -248,6 +241,27 @@ class LlamaForCausalLM(nnx.Module):
     def rope(self, positions):
         """cos, sin [num_tokens, head_dim // 2] fp32 of positions [num_tokens] int32: what attention rotates by."""
         return rope_cos_sin(self.config, positions)
+
+    def embed(self, input_ids):
+        """input_ids [num_tokens] int32 -> the residual stream entering layer 0 [num_tokens, hidden_size]."""
+        return self.embed_tokens(input_ids)
+
+    def decode_layers(self, x, positions, kv_caches, md: AttentionMetadata, attn_fn, layers: range,
+                      aux_layers: tuple[int, ...] = (), lora: LoRABatch | None = None):
+        """The residual stream x [num_tokens, hidden_size] through decoder layers `layers` (all of them, or a
+        pipeline stage's: worker/pipeline.py); kv_caches as __call__'s (a stage's other tensors may be
+        None); lora: as __call__'s. Returns (x after them, kv_caches as a list, the states entering the
+        aux_layers among them)."""
+        cos, sin = self.rope(positions)
+        kv_caches, aux = list(kv_caches), []
+        for i in layers:
+            if i in aux_layers:
+                aux.append(x)
+            layer = self.layers[i]
+            t = layer.kv_tensor
+            with_lora = {} if lora is None else {"lora": lora.layer(i)}
+            x, kv_caches[t] = layer(x, cos, sin, kv_caches[t], md.group(layer.kv_group), attn_fn, **with_lora)
+        return x, kv_caches, aux
 
     def compute_logits(self, hidden):
         """hidden [n, hidden_size] -> logits [n, vocab_size] float32."""

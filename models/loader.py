@@ -35,7 +35,7 @@ from jaxllm.models.mamba2 import Mamba2ForCausalLM
 from jaxllm.models.moe import Experts, MoeForCausalLM
 from jaxllm.models.quant_checkpoint import quantized_weights
 from jaxllm.models.quant_config import FP8_BLOCK, INT4, QuantConfig
-from jaxllm.sharding import named_sharding
+from jaxllm.sharding import StageMeshes, named_sharding
 
 ParamPath = tuple  # a param's path in the module, e.g. ("layers", 0, "self_attn", "qkv_proj", "kernel")
 Index = tuple[slice, ...]  # one slice per axis: the piece of a tensor one device holds
@@ -132,15 +132,18 @@ def _quantized_linears(model, quant: QuantConfig, dtype, mesh) -> None:
         setattr(parent, attr, module)
 
 
-def param_shardings(params: dict[ParamPath, nnx.Variable], mesh: jax.sharding.Mesh) -> dict:
-    return {path: named_sharding(mesh, var.get_metadata()["out_sharding"]) for path, var in params.items()}
+def param_shardings(params: dict[ParamPath, nnx.Variable], mesh: jax.sharding.Mesh | StageMeshes) -> dict:
+    """Each param's NamedSharding by the rules: on `mesh`, or under pipeline parallelism on its stage's."""
+    mesh_of = mesh.of_param if isinstance(mesh, StageMeshes) else lambda _: mesh
+    return {path: named_sharding(mesh_of(path), var.get_metadata()["out_sharding"]) for path, var in params.items()}
 
 
-def create_model(config: ModelArchConfig, *, dtype, mesh: jax.sharding.Mesh,
+def create_model(config: ModelArchConfig, *, dtype, mesh: jax.sharding.Mesh | StageMeshes,
                  weights: Iterable[tuple[str, TensorSource]] | None, seed: int = 0,
                  show_progress: bool = False, values: dict | None = None,
                  quantization: QuantConfig | None = None) -> LlamaForCausalLM:
-    """The model with params placed on `mesh` by the logical-axis rules.
+    """The model with params placed on `mesh` by the logical-axis rules (on their stages' meshes
+    under pipeline parallelism: no mixture-of-experts or quantized model, whose modules run on one mesh).
 
     weights: (HF name, tensor source) pairs in HF layout (Linear weights [out, in]; a quantized
     checkpoint's as models/quant_checkpoint.py hands them on), streamed, a fused param's parts in
@@ -148,7 +151,7 @@ def create_model(config: ModelArchConfig, *, dtype, mesh: jax.sharding.Mesh,
     (path -> array, placed) gives them. quantization: a quantized checkpoint's, whose Linears the
     model holds quantized. show_progress: a bar over the params loaded, with the rate in GB/s.
     """
-    graphdef, params = abstract_params(config, dtype, quantization, mesh)
+    graphdef, params = abstract_params(config, dtype, quantization, None if isinstance(mesh, StageMeshes) else mesh)
     shardings = param_shardings(params, mesh)
     if values is None and weights is None:
         values = _dummy_params(params, shardings, seed)

@@ -1,8 +1,10 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 # Tests compile on a 2-core CPU: keep compiled executables between runs, in the checkout, every
 # one of them (many engines of a session compile the same small functions: each is then compiled
@@ -124,6 +126,17 @@ def child_pids() -> list[int]:
             if int(fields[1]) == os.getpid() and fields[0] != "Z" and int(entry) not in _SESSION_CHILDREN:
                 pids.append(int(entry))
     return pids
+
+
+def kill_core_and_expect_engine_dead(engine) -> None:
+    """SIGKILL an LLMEngine's core process: its steps raise EngineDeadError within 5 s."""
+    from jaxllm import EngineDeadError
+    os.kill(engine.engine_core.proc.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError):
+        while True:
+            engine.step()
+    assert time.monotonic() - start < 5.0
 
 
 @pytest.fixture(scope="session")

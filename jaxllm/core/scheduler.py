@@ -38,6 +38,10 @@ its next token and drafts on the device (DRAFT_ON_DEVICE), its blocks held for t
 the runner moves its positions back over the drafts the model rejected. When the step lands,
 `num_computed_tokens` falls back one step late; a request it ended drops the next step's tokens.
 
+Pipeline parallelism (several steps in flight, one per stage) schedules no token of a request
+whose sampled token is still on its way: a decoding request sits out until its step lands, so the
+steps in flight hold other requests, or a long prompt's next chunks (their tokens are known).
+
 A pooling request (an engine with runner="pooling") is a prompt that never samples, prefilled in
 chunks like any other: the runner pools the hidden states of the step that reaches its prompt's
 end, and when that step lands the request finishes with the vector, its blocks freed.
@@ -68,6 +72,9 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens
         self.max_loras = max_loras
         self.num_lookahead_tokens = proposer.num_lookahead_tokens if proposer else 0
+        # Under pipeline parallelism a request's next token is scheduled only once its last one has landed:
+        # the first stage never waits for the last (the steps in flight are other requests').
+        self._one_step_in_flight = config.pipeline_parallel_size > 1
         # Since the last stats, and since start-up.
         self.spec_stats = SpecDecodingStats.empty(num_speculative_tokens) if proposer else None
         self.spec_totals = SpecDecodingStats.empty(num_speculative_tokens) if proposer else None
@@ -107,7 +114,8 @@ class Scheduler:
             request = self.running[i]
             pending = self._num_pending_tokens(request)
             # Nothing pending: a pooling request whose whole prompt is scheduled waits for its vector.
-            if not pending or (request.num_output_placeholders and self._awaits_last_token(request)):
+            if not pending or (request.num_output_placeholders and (self._one_step_in_flight
+                                                                    or self._awaits_last_token(request))):
                 i += 1
                 continue
             num_new = min(pending, budget)
@@ -133,6 +141,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted and not self.paused
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            if request.num_output_placeholders and self._one_step_in_flight:  # preempted while its step runs
+                break
             if request.lora_int_id and request.lora_int_id not in running_loras:
                 if len(running_loras) >= self.max_loras:
                     skipped.append(self.waiting.popleft())

@@ -3,7 +3,9 @@ EngineCoreProc, the same core in a process of its own behind ZMQ sockets.
 
 With asynchronous scheduling the core keeps two steps in flight: it schedules and
 dispatches step N+1, then waits for step N's sampled ids and applies them, so the
-host's work for one step overlaps the device's work for the other. A step with
+host's work for one step overlaps the device's work for the other. Under pipeline
+parallelism it keeps one step per stage in flight (vLLM's batch queue), each of other
+requests (or of the next prefill chunks), so every stage has a step to run. A step with
 requests under token masks (structured outputs, multi-token bad words) dispatches its
 forward pass, applies the steps before it (their tokens advance the grammars), makes
 the masks, and then dispatches its sampling: the masks are made while the forward runs.
@@ -61,7 +63,8 @@ class EngineCore:
                             num_state_slots=self.executor.num_state_slots)
         self.scheduler = Scheduler(config.scheduler, kv, make_proposer(config), config.num_speculative_tokens,
                                    config.lora.max_loras if config.lora else 0)
-        self.batch_queue_size = 2 if config.scheduler.async_scheduling else 1
+        # Steps in flight: two with asynchronous scheduling, one per stage under pipeline parallelism.
+        self.batch_queue_size = max(2 if config.scheduler.async_scheduling else 1, config.parallel.pipeline_parallel_size)
         self.batch_queue: collections.deque[tuple[SchedulerOutput, StepOutput]] = collections.deque()
         self._grammar_compiler = None  # made for the first request with structured outputs
         # Outputs made outside a step (a request rejected on arrival, a failed token mask), for the next step's.

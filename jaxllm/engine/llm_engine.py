@@ -51,6 +51,9 @@ def in_process_config(args: EngineArgs, mesh: jax.sharding.Mesh | None) -> Confi
                          "enable_multiprocessing, data_parallel_size > 1 and num_hosts > 1 do not apply")
     if mesh is None:
         return args.create_config(live_device_facts())
+    if args.pipeline_parallel_size > 1:
+        raise ValueError("mesh= is one tensor-parallel mesh: pipeline_parallel_size > 1 takes the first "
+                         "pipeline_parallel_size x tensor_parallel_size devices instead (leave mesh unset)")
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     config = dataclasses.replace(args, tensor_parallel_size=mesh.devices.size).create_config(live_device_facts())

@@ -20,15 +20,18 @@ _COMPILE_THREADS = min(8, os.cpu_count() or 1)
 
 FORWARD, PROMPT_LOGPROBS, SAMPLER, LOGPROBS, DRAFT = "forward", "prompt logprobs", "sampler", "logprobs", "draft"
 POOL = "pool"
+STAGE = "stage"  # a pipeline stage but the last (worker/pipeline.py), per token bucket
 
 
 @dataclasses.dataclass(frozen=True)
 class ExecutableKey:
-    kind: str  # FORWARD, PROMPT_LOGPROBS, DRAFT and POOL per token bucket; SAMPLER and LOGPROBS per request bucket
+    # FORWARD, PROMPT_LOGPROBS, DRAFT, POOL and STAGE per token bucket; SAMPLER and LOGPROBS per request bucket
+    kind: str
     bucket: int
     mode: SampleMode | None = None  # SAMPLER: the least work that samples the batch right
     processed: bool = False         # SAMPLER: with the logits processors
     num_logprobs: int | None = None  # LOGPROBS: the top K
+    stage: int | None = None         # STAGE: the pipeline stage
 
     def __str__(self) -> str:  # the executable's name in the store
         parts = [self.kind, str(self.bucket)]
@@ -36,6 +39,8 @@ class ExecutableKey:
             parts += [self.mode.name.lower(), "processed" if self.processed else "plain"]
         if self.num_logprobs is not None:
             parts.append(f"top {self.num_logprobs}")
+        if self.stage is not None:
+            parts.append(f"of stage {self.stage}")
         return " ".join(parts)
 
 

@@ -6,7 +6,12 @@ state slots (conv [num_blocks, conv_kernel - 1, conv_dim], SSM [num_blocks, head
 state_size]) in the model's dtype, one slot per running request. A block id means one block in
 one layer of each KV cache group (models/kv_layout.py), and in each of a draft model's KV
 tensors (worker/draft_model.py). A hybrid model's Mamba tensors hold num_state_slots state slots
-(max_num_seqs: one per running request), apart from the blocks, which the budget left takes."""
+(max_num_seqs: one per running request), apart from the blocks, which the budget left takes.
+
+Under pipeline parallelism each stage holds the arrays of the KV tensors its layers use, on its own
+mesh: `caches` lists them stage by stage (StageCaches says where each stage's run), and a block id
+means the same block in every stage's arrays, so one block table serves every stage."""
+import dataclasses
 import functools
 
 import jax
@@ -19,20 +24,49 @@ from jaxllm.kernels.ssd import max_chunks
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.kv_layout import KVCacheLayout, KVCacheSpec, model_kv_specs
 from jaxllm.sample.processors import ProcessorState
+from jaxllm.sharding import StageMeshes
 from jaxllm.utils import cdiv
 
 _CPU_KV_CACHE_BYTES = 512 << 20  # CPU devices report no memory: cap the cache at 512 MiB
 
 
+@dataclasses.dataclass(frozen=True)
+class StageCaches:
+    """A pipeline stage's part of the cache: its mesh, and the KV tensors its layers use, whose arrays
+    are KVCache.caches[start:start + len(tensors)]."""
+    mesh: jax.sharding.Mesh
+    tensors: tuple[int, ...]
+    start: int
+
+    @property
+    def slice(self) -> slice:
+        return slice(self.start, self.start + len(self.tensors))
+
+
+def _stage_tensors(layout: KVCacheLayout, meshes: StageMeshes) -> list[tuple[jax.sharding.Mesh, tuple[int, ...]]]:
+    """Each stage's mesh and the KV tensors its layers write. A tensor that layers of several stages share
+    (a hybrid model's groups: models/kv_layout.py) has an array on each of them."""
+    tensors = [set() for _ in meshes.meshes]
+    for layer, stage in enumerate(meshes.layer_stage):
+        tensors[stage].add(layout.layer_slot(layer)[1])
+    return [(mesh, tuple(sorted(t))) for mesh, t in zip(meshes.meshes, tensors)]
+
+
 class KVCache:
     def __init__(self, config: Config, arch: ModelArchConfig, layout: KVCacheLayout, mesh: jax.sharding.Mesh,
-                 draft: tuple[ModelArchConfig, KVCacheLayout] | None = None):
+                 draft: tuple[ModelArchConfig, KVCacheLayout] | None = None, stage_meshes: StageMeshes | None = None):
         """Sizes the cache from the memory left once the weights are on the devices. draft: a draft
-        model's architecture and layout, whose KV tensors (`draft_caches`) take the same block ids."""
+        model's architecture and layout, whose KV tensors (`draft_caches`) take the same block ids.
+        stage_meshes: under pipeline parallelism, the stages' (each holds its layers' KV tensors)."""
         self.config, self.arch, self.layout, self.mesh = config, arch, layout, mesh
         self._models = [(arch, layout)] + ([draft] if draft else [])
         self.block_size = config.cache.block_size
         self._specs = [model_kv_specs(a, self.block_size) for a, _ in self._models]  # per model, per KV tensor
+        self.stages, start = [], 0
+        for stage_mesh, tensors in _stage_tensors(layout, stage_meshes) if stage_meshes else [
+                (mesh, tuple(range(layout.num_tensors)))]:
+            self.stages.append(StageCaches(stage_mesh, tuple(tensors), start))
+            start += len(tensors)
         # Blocks per block id in each model's tensors: the draft's groups each take one (draft_model.py).
         self._blocks_per_id = [1] + ([len(draft[1].groups)] if draft else [])
         self.num_state_slots = config.scheduler.max_num_seqs if layout.hybrid else 0
@@ -45,11 +79,15 @@ class KVCache:
                 "gpu_memory_utilization or num_gpu_blocks_override, or lower max_model_len")
         self.caches: list[tuple[jax.Array, ...]] | None = None
         self.draft_caches: list[tuple[jax.Array, ...]] | None = None
-        self.shardings = [spec.shardings(mesh) for spec in self._specs[0]]  # the target's, per KV tensor
+        # The target's, per array of `caches` (per KV tensor, and under pipeline parallelism per stage)
+        self.shardings = [self._specs[0][t].shardings(stage.mesh) for stage in self.stages for t in stage.tensors]
         # Compiled once and kept: a cache made again (after a failed step, a wake-up) compiles nothing.
-        self._zeros_made: dict[tuple[KVCacheSpec, int], tuple] = {}
-        self._zeros = [[self._zeros_fns(spec, self._rows(m, t)) for t, spec in enumerate(specs)]
-                       for m, specs in enumerate(self._specs)]
+        # Per model, per entry of its caches: the functions that make its arrays.
+        self._zeros_made: dict[tuple, tuple] = {}
+        self._zeros = [[self._zeros_fns(self._specs[0][t], self._rows(0, t), stage.mesh)
+                        for stage in self.stages for t in stage.tensors]]
+        if draft:
+            self._zeros.append([self._zeros_fns(spec, self._rows(1, t), mesh) for t, spec in enumerate(self._specs[1])])
 
     def _rows(self, model: int, tensor: int) -> int:
         """The leading dimension of a model's KV tensor: its state slots, or its blocks."""
@@ -57,21 +95,29 @@ class KVCache:
             return self.num_state_slots
         return self.num_blocks * self._blocks_per_id[model]
 
-    def _zeros_fns(self, spec: KVCacheSpec, rows: int) -> tuple:
-        """Compiled makers of a tensor's zeroed arrays (one per spec and size: every layer shares them)."""
-        if (spec, rows) not in self._zeros_made:
+    def _zeros_fns(self, spec: KVCacheSpec, rows: int, mesh: jax.sharding.Mesh) -> tuple:
+        """Compiled makers of a tensor's zeroed arrays (one per spec, size and mesh: every layer shares them)."""
+        if (spec, rows, mesh) not in self._zeros_made:
             dtypes = self.config.cache.cache_dtype, self.config.model.dtype
-            self._zeros_made[spec, rows] = tuple(
+            self._zeros_made[spec, rows, mesh] = tuple(
                 jax.jit(functools.partial(jnp.zeros, a.shape, a.dtype), out_shardings=sharding).lower().compile()
-                for a, sharding in zip(spec.arrays(rows, *dtypes), spec.shardings(self.mesh)))
-        return self._zeros_made[spec, rows]
+                for a, sharding in zip(spec.arrays(rows, *dtypes), spec.shardings(mesh)))
+        return self._zeros_made[spec, rows, mesh]
 
     @property
     def bytes_per_block(self) -> int:
-        """A block id holds one block in each KV tensor (a layer of each group), the draft's too."""
+        """A block id holds one block in each KV tensor (a layer of each group), the draft's too, and under
+        pipeline parallelism in each stage's copy of a tensor its layers share."""
+        return sum(self._stage_bytes_per_block(s) for s in range(len(self.stages)))
+
+    def _stage_bytes_per_block(self, stage: int) -> int:
+        """What one block id takes on pipeline stage `stage` (a draft's tensors are the only stage's; a
+        hybrid model's state tensors are not blocks)."""
         dtypes = self.config.cache.cache_dtype, self.config.model.dtype
-        return sum(blocks * spec.bytes_per_block(*dtypes) for m, (specs, blocks) in enumerate(zip(self._specs,
-                   self._blocks_per_id)) for t, spec in enumerate(specs) if m or t not in self._state_tensors)
+        target = sum(self._specs[0][t].bytes_per_block(*dtypes) for t in self.stages[stage].tensors
+                     if t not in self._state_tensors)
+        return target + sum(blocks * spec.bytes_per_block(*dtypes) for specs, blocks
+                            in zip(self._specs[1:], self._blocks_per_id[1:]) for spec in specs)
 
     @property
     def state_bytes(self) -> int:
@@ -87,14 +133,20 @@ class KVCache:
         cache = self.config.cache
         if cache.num_gpu_blocks_override:
             return cache.num_gpu_blocks_override
-        stats = jax.local_devices()[0].memory_stats() or {}
-        if "bytes_limit" in stats:
-            budget = (stats["bytes_limit"] * cache.gpu_memory_utilization - stats["bytes_in_use"]
-                      - self._activation_bytes() - self._processor_state_bytes() - self.state_bytes)
+        # This host's first device (every host sizes alike), or under pipeline parallelism each stage's first,
+        # after its weights: the fewest blocks of any.
+        devices = [jax.local_devices()[0]] if len(self.stages) == 1 else [s.mesh.devices.flat[0] for s in self.stages]
+        stats = [device.memory_stats() or {} for device in devices]
+        if "bytes_limit" in stats[0]:
+            num_blocks = min(
+                int((s["bytes_limit"] * cache.gpu_memory_utilization - s["bytes_in_use"] - self._activation_bytes()
+                     - self._processor_state_bytes() - self.state_bytes) // self._stage_bytes_per_block(i))
+                for i, s in enumerate(stats))
         else:
             budget = min(_CPU_KV_CACHE_BYTES,
                          self.config.scheduler.max_num_seqs * self.blocks_per_request() * self.bytes_per_block)
-        num_blocks = max(int(budget // self.bytes_per_block), 0)
+            num_blocks = int(budget // self.bytes_per_block)
+        num_blocks = max(num_blocks, 0)
         if all(group.mamba for group in self.layout.groups):  # a state slot per running request, no more
             num_blocks = min(num_blocks, self.config.scheduler.max_num_seqs)
         if jax.process_count() > 1:  # every host schedules alike: the same cache on each (the smallest)
@@ -145,7 +197,7 @@ class KVCache:
         """Zeroed caches on the mesh (a block's old contents never matter: a step writes a
         slot before any step reads it)."""
         self.caches, *draft = jax.block_until_ready(
-            [[tuple(zeros() for zeros in per_tensor) for per_tensor in model] for model in self._zeros])
+            [[tuple(zeros() for zeros in per_array) for per_array in per_entry] for per_entry in self._zeros])
         self.draft_caches = draft[0] if draft else None
 
     def delete(self) -> None:

@@ -17,6 +17,7 @@ from jaxllm.models.eagle import eagle_weights
 from jaxllm.models.eagle_config import EagleArchConfig
 from jaxllm.models.loader import (ParamPath, abstract_params, checkpoint_params, create_model, fp8_scale, hf_axes,
                                   iter_weights, param_shardings, place_source, quantize_fn, quantize_model)
+from jaxllm.sharding import StageMeshes
 from jaxllm.worker import kv_heads
 
 
@@ -65,13 +66,15 @@ class ModelWeights:
                 array.delete()
 
 
-def load_weights(mc: ModelConfig, arch: ModelArchConfig, mesh: jax.sharding.Mesh, repeat: int, seed: int = 0,
+def load_weights(mc: ModelConfig, arch: ModelArchConfig, mesh: jax.sharding.Mesh | StageMeshes, repeat: int, seed: int = 0,
                  show_progress: bool = False, params: Mapping | None = None) -> ModelWeights:
     """The model's weights on `mesh`, from `params` in memory if given, else from the model's
     checkpoint (random from `seed` with load_format "dummy"). `arch` is what runs
     (worker/kv_heads.py: its KV heads repeated `repeat` times when tensor parallelism has more
     devices than KV heads)."""
     if params is not None:
+        if isinstance(mesh, StageMeshes):
+            raise ValueError("params in memory (LLM(params=...)) do not load under pipeline_parallel_size > 1 yet")
         if mc.quantization is not None and mc.quantization.from_checkpoint:
             raise ValueError(f"params in memory are unquantized; the model's checkpoint is {mc.quantization.method}")
         _, abstract = abstract_params(arch, mc.dtype)
@@ -79,6 +82,9 @@ def load_weights(mc: ModelConfig, arch: ModelArchConfig, mesh: jax.sharding.Mesh
         values = dict(memory_params.place(params, layout, abstract, param_shardings(abstract, mesh), mc.arch, repeat))
         model = create_model(arch, dtype=mc.dtype, mesh=mesh, weights=None, values=values)
     elif mc.format == "orbax" and mc.load_format != "dummy":
+        if isinstance(mesh, StageMeshes):
+            raise ValueError("an orbax checkpoint restores onto one mesh: load its source (HF or GGUF) under "
+                             "pipeline_parallel_size > 1")
         if repeat > 1:
             raise ValueError(f"an orbax checkpoint restores at tensor_parallel_size <= its KV heads "
                              f"({mc.arch.num_kv_heads}); load its source (HF or GGUF) for more devices")

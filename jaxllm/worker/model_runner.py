@@ -2,7 +2,8 @@
 on the mesh. Its parts: the weights (model_loader.py), the KV cache (kv_cache.py), the
 compiled executables (executables.py; what warm-up builds, warm_up.py), the persistent request
 rows and the packing of a step's inputs (input_batch.py), the logits processors' per-request
-state (processor_state.py), and the jitted functions (step_functions.py).
+state (processor_state.py), the jitted functions (step_functions.py), and under pipeline
+parallelism the stages the forward runs through (pipeline.py).
 
 A step is the forward pass to the logits at each request's last token (and, with
 speculative decoding, at each of its draft tokens: those logits check the drafts) and their argmax
@@ -46,7 +47,7 @@ from jaxllm.kernels.attention import get_attention_fn
 from jaxllm.lora.slots import LoRASlots
 from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.sample.sampler import SampleMode
-from jaxllm.sharding import make_mesh, replicated
+from jaxllm.sharding import make_mesh, make_stage_meshes, replicated
 from jaxllm.utils import cdiv
 from jaxllm.worker import input_batch as batching, kv_heads, model_loader
 from jaxllm.worker.draft_model import DraftModel
@@ -55,6 +56,7 @@ from jaxllm.worker.executables import (DRAFT, FORWARD, LOGPROBS, POOL, PROMPT_LO
                                       Executables)
 from jaxllm.worker.kv_cache import KVCache
 from jaxllm.worker.model_loader import load_weights
+from jaxllm.worker.pipeline import Pipeline
 from jaxllm.worker.pooler import Pooler, StepPooling
 from jaxllm.worker.processor_state import ProcessorRows
 from jaxllm.worker.step_functions import StepFunctions
@@ -100,14 +102,19 @@ class ModelRunner:
         mc, sc = config.model, config.scheduler
         self.block_size = config.cache.block_size
         self.max_blocks_per_seq = cdiv(mc.max_model_len, self.block_size)
-        self.mesh = make_mesh(config.parallel.tensor_parallel_size, device_ids=config.parallel.device_ids)
+        # Under pipeline parallelism (worker/pipeline.py) the weights and KV arrays live on each stage's mesh,
+        # and self.mesh, where the sampling runs, is the last stage's.
+        parallel = config.parallel
+        self.stage_meshes = make_stage_meshes(parallel.tensor_parallel_size, parallel.layer_partition)
+        self.mesh = self.stage_meshes.meshes[-1] if self.stage_meshes else make_mesh(
+            parallel.tensor_parallel_size, device_ids=parallel.device_ids)
         compilation.install_compile_counter()
         compilation.enable_persistent_cache()
 
         start = time.perf_counter()
         self._repeat = kv_heads.kv_head_repeat(mc.arch, config.parallel.tensor_parallel_size)
         self.arch = kv_heads.replicated_arch(mc.arch, self._repeat)  # what runs: KV heads repeated to one per device
-        self.weights = load_weights(mc, self.arch, self.mesh, self._repeat, config.seed, show_progress, params)
+        self.weights = load_weights(mc, self.arch, self.stage_meshes or self.mesh, self._repeat, config.seed, show_progress, params)
         self._from_memory = params is not None  # no checkpoint to wake sleeping weights from
         self._param_specs: model_loader.ParamSpecs | None = None  # what update_weights takes: made at the first
         self.kv_layout = model_kv_layout(self.arch)  # the KV cache groups: one block table each
@@ -133,7 +140,7 @@ class ModelRunner:
         self.startup_s = {"weights": time.perf_counter() - start}  # then "kv_cache", "compile" (warm_up)
         self.compile_split = ""  # what the compile phase spent its time on (warm_up)
         self.kv_cache = KVCache(config, self.arch, self.kv_layout, self.mesh,
-                                (self.draft.arch, self.draft.kv_layout) if self.draft else None)
+                                (self.draft.arch, self.draft.kv_layout) if self.draft else None, self.stage_meshes)
         cache_dtype = jnp.dtype(config.cache.cache_dtype)
         if cache_dtype.itemsize == 1:  # as vLLM warns, for the same reason
             logger.warning("the %s KV cache stores K and V with scale 1.0 (a checkpoint's k_scale / v_scale are "
@@ -146,8 +153,9 @@ class ModelRunner:
         self.pooler = Pooler(mc.pooler_config) if mc.pooler_config is not None else None
         # The sampled ids' array: as long as the widest bucket's rows of logits (max_num_seqs without drafts).
         self.num_sampled = layouts[self.token_buckets[-1]].num_rows
-        self._host_buffers = {t: [(b, layout.host_views(b)) for b in (np.zeros(layout.size, np.int32),
-                                                                      np.zeros(layout.size, np.int32))]
+        # A buffer per step in flight (two with asynchronous scheduling, one per pipeline stage)
+        self._host_buffers = {t: [(b, layout.host_views(b)) for b in (np.zeros(layout.size, np.int32) for _ in
+                                                                      range(max(2, parallel.pipeline_parallel_size)))]
                               for t, layout in layouts.items()}
         self._num_steps = 0
         self.bitmask_words = cdiv(mc.arch.vocab_size, 32)
@@ -161,9 +169,13 @@ class ModelRunner:
         self.logprob_buckets = sorted({0, min(8, self.num_logprobs), self.num_logprobs})
         self.fns = StepFunctions(self.weights.graphdef, self.weights.treedef, attn_fn, layouts, self.num_sampled, self.mesh,
             self.kv_cache.shardings, user_processors, self.num_logprobs, config.batch_invariant, num_spec,
-            self.aux_layers, self.block_size if self.draft else None, mc.arch.moe.num_experts if mc.arch.moe else 0)
+            self.aux_layers, self.block_size if self.draft else None, mc.arch.moe.num_experts if mc.arch.moe else 0,
+            config.enable_dbo)
         self.processor_rows = ProcessorRows(config, user_processors, self.fns.write_rows,
                                             self.fns.processor_state_sharding)
+        self.pipeline = Pipeline(self.weights, self.stage_meshes, self.arch, self.kv_cache, layouts, self.num_sampled,
+                                 config.attention_backend, config.batch_invariant, mc.dtype,
+                                 config.enable_dbo) if self.stage_meshes else None
         # Per request of the drafter's table (draft_inputs.py): its last token, its k drafts, its rejected count.
         self._table_width = 2 + num_spec if self.draft else 0
         self._prev_tokens = self._zero_prev_tokens()  # the last step's tokens on the device, for the next one
@@ -182,6 +194,11 @@ class ModelRunner:
         self.executables = Executables(executable_store(self), compiler_options)
         self._waiting: _Step | None = None  # a step whose sampling waits for the core's token masks
         self.step_replay: StepReplay | None = None  # a benchmark's recorder, off unless armed
+
+    @property
+    def head_params(self) -> list[jax.Array]:
+        """The params that compute logits from the forward's hidden states, on the sampling's mesh."""
+        return self.pipeline.head_params if self.pipeline else self.weights.params
 
     @property
     def num_blocks(self) -> int:
@@ -217,6 +234,8 @@ class ModelRunner:
         """New weights in place of the old, in the same shardings (the executables stay valid):
         `source` is params in memory (either layout of models/params.py) or a checkpoint's path;
         checked whole before any param changes. FP8 weights are quantized again on the device."""
+        if self.pipeline:
+            raise ValueError("update_weights does not run under pipeline_parallel_size > 1 yet")
         if self._param_specs is None:
             self._param_specs = model_loader.ParamSpecs.of(self.arch, self.config.model.dtype, self.mesh)
         model_loader.update(self.weights, model_loader.new_params(self.config, self.arch, self.mesh, self._repeat,
@@ -247,7 +266,10 @@ class ModelRunner:
             if self._from_memory:
                 raise ValueError("this engine's weights came from memory and slept at level 2: pass them "
                                  "to update_weights, which wakes them")
-            self.weights = load_weights(self.config.model, self.arch, self.mesh, self._repeat, self.config.seed)
+            self.weights = load_weights(self.config.model, self.arch, self.stage_meshes or self.mesh, self._repeat,
+                                        self.config.seed)
+            if self.pipeline:
+                self.pipeline.set_weights(self.weights)
         if "weights" in tags and self.draft and self.draft.weights.deleted:
             self.draft.reload()
         if "kv_cache" in tags and self.kv_cache.caches is None:
@@ -258,6 +280,8 @@ class ModelRunner:
     def logprobs_fn(self):
         """The model's plain full-sequence logprobs, a pure function of params (sequence_logprobs.py)."""
         from jaxllm.worker.sequence_logprobs import make_logprobs_fn
+        if self.pipeline:
+            raise ValueError("logprobs_fn does not run under pipeline_parallel_size > 1 yet")
         return make_logprobs_fn(self)
 
     def shutdown(self) -> None:
@@ -343,12 +367,20 @@ class ModelRunner:
         return next(b for b in self.token_buckets if b >= num_tokens)
 
     def next_host_buffer(self, token_bucket: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """The bucket's two host buffers in turn: with two steps in flight, a buffer
-        is rewritten only once the step that read it has finished."""
+        """The bucket's host buffers in turn: with n steps in flight, a buffer is rewritten
+        only once the step that read it has finished."""
         self._num_steps += 1
-        return self._host_buffers[token_bucket][self._num_steps % 2]
+        buffers = self._host_buffers[token_bucket]
+        return buffers[self._num_steps % len(buffers)]
+
+    def host_buffer(self, token_bucket: int) -> np.ndarray:
+        """A host buffer of the bucket, for lowering (its shape is what counts)."""
+        return self._host_buffers[token_bucket][0][0]
 
     def _forward(self, token_bucket: int, buffer: np.ndarray) -> _Forward:
+        if self.pipeline:
+            greedy, logits, words, hidden = self.pipeline.forward(self.executables, token_bucket, buffer)
+            return _Forward(token_bucket, greedy, logits, words, hidden, None, hidden, ())
         forward = self.executables.get(ExecutableKey(FORWARD, token_bucket), lambda: self.lower_forward(token_bucket))
         with TraceAnnotation("dispatch"):
             greedy, logits, words, hidden, self.kv_cache.caches, routing, *drafter_inputs = forward(
@@ -414,9 +446,9 @@ class ModelRunner:
         prompt_logprobs = []
         for indices, targets in prompt_inputs:
             fn = self.executables.get(ExecutableKey(PROMPT_LOGPROBS, fwd.token_bucket), lambda: (
-                self.fns.prompt_logprobs.lower(self.weights.params, fwd.hidden, indices, targets)))
+                self.fns.prompt_logprobs.lower(self.head_params, fwd.hidden, indices, targets)))
             with TraceAnnotation("dispatch"):
-                prompt_logprobs.append(Logprobs(*fn(self.weights.params, fwd.hidden, indices, targets)))
+                prompt_logprobs.append(Logprobs(*fn(self.head_params, fwd.hidden, indices, targets)))
         table = self._propose(fwd, sampled)
         self._prev_tokens = sampled if table is None else table
         return sampled, logprobs, prompt_logprobs, table
@@ -430,7 +462,9 @@ class ModelRunner:
         return self._sample(forward, mode, processed, num_logprobs, None, prompt_inputs), pooled
 
     def lower_forward(self, token_bucket: int) -> jax.stages.Lowered:
-        buffer = self._host_buffers[token_bucket][0][0]
+        buffer = self.host_buffer(token_bucket)
+        if self.pipeline:
+            return self.pipeline.lower(self.pipeline.num_stages - 1, token_bucket, buffer)
         return self.fns.forward.lower(self.weights.params, self.kv_cache.caches, self._prev_tokens, buffer,
                                       token_bucket, **self._lora_arg())
 

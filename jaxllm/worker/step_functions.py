@@ -13,6 +13,7 @@ from flax import nnx
 
 from jaxllm.kernels import batch_invariant
 from jaxllm.kernels.attention import AttentionMetadata
+from jaxllm.models.dual_batch import decode_two_halves
 from jaxllm.models.lora import LoRABatch
 from jaxllm.models.moe import recording_routing
 from jaxllm.sample import processors
@@ -32,20 +33,21 @@ class StepFunctions:
     def __init__(self, graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout],
                  num_sampled: int, mesh, kv_shardings: list[tuple], user_processors: tuple, num_logprobs: int,
                  invariant: bool = False, num_speculative_tokens: int = 0, aux_layers: tuple[int, ...] = (),
-                 drafter_block_size: int | None = None, num_experts: int = 0):
+                 drafter_block_size: int | None = None, num_experts: int = 0, dbo: bool = False):
         """num_sampled: the length of the sampled ids' array (the most rows of logits a step has);
         kv_shardings: each KV tensor's arrays' shardings (KVCacheSpec.shardings);
         invariant: the model traces with the batch-invariant ops (kernels/batch_invariant.py);
         aux_layers: an EAGLE-3 head's target layers, whose input states the forward returns too;
         drafter_block_size: with a draft model or an EAGLE head, the KV block size (draft_inputs.py);
-        num_experts: a MoE model's experts per layer (0: a dense model), whose forward gives step_routing's arrays."""
+        num_experts: a MoE model's experts per layer (0: a dense model), whose forward gives step_routing's arrays;
+        dbo: the layers run on each half of the tokens in turn (models/dual_batch.py)."""
         rep = replicated(mesh)
         self.processor_state_sharding = ProcessorState(*[named_sharding(mesh, (None, "vocab"))] * 4)
-        model_fn = _traced_invariant if invariant else (lambda fn: fn)
+        model_fn = traced_invariant if invariant else (lambda fn: fn)
         forward = model_fn(make_forward_fn(graphdef, params_treedef, attn_fn, layouts, num_sampled, aux_layers,
-                                           drafter_block_size, num_experts))
+                                           drafter_block_size, num_experts, dbo))
         routing_shardings = (rep, rep) if num_experts else ()
-        forward_shardings = (rep, named_sharding(mesh, (None, "vocab")), rep, rep, kv_shardings, routing_shardings)
+        forward_shardings = forward_out_shardings(mesh, kv_shardings) + (routing_shardings,)
         drafter_outputs = (rep,) * ((drafter_block_size is not None) + bool(aux_layers))
         self.forward = jax.jit(forward, donate_argnums=(1,), static_argnums=(4,),
                                out_shardings=forward_shardings + drafter_outputs)
@@ -64,7 +66,21 @@ class StepFunctions:
         self.pool = jax.jit(pool_hidden, static_argnums=(2,), out_shardings=rep)
 
 
-def _traced_invariant(fn):
+def forward_out_shardings(mesh, kv_shardings: list) -> tuple:
+    """Where a forward's outputs live: (greedy ids, logits, sampling words, hidden states, KV caches)."""
+    rep = replicated(mesh)
+    return rep, named_sharding(mesh, (None, "vocab")), rep, rep, kv_shardings
+
+
+def sampled_rows(model, hidden, batch: batching.StepBatch, num_sampled: int) -> tuple:
+    """A forward's outputs but its caches, from the final hidden states [T, hidden_size]: (the greedy ids
+    [num_sampled] int32, the logits [L, vocab] float32 at batch.logits_indices, their sampling words, hidden)."""
+    logits = model.compute_logits(hidden[batch.logits_indices])
+    greedy = jnp.pad(jnp.argmax(logits, axis=-1).astype(jnp.int32), (0, num_sampled - logits.shape[0]))
+    return greedy, logits, batch.sampling, hidden
+
+
+def traced_invariant(fn):
     """fn, its model traced with the batch-invariant ops."""
     @functools.wraps(fn)
     def traced(*args, **kwargs):
@@ -85,7 +101,8 @@ def step_routing(recorded: list, logits_indices, md: AttentionMetadata, num_expe
 
 
 def make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout], num_sampled: int,
-                    aux_layers: tuple[int, ...] = (), drafter_block_size: int | None = None, num_experts: int = 0):
+                    aux_layers: tuple[int, ...] = (), drafter_block_size: int | None = None, num_experts: int = 0,
+                    dbo: bool = False):
     """The jitted forward's function (a closure, not a method: the runner is not kept alive by its executables)."""
     def step(params, kv_caches, prev_tokens, buffer, token_bucket: int, lora=None):
         """params: flat weights; kv_caches: per KV tensor its arrays (worker/kv_cache.py);
@@ -109,15 +126,19 @@ def make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batchi
         md = batch.attention
         with_lora = {} if lora is None else {"lora": LoRABatch.of(lora, batch.lora_slots)}
         with recording_routing() as recorded:
-            if aux_layers:
+            if dbo:
+                x, kv_caches = decode_two_halves(model, model.embed(batch.input_ids), batch.positions, kv_caches, md,
+                                                 attn_fn, range(len(model.layers)))
+                hidden = model.norm(x)
+            elif aux_layers:
                 hidden, kv_caches, aux = model(batch.input_ids, batch.positions, kv_caches, md, attn_fn, aux_layers,
                                                **with_lora)
             else:
                 hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, md, attn_fn, **with_lora)
-        logits = model.compute_logits(hidden[batch.logits_indices])
-        greedy = jnp.pad(jnp.argmax(logits, axis=-1).astype(jnp.int32), (0, num_sampled - logits.shape[0]))
+        if dbo:  # each MoE layer routed the first half of the tokens, then the second
+            recorded = [jnp.concatenate(recorded[i:i + 2]) for i in range(0, len(recorded), 2)]
         routing = step_routing(recorded, batch.logits_indices, md, num_experts) if num_experts else ()
-        outputs = greedy, logits, batch.sampling, hidden, kv_caches, routing
+        outputs = sampled_rows(model, hidden, batch, num_sampled) + (kv_caches, routing)
         if drafter_block_size is not None:
             outputs += (layout.replace(buffer, input_ids=batch.input_ids, positions=batch.positions,
                                        slot_mapping=md.slot_mapping, seq_lens=md.seq_lens, sampling=batch.sampling),)

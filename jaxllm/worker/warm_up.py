@@ -12,7 +12,7 @@ import numpy as np
 from jaxllm import compilation, distributed
 from jaxllm.sample.sampler import SampleMode
 from jaxllm.worker import input_batch as batching
-from jaxllm.worker.executables import DRAFT, FORWARD, LOGPROBS, POOL, PROMPT_LOGPROBS, SAMPLER, ExecutableKey
+from jaxllm.worker.executables import DRAFT, FORWARD, LOGPROBS, POOL, PROMPT_LOGPROBS, SAMPLER, STAGE, ExecutableKey
 
 
 def run_warm_up(runner, show_progress: bool = True) -> None:
@@ -21,8 +21,9 @@ def run_warm_up(runner, show_progress: bool = True) -> None:
     logprobs of every request bucket. Records the time in runner.startup_s["compile"] and
     runner.compile_split."""
     start = time.perf_counter()
+    num_stages = runner.pipeline.num_stages if runner.pipeline else 1
     keys = warm_up_keys(runner.token_buckets, runner.layouts, runner.logprob_buckets, runner.draft is not None,
-                        runner.pooler is not None)
+                        runner.pooler is not None, num_stages)
     split = runner.executables.build(keys, lambda key, info: lower(runner, key, info), show_progress)
     compiled_s = time.perf_counter() - start
     distributed.barrier("jaxllm-compiled")  # other hosts may compile for longer
@@ -49,11 +50,12 @@ def run_warm_up(runner, show_progress: bool = True) -> None:
 
 
 def warm_up_keys(token_buckets: list[int], layouts: dict, logprob_buckets: list[int],
-                 with_drafter: bool, with_pooler: bool = False) -> list[ExecutableKey]:
-    """Every executable warm-up builds, each forward before the prompt logprobs (drafter, pooling)
-    of its token bucket and the samplers and logprobs of its rows of logits."""
+                 with_drafter: bool, with_pooler: bool = False, num_stages: int = 1) -> list[ExecutableKey]:
+    """Every executable warm-up builds, each forward (after the pipeline stages before it) before the
+    prompt logprobs (drafter, pooling) of its token bucket and the samplers and logprobs of its rows of logits."""
     keys, row_buckets = [], set()
     for token_bucket in token_buckets:
+        keys += [ExecutableKey(STAGE, token_bucket, stage=s) for s in range(num_stages - 1)]
         keys += [ExecutableKey(FORWARD, token_bucket), ExecutableKey(PROMPT_LOGPROBS, token_bucket)]
         if with_drafter:
             keys.append(ExecutableKey(DRAFT, token_bucket))
@@ -76,6 +78,8 @@ def lower(runner, key: ExecutableKey, forward_info) -> jax.stages.Lowered:
     token bucket (for the others than a forward)."""
     if key.kind == FORWARD:
         return runner.lower_forward(key.bucket)
+    if key.kind == STAGE:
+        return runner.pipeline.lower(key.stage, key.bucket, runner.host_buffer(key.bucket))
     sampled, logits, words, hidden = forward_info[:4]
     fns = runner.fns
     if key.kind == DRAFT:  # after the KV caches: the inputs as run, then an EAGLE-3 head's states
@@ -86,7 +90,7 @@ def lower(runner, key: ExecutableKey, forward_info) -> jax.stages.Lowered:
         return fns.pool.lower(hidden, token_rows, runner.layouts[key.bucket].num_reqs)
     if key.kind == PROMPT_LOGPROBS:
         chunk = jax.ShapeDtypeStruct((batching.prompt_logprobs_chunk(key.bucket),), jnp.int32)
-        return fns.prompt_logprobs.lower(runner.weights.params, hidden, chunk, chunk)
+        return fns.prompt_logprobs.lower(runner.head_params, hidden, chunk, chunk)
     if key.kind == LOGPROBS:
         return fns.logprobs.lower(logits, sampled, key.num_logprobs)
     if not key.processed:
@@ -98,9 +102,9 @@ def lower(runner, key: ExecutableKey, forward_info) -> jax.stages.Lowered:
 
 def executable_store(runner) -> compilation.ExecutableStore | None:
     """The store of a runner's executables, keyed by everything they are built from; none with
-    users' logits processors (their code is not in the key) or over several hosts."""
-    if runner.processor_rows.users or runner.config.parallel.num_hosts > 1:
-        return None
+    users' logits processors (their code is not in the key), over several hosts or pipeline stages."""
+    if runner.processor_rows.users or runner.config.parallel.num_hosts > 1 or runner.pipeline:
+        return None  # (a pipeline's stages run on other devices than the store's)
     weights = [runner.weights] + ([runner.draft.weights] if runner.draft else [])
     params = [(w.treedef, [(p.shape, p.dtype, p.sharding) for p in w.params]) for w in weights]
     caches = [(k.shape, k.dtype, k.sharding) for k, *_ in runner.kv_cache.caches + (runner.kv_cache.draft_caches or [])]

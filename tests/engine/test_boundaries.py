@@ -137,6 +137,7 @@ SAMPLING_INVALID = {
                                 st.lists(st.one_of(st.booleans(), st.floats(), st.text()), min_size=1),
                                 not_of(list, type(None))),
     "ignore_eos": NOT_BOOL,
+    "return_routed_experts": NOT_BOOL,
     "include_stop_str_in_output": NOT_BOOL,
     "skip_special_tokens": NOT_BOOL,
     "logprobs": st.one_of(st.integers(max_value=-1), not_of(int, type(None))),
@@ -197,7 +198,14 @@ ENGINE_INVALID = {
     "batch_invariant": NOT_BOOL,
     "enable_expert_parallel": st.one_of(st.just(True), NOT_BOOL),  # True: the tiny Llama has no experts
     "data_parallel_size": st.one_of(st.integers(max_value=0), not_of(int)),
-    "pipeline_parallel_size": st.one_of(st.integers().filter(lambda n: n != 1), not_of(int)),
+    # 3+: more stages than the tiny Llama's 2 layers (and than the devices of most machines)
+    "pipeline_parallel_size": st.one_of(st.integers(max_value=0), st.integers(min_value=3), not_of(int)),
+    "enable_dbo": NOT_BOOL,
+    "enable_lora": NOT_BOOL,
+    # Checked by type alone without enable_lora (their ranges with it: tests/lora/test_lora_config.py)
+    "max_loras": not_of(int),
+    "max_lora_rank": not_of(int),
+    "max_cpu_loras": not_of(int, type(None)),
     "revision": not_of(str, type(None)),
     "tokenizer_revision": not_of(str, type(None)),
     "download_dir": not_of(str, type(None)),

@@ -120,8 +120,7 @@ def test_a_speculative_config_that_is_not_a_json_object_is_an_argparse_error(cap
 @pytest.mark.parametrize("flags, message", [
     (["-dp", "2", "--no-enable-multiprocessing"], "data_parallel_size > 1 (or the ray backend) runs each replica's "
      "engine core in a process of its own: enable_multiprocessing must not be False"),
-    (["-pp", "2", "--no-enable-multiprocessing"], "pipeline_parallel_size must be 1 (pipeline parallelism is not "
-     "built yet), got 2"),
+    (["-pp", "64", "--no-enable-multiprocessing"], "pipeline_parallel_size=64 x tensor_parallel_size=1 exceeds the"),
 ])
 def test_bad_parallelism_flags_print_one_line_and_exit_2(capsys, flags, message):
     assert main(["generate", "--model", tiny_model("llama"), *flags]) == 2

@@ -91,11 +91,9 @@ def test_a_tokenizer_that_is_neither_a_folder_nor_a_gguf_file_is_an_error(tokeni
         EngineArgs(model=tiny_model("llama"), tokenizer=tokenizer).create_config()
 
 
-@pytest.mark.parametrize("size", [0, 2])
-def test_pipeline_parallel_sizes_other_than_1_are_not_built_yet(size):
-    with pytest.raises(ValueError, match=re.escape("pipeline_parallel_size must be 1 (pipeline parallelism is "
-                                                   f"not built yet), got {size}")):
-        EngineArgs(model=tiny_model("llama"), pipeline_parallel_size=size).create_config()
+def test_a_pipeline_parallel_size_below_1_is_an_error():
+    with pytest.raises(ValueError, match=re.escape("pipeline_parallel_size must be >= 1, got 0")):
+        EngineArgs(model=tiny_model("llama"), pipeline_parallel_size=0).create_config()
 
 
 def test_a_data_parallel_size_below_1_is_an_error():

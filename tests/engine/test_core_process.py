@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, AsyncLLM, EngineArgs, EngineDeadError, LLMEngine, RequestOutputKind, SamplingParams
-from tests.conftest import child_pids, tiny_model
+from tests.conftest import child_pids, kill_core_and_expect_engine_dead, tiny_model
 
 pytestmark = pytest.mark.timeout(300)  # a hung core or client fails the test, never the CI run
 
@@ -229,12 +229,7 @@ def test_killing_the_core_under_llm_engine_raises_engine_dead_error(char_llama):
                                         show_progress=False)
     engine.add_request("a", "hello", SamplingParams(max_tokens=500, ignore_eos=True))
     engine.step()
-    os.kill(engine.engine_core.proc.pid, signal.SIGKILL)
-    start = time.monotonic()
-    with pytest.raises(EngineDeadError):
-        while True:
-            engine.step()
-    assert time.monotonic() - start < 5.0
+    kill_core_and_expect_engine_dead(engine)
     with pytest.raises(EngineDeadError):
         engine.add_request("b", "hello", SamplingParams(max_tokens=2))
     engine.shutdown()
