@@ -158,7 +158,8 @@ def cmd_convert(ns: argparse.Namespace) -> int:
 
     import jax.numpy as jnp
 
-    from jaxllm.config import EngineArgs, resolve_dtype
+    from jaxllm.config import EngineArgs
+    from jaxllm.dtypes import resolve_dtype
     from jaxllm.models.loader import create_model, iter_weights
     from jaxllm.models.orbax_checkpoint import save_model
     from jaxllm.sharding import make_mesh

@@ -3,10 +3,8 @@ import dataclasses
 import logging
 import typing
 
-import jax
-import jax.numpy as jnp
-
 from jaxllm.device_facts import DeviceFacts, device_facts
+from jaxllm.dtypes import KV_CACHE_DTYPES, resolve_dtype
 from jaxllm.lora.config import LoRAConfig, resolve_lora_config
 from jaxllm.model_source import locate_model, resolve_model, resolve_tokenizer, tensor_names
 from jaxllm.models.config import ModelArchConfig
@@ -18,13 +16,6 @@ from jaxllm.sharding import layer_partition
 from jaxllm.typecheck import check_field_types
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-# EngineArgs.kv_cache_dtype (vLLM's names) -> CacheConfig.cache_dtype (None: the model's dtype)
-KV_CACHE_DTYPES = {"auto": None, "bfloat16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn,
-                   "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-
 
 RUNNERS = ("auto", "generate", "pooling")
 
@@ -500,16 +491,3 @@ def _resolve_quantization(requested: str | None, hf_config: dict, fmt: str, arch
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
-
-
-def resolve_dtype(dtype: str, hf_config: dict, *, platform: str | None = None):
-    """EngineArgs.dtype as a jnp dtype; "auto" is float32 on CPU (platform None: JAX's
-    default backend), else the checkpoint's dtype with float32 served as bfloat16."""
-    name = _DTYPE_ALIASES.get(dtype, dtype)
-    if name == "auto":
-        if (platform or jax.default_backend()) == "cpu":
-            return jnp.float32  # XLA's CPU matmuls are slow and inexact in half precision
-        name = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16")
-        name = "bfloat16" if name == "float32" else name  # serve fp32 checkpoints in bf16, as on GPU engines
-    _check(name in _DTYPES, f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[name]

@@ -14,7 +14,6 @@ stacked already, gate and up in one tensor (StackedGateUpSource).
 import functools
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -35,10 +34,11 @@ from jaxllm.models.mamba2 import Mamba2ForCausalLM
 from jaxllm.models.moe import Experts, MoeForCausalLM
 from jaxllm.models.quant_checkpoint import quantized_weights
 from jaxllm.models.quant_config import FP8_BLOCK, INT4, QuantConfig
+from jaxllm.models.tensor_sources import (ExpertsSource, GateUpSource, Index, QKVSource, SharedSource,
+                                          StackedGateUpSource, TensorSource)
 from jaxllm.sharding import StageMeshes, named_sharding
 
 ParamPath = tuple  # a param's path in the module, e.g. ("layers", 0, "self_attn", "qkv_proj", "kernel")
-Index = tuple[slice, ...]  # one slice per axis: the piece of a tensor one device holds
 # A fused param's module and the HF projections it is packed from, in order.
 FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _FUSED_INTO = {part: fused for fused, parts in FUSED_PROJECTIONS.items() for part in parts}
@@ -51,14 +51,6 @@ _HF_RENAMES = {
 }
 # Granite 4.0-H's MLPs as HF stacks them: one tensor per projection, gate's rows then up's in input_linear.
 _GRANITE_LINEARS = {"gate_up_proj": "input_linear", "down_proj": "output_linear"}
-
-
-class TensorSource(Protocol):
-    """A checkpoint tensor, in HF layout, that reads only the pieces asked for:
-    `source[index]` is the numpy array of that piece. A numpy array is one."""
-    shape: tuple[int, ...]
-
-    def __getitem__(self, index: Index) -> np.ndarray: ...
 
 
 def abstract_params(config: ModelArchConfig, dtype, quantization: QuantConfig | None = None,
@@ -388,95 +380,6 @@ def _packed(config: ModelArchConfig, path: ParamPath, parts: list[tuple[str, Ten
     if path[-2:-1] == ("gate_up_proj",):
         return GateUpSource(*sources)
     return sources[0]
-
-
-class SharedSource:
-    """One tensor that a fused Linear's parts each have: the largest of them ("max"), or the one
-    they all hold ("same"; a ValueError naming the tensors if they differ). Small: read whole."""
-
-    def __init__(self, parts: list[tuple[str, TensorSource]], fuse: str):
-        self.parts, self.fuse = parts, fuse
-        self.shape = tuple(parts[0][1].shape)
-
-    def __getitem__(self, index: Index) -> np.ndarray:
-        arrays = [np.asarray(source[tuple(slice(None) for _ in self.shape)]) for _, source in self.parts]
-        if self.fuse == "max":
-            return np.maximum.reduce(arrays)[index]
-        if any(not np.array_equal(a, arrays[0]) for a in arrays[1:]):
-            raise ValueError(f"tensors {[name for name, _ in self.parts]} differ, and the Linears fused from them "
-                             "share one (GPTQ act-order: q, k and v, or gate and up, must share their g_idx)")
-        return arrays[0][index]
-
-
-class QKVSource:
-    """qkv_proj in HF layout, [num_kv_heads * (g + 2) * head_dim, ...], packed from q_proj
-    [num_heads * head_dim, ...] and k_proj, v_proj [num_kv_heads * head_dim, ...]: per KV
-    head j, the rows of q heads j*g .. j*g + g - 1, then of k head j, then of v head j
-    (g = num_heads // num_kv_heads). A read of whole groups, which a device's shard is,
-    reads just those heads' rows of each part."""
-
-    def __init__(self, q: TensorSource, k: TensorSource, v: TensorSource, *, num_kv_heads: int):
-        self.parts, self.num_groups = (q, k, v), num_kv_heads
-        self.shape = (q.shape[0] + k.shape[0] + v.shape[0], *q.shape[1:])
-
-    def __getitem__(self, index: Index) -> np.ndarray:
-        rows, rest = index[0], tuple(index[1:])
-        start, stop, _ = rows.indices(self.shape[0])
-        group_rows = self.shape[0] // self.num_groups
-        if start % group_rows or stop % group_rows:
-            raise ValueError(f"qkv rows {start}:{stop} are not whole KV-head groups of {group_rows} rows")
-        first, last = start // group_rows, stop // group_rows
-        pieces = []
-        for part in self.parts:
-            part_rows = part.shape[0] // self.num_groups  # the part's rows in one group
-            piece = np.asarray(part[(slice(first * part_rows, last * part_rows), *rest)])
-            pieces.append(piece.reshape(last - first, part_rows, *piece.shape[1:]))
-        packed = np.concatenate(pieces, axis=1)  # [groups, (g + 2) * head_dim, ...]
-        return packed.reshape(-1, *packed.shape[2:])
-
-
-class GateUpSource:
-    """gate_up_proj in HF layout, [intermediate, 2, hidden], packed from gate_proj and
-    up_proj [intermediate, hidden]: a read of some rows reads just those rows of each."""
-
-    def __init__(self, gate: TensorSource, up: TensorSource):
-        self.parts = (gate, up)
-        self.shape = (gate.shape[0], 2, *gate.shape[1:])
-
-    def __getitem__(self, index: Index) -> np.ndarray:
-        rows, which, *rest = index
-        return np.stack([np.asarray(part[(rows, *rest)]) for part in self.parts[which]], axis=1)
-
-
-class StackedGateUpSource:
-    """gate_up_proj in HF layout [..., I, 2, H] from one tensor [..., 2I, H] that holds gate's rows, then
-    up's (Granite's input_linear, of the stacked experts [E, 2I, H] or a dense MLP): a read of some rows
-    reads just those of each half."""
-
-    def __init__(self, stacked: TensorSource):
-        *lead, rows, hidden = stacked.shape
-        self.stacked, self.half = stacked, rows // 2
-        self.shape = (*lead, self.half, 2, hidden)
-
-    def __getitem__(self, index: Index) -> np.ndarray:
-        *lead, rows, which, hidden = index
-        start, stop, _ = rows.indices(self.half)
-        halves = [np.asarray(self.stacked[(*lead, slice(h * self.half + start, h * self.half + stop), hidden)])
-                  for h in range(2)[which]]
-        return np.stack(halves, axis=-2)
-
-
-class ExpertsSource:
-    """A MoE layer's stacked experts in HF layout, [E, *an expert's shape], from each expert's source:
-    a read of some experts reads just those, and of each just the piece asked."""
-
-    def __init__(self, experts: list[TensorSource]):
-        self.experts = experts
-        self.shape = (len(experts), *experts[0].shape)
-
-    def __getitem__(self, index: Index) -> np.ndarray:
-        which, rest = index[0], tuple(index[1:])
-        return np.stack([np.asarray(expert[rest]) for expert in self.experts[which]])
 
 
 def hf_name_to_path(name: str) -> ParamPath:

@@ -133,7 +133,7 @@ def _packing(path: ParamPath) -> str | None:
 @functools.lru_cache(maxsize=None)
 def _packer(fused: str | None, axes: tuple[int, ...], num_kv_heads: int, head_dim: int, repeat: int, dtype,
             sharding):
-    """The jitted HF-to-engine packing of one param kind (loader.QKVSource, GateUpSource and
+    """The jitted HF-to-engine packing of one param kind (models/tensor_sources.py: QKVSource, GateUpSource and
     ExpertsSource's, in jnp), then its transposition by `axes` (loader.hf_axes), straight into its
     sharding; one per kind and shape, so an update compiles nothing new."""
     def pack(*parts):

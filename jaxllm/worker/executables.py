@@ -23,6 +23,24 @@ POOL = "pool"
 STAGE = "stage"  # a pipeline stage but the last (worker/pipeline.py), per token bucket
 
 
+def compiler_options(config, mesh: jax.sharding.Mesh) -> dict:
+    """XLA's options for the runner's executables (part of the compilation caches' keys)."""
+    mc, sc = config.model, config.scheduler
+    # FP8 GEMMs go to cuBLASLt: on an H200, XLA's Triton GEMM autotuner spends ~45 s on each FP8
+    # GEMM shape of 8192 tokens, cuBLASLt's 0.3 s, for a GEMM 12% slower there and 17% faster
+    # at 16 tokens (docs/benchmarks.md).
+    fp8_dots = mc.quantization is not None and mc.quantization.xla_fp8_dot
+    options = {"xla_gpu_enable_triton_gemm": False} if fp8_dots else {}
+    if not sc.async_scheduling and mesh.devices.flat[0].platform == "gpu":
+        # One step at a time (n-gram speculative decoding too): the GPU waits while the host launches
+        # the step, and XLA's CUDA graphs make the launch slower (their update costs the host
+        # ~2.7 ms per 8B step); kernel by kernel, the GPU starts at the first. On an H200 the
+        # 8B shape's synchronous step falls from 7.4 to 6.1 ms at batch 1 (docs/benchmarks.md).
+        # (A GPU's option only: elsewhere a synchronous engine shares an asynchronous one's executables.)
+        options["xla_gpu_enable_command_buffer"] = ""
+    return options
+
+
 @dataclasses.dataclass(frozen=True)
 class ExecutableKey:
     # FORWARD, PROMPT_LOGPROBS, DRAFT, POOL and STAGE per token bucket; SAMPLER and LOGPROBS per request bucket

@@ -13,6 +13,7 @@ mesh: `caches` lists them stage by stage (StageCaches says where each stage's ru
 means the same block in every stage's arrays, so one block table serves every stage."""
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,7 @@ from jaxllm.sample.processors import ProcessorState
 from jaxllm.sharding import StageMeshes
 from jaxllm.utils import cdiv
 
+logger = logging.getLogger(__name__)
 _CPU_KV_CACHE_BYTES = 512 << 20  # CPU devices report no memory: cap the cache at 512 MiB
 
 
@@ -77,6 +79,10 @@ class KVCache:
                 f"the KV cache has {self.num_blocks} blocks, fewer than one request of max_model_len "
                 f"({config.model.max_model_len}) tokens takes ({self.blocks_per_request()}): raise "
                 "gpu_memory_utilization or num_gpu_blocks_override, or lower max_model_len")
+        cache_dtype = jnp.dtype(config.cache.cache_dtype)
+        if cache_dtype.itemsize == 1:  # as vLLM warns, for the same reason
+            logger.warning("the %s KV cache stores K and V with scale 1.0 (a checkpoint's k_scale / v_scale are "
+                           "not read): values past the format's range saturate", cache_dtype.name)
         self.caches: list[tuple[jax.Array, ...]] | None = None
         self.draft_caches: list[tuple[jax.Array, ...]] | None = None
         # The target's, per array of `caches` (per KV tensor, and under pipeline parallelism per stage)
@@ -199,6 +205,19 @@ class KVCache:
         self.caches, *draft = jax.block_until_ready(
             [[tuple(zeros() for zeros in per_array) for per_array in per_entry] for per_entry in self._zeros])
         self.draft_caches = draft[0] if draft else None
+
+    def describe(self, draft: str = "") -> str:
+        """The cache in a line: its blocks (or a Mamba model's state slots) and their memory; draft: what
+        to say of a draft model's share."""
+        gib = self.num_blocks * self.bytes_per_block / 2**30
+        model_dtype = jnp.dtype(self.config.model.dtype).name
+        if self.layout.groups[0].mamba:
+            return f"Mamba states: {self.num_blocks} slots ({gib:.2f} GiB, {model_dtype})"
+        text = (f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens{draft} ({self.num_tokens} tokens, "
+                f"{gib:.2f} GiB, {jnp.dtype(self.config.cache.cache_dtype).name})")
+        if self.layout.hybrid:
+            text += f"; Mamba states: {self.num_state_slots} slots ({self.state_bytes / 2**30:.2f} GiB, {model_dtype})"
+        return text
 
     def delete(self) -> None:
         """Free the caches' memory now (those a failed step consumed are gone already)."""

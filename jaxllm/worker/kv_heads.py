@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from jaxllm.models.config import ModelArchConfig
-from jaxllm.models.loader import Index, TensorSource
+from jaxllm.models.tensor_sources import Index, TensorSource
 
 # A K or V projection's tensors whose rows are its heads' (or blocks of them): a quantized one's too
 # (models/quant_checkpoint.py), but for those all its heads share (input_scale, input_perm).

@@ -31,12 +31,10 @@ sampled where one is not is drawn from the model's distribution without it. A dr
 device, in an executable of its own after the sampling, from the tokens each request took (and
 the head from the forward's hidden states).
 """
-import logging
 import time
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.profiler import TraceAnnotation
 
@@ -53,7 +51,7 @@ from jaxllm.worker import input_batch as batching, kv_heads, model_loader
 from jaxllm.worker.draft_model import DraftModel
 from jaxllm.worker.eagle import EagleProposer
 from jaxllm.worker.executables import (DRAFT, FORWARD, LOGPROBS, POOL, PROMPT_LOGPROBS, SAMPLER, ExecutableKey,
-                                      Executables)
+                                      Executables, compiler_options)
 from jaxllm.worker.kv_cache import KVCache
 from jaxllm.worker.model_loader import load_weights
 from jaxllm.worker.pipeline import Pipeline
@@ -63,8 +61,6 @@ from jaxllm.worker.step_functions import StepFunctions
 from jaxllm.worker.step_output import Logprobs, StepOutput
 from jaxllm.worker.step_replay import StepReplay
 from jaxllm.worker.warm_up import executable_store, run_warm_up
-
-logger = logging.getLogger(__name__)
 
 
 class _Forward(NamedTuple):
@@ -141,10 +137,6 @@ class ModelRunner:
         self.compile_split = ""  # what the compile phase spent its time on (warm_up)
         self.kv_cache = KVCache(config, self.arch, self.kv_layout, self.mesh,
                                 (self.draft.arch, self.draft.kv_layout) if self.draft else None, self.stage_meshes)
-        cache_dtype = jnp.dtype(config.cache.cache_dtype)
-        if cache_dtype.itemsize == 1:  # as vLLM warns, for the same reason
-            logger.warning("the %s KV cache stores K and V with scale 1.0 (a checkpoint's k_scale / v_scale are "
-                           "not read): values past the format's range saturate", cache_dtype.name)
         start = time.perf_counter()
         self.kv_cache.allocate()
         self.startup_s["kv_cache"] = time.perf_counter() - start
@@ -179,19 +171,7 @@ class ModelRunner:
         # Per request of the drafter's table (draft_inputs.py): its last token, its k drafts, its rejected count.
         self._table_width = 2 + num_spec if self.draft else 0
         self._prev_tokens = self._zero_prev_tokens()  # the last step's tokens on the device, for the next one
-        # FP8 GEMMs go to cuBLASLt: on an H200, XLA's Triton GEMM autotuner spends ~45 s on each FP8
-        # GEMM shape of 8192 tokens, cuBLASLt's 0.3 s, for a GEMM 12% slower there and 17% faster
-        # at 16 tokens (docs/benchmarks.md). Part of the compilation caches' keys.
-        fp8_dots = mc.quantization is not None and mc.quantization.xla_fp8_dot
-        compiler_options = {"xla_gpu_enable_triton_gemm": False} if fp8_dots else {}
-        if not sc.async_scheduling and self.mesh.devices.flat[0].platform == "gpu":
-            # One step at a time (n-gram speculative decoding too): the GPU waits while the host launches
-            # the step, and XLA's CUDA graphs make the launch slower (their update costs the host
-            # ~2.7 ms per 8B step); kernel by kernel, the GPU starts at the first. On an H200 the
-            # 8B shape's synchronous step falls from 7.4 to 6.1 ms at batch 1 (docs/benchmarks.md).
-            # (A GPU's option only: elsewhere a synchronous engine shares an asynchronous one's executables.)
-            compiler_options["xla_gpu_enable_command_buffer"] = ""
-        self.executables = Executables(executable_store(self), compiler_options)
+        self.executables = Executables(executable_store(self), compiler_options(config, self.mesh))
         self._waiting: _Step | None = None  # a step whose sampling waits for the core's token masks
         self.step_replay: StepReplay | None = None  # a benchmark's recorder, off unless armed
 
@@ -511,22 +491,11 @@ class ModelRunner:
         return replay.time(self.dispatch, num_iters)
 
     def describe(self) -> str:
-        gib = self.num_blocks * self.kv_cache.bytes_per_block / 2**30
         startup = ", ".join(f"{phase} {s:.1f} s" for phase, s in self.startup_s.items())
         if self.compile_split:
             startup += f" ({self.compile_split})"
         draft = ""
         if self.draft:
             draft = f" (the {self.config.speculative.method} drafter's too: {self.draft.model_config.path})"
-        if self.kv_layout.groups[0].mamba:
-            dtype = jnp.dtype(self.config.model.dtype).name
-            cache = f"Mamba states: {self.num_blocks} slots ({gib:.2f} GiB, {dtype})"
-        else:
-            dtype = jnp.dtype(self.config.cache.cache_dtype).name
-            cache = (f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens{draft} "
-                     f"({self.kv_cache.num_tokens} tokens, {gib:.2f} GiB, {dtype})")
-        if self.kv_layout.hybrid:
-            cache += (f"; Mamba states: {self.kv_cache.num_state_slots} slots "
-                      f"({self.kv_cache.state_bytes / 2**30:.2f} GiB, {jnp.dtype(self.config.model.dtype).name})")
-        return (f"{cache}; token buckets {self.token_buckets}; "
+        return (f"{self.kv_cache.describe(draft)}; token buckets {self.token_buckets}; "
                 f"attention backend {self.config.attention_backend}; start-up: {startup}")

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from jaxllm import LLM, EngineArgs, SamplingParams
 from jaxllm import config as config_module
+from jaxllm import dtypes
 from jaxllm.kernels.attention import BACKENDS
 from jaxllm.sampling_params import RequestOutputKind
 from tests.conftest import tiny_model
@@ -160,7 +161,7 @@ SAMPLING_INVALID = {
     "extra_args": not_of(type(None)),
     "output_kind": st.one_of(st.sampled_from([k.name for k in RequestOutputKind]), st.integers(0, 2), st.none()),
 }
-_VALID_DTYPES = {"auto", *config_module._DTYPES, *config_module._DTYPE_ALIASES}
+_VALID_DTYPES = {"auto", *dtypes.DTYPES, *dtypes.DTYPE_ALIASES}
 ENGINE_INVALID = {
     "model": st.one_of(st.text(max_size=6).map(lambda s: f"/no/such/model{s}"), not_of(str, type(None))),
     "dtype": st.one_of(st.text(max_size=6).filter(lambda s: s not in _VALID_DTYPES), not_of(str)),

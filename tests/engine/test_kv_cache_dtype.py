@@ -32,7 +32,7 @@ def test_an_unknown_name_is_refused_by_name():
 
 
 def scale_warnings(caplog):
-    return [r for r in caplog.records if r.name == "jaxllm.worker.model_runner" and "scale 1.0" in r.getMessage()]
+    return [r for r in caplog.records if r.name == "jaxllm.worker.kv_cache" and "scale 1.0" in r.getMessage()]
 
 
 def test_an_fp8_block_takes_a_quarter_of_a_float32_ones_bytes(caplog):
