@@ -98,7 +98,7 @@ class Executables:
                     job = pool.submit(self._compile_and_store, name, executable)
                 jobs.append((key, job))
                 if key.kind == FORWARD:
-                    out_info = executable.out_info  # (sampled, logits, words, hidden, kv caches[, EAGLE-3's])
+                    out_info = executable.out_info  # (sampled, logits, words, hidden, kv caches, routing[, drafter's])
             for key, job in tqdm(jobs, desc="Compiling", disable=not show_progress):
                 self.compiled[key] = job.result()
         elapsed = time.perf_counter() - start

@@ -82,9 +82,9 @@ def lower(runner, key: ExecutableKey, forward_info) -> jax.stages.Lowered:
         return runner.pipeline.lower(key.stage, key.bucket, runner.host_buffer(key.bucket))
     sampled, logits, words, hidden = forward_info[:4]
     fns = runner.fns
-    if key.kind == DRAFT:  # after the KV caches: the inputs as run, then an EAGLE-3 head's states
-        draft_hidden = forward_info[6] if runner.aux_layers else hidden
-        return runner.lower_draft(key.bucket, forward_info[5], sampled, draft_hidden)
+    if key.kind == DRAFT:  # after the KV caches and the routing: the inputs as run, then an EAGLE-3 head's states
+        draft_hidden = forward_info[7] if runner.aux_layers else hidden
+        return runner.lower_draft(key.bucket, forward_info[6], sampled, draft_hidden)
     if key.kind == POOL:
         token_rows = jax.ShapeDtypeStruct((key.bucket,), jnp.int32)
         return fns.pool.lower(hidden, token_rows, runner.layouts[key.bucket].num_reqs)

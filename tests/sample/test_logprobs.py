@@ -81,7 +81,7 @@ def test_the_runners_logprobs_executable_holds_no_conditional():
     config = EngineArgs(model=tiny_model("llama"), skip_tokenizer_init=True, max_model_len=64, max_num_seqs=8,
                         max_num_batched_tokens=32, num_gpu_blocks_override=8).create_config()
     runner = ModelRunner(config)
-    sampled, logits, _, _, _ = runner.lower_forward(runner.token_buckets[0]).out_info
+    sampled, logits, *_ = runner.lower_forward(runner.token_buckets[0]).out_info
     for k in runner.logprob_buckets:
         text = runner.fns.logprobs.lower(logits, sampled, k).as_text()
         assert "stablehlo.if" not in text and "stablehlo.case" not in text
