@@ -3,7 +3,7 @@ top-K tokens', from the step's logits, as vLLM's Sampler.gather_logprobs.
 
 They are of the model's raw distribution, log_softmax of the logits before temperature
 and filters (vLLM's default logprobs_mode, raw_logprobs). K is at least the most any
-request of the step asked for, from a few buckets (ModelRunner.logprob_buckets), so the
+request of the step asked for, from a few buckets (StepSampling.logprob_buckets), so the
 executables are one per request bucket and K; each request keeps its first `logprobs` columns. The step runs it only
 when a request of the batch asked for logprobs (decided on the host, as SampleMode).
 """

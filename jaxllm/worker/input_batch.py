@@ -99,6 +99,26 @@ class BatchLayout:
             lora_slots=field("lora_slots") if "lora_slots" in self.fields else None)
 
 
+class HostBuffers:
+    """Each token bucket's packed buffers, one per step in flight, taken in turn: a buffer is
+    rewritten only once the step that read it has finished."""
+    def __init__(self, layouts: dict[int, BatchLayout], steps_in_flight: int):
+        self._buffers = {t: [(b, layout.host_views(b)) for b in (np.zeros(layout.size, np.int32)
+                                                                  for _ in range(steps_in_flight))]
+                         for t, layout in layouts.items()}
+        self._num_steps = 0
+
+    def next(self, token_bucket: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The bucket's next buffer and its views by field."""
+        self._num_steps += 1
+        buffers = self._buffers[token_bucket]
+        return buffers[self._num_steps % len(buffers)]
+
+    def first(self, token_bucket: int) -> np.ndarray:
+        """A buffer of the bucket, for lowering (its shape is what counts)."""
+        return self._buffers[token_bucket][0][0]
+
+
 class RequestRows:
     """The runner's persistent host state, one row per request that holds KV blocks, made from
     its NewRequestData: its block table in each KV cache group, its sampling words

@@ -2,18 +2,14 @@
 on the mesh. Its parts: the weights (model_loader.py), the KV cache (kv_cache.py), the
 compiled executables (executables.py; what warm-up builds, warm_up.py), the persistent request
 rows and the packing of a step's inputs (input_batch.py), the logits processors' per-request
-state (processor_state.py), the jitted functions (step_functions.py), and under pipeline
-parallelism the stages the forward runs through (pipeline.py).
+state (processor_state.py), the jitted functions (step_functions.py), the sampling
+(step_sampling.py), and under pipeline parallelism the stages the forward runs through (pipeline.py).
 
 A step is the forward pass to the logits at each request's last token (and, with
 speculative decoding, at each of its draft tokens: those logits check the drafts) and their argmax
-(one executable per token bucket, the KV cache donated, so updated in place), then, unless
-every request is greedy with no logits processors, the sampler (one executable per request
-bucket, SampleMode and whether it runs the processors of jaxllm/sample/processors.py), and,
-when a request asks for them, the logprobs of the sampled ids (per request bucket and number
-of top tokens; jaxllm/sample/logprobs.py) and of its prompt (per token bucket). With pooling
-requests (runner="pooling"), their tokens' hidden states are pooled too (per token bucket;
-worker/pooler.py).
+(one executable per token bucket, the KV cache donated, so updated in place), then their
+sampling and logprobs (step_sampling.py). With pooling requests (runner="pooling"), their
+tokens' hidden states are pooled too (per token bucket; worker/pooler.py).
 
 A step is dispatched without waiting for the previous one: its sampled ids stay on the
 device, padded to the widest bucket's rows of logits, and the next step reads from there a
@@ -50,8 +46,7 @@ from jaxllm.utils import cdiv
 from jaxllm.worker import input_batch as batching, kv_heads, model_loader
 from jaxllm.worker.draft_model import DraftModel
 from jaxllm.worker.eagle import EagleProposer
-from jaxllm.worker.executables import (DRAFT, FORWARD, LOGPROBS, POOL, PROMPT_LOGPROBS, SAMPLER, ExecutableKey,
-                                      Executables, compiler_options)
+from jaxllm.worker.executables import DRAFT, FORWARD, POOL, ExecutableKey, Executables, compiler_options
 from jaxllm.worker.kv_cache import KVCache
 from jaxllm.worker.model_loader import load_weights
 from jaxllm.worker.pipeline import Pipeline
@@ -59,21 +54,9 @@ from jaxllm.worker.pooler import Pooler, StepPooling
 from jaxllm.worker.processor_state import ProcessorRows
 from jaxllm.worker.step_functions import StepFunctions
 from jaxllm.worker.step_output import Logprobs, StepOutput
+from jaxllm.worker.step_sampling import Forward, StepSampling
 from jaxllm.worker.step_replay import StepReplay
 from jaxllm.worker.warm_up import executable_store, run_warm_up
-
-
-class _Forward(NamedTuple):
-    """A dispatched forward pass, on the device."""
-    token_bucket: int
-    greedy: jax.Array  # [num_sampled] int32: the argmax of each row of logits
-    logits: jax.Array  # [L, vocab] float32
-    words: jax.Array   # [L, NUM_SAMPLING_WORDS] int32: the sampler's inputs
-    hidden: jax.Array  # [T, hidden_size]: for prompt logprobs
-    draft_inputs: jax.Array | None  # with a drafter, the step's inputs as the forward ran them (draft_inputs.py)
-    draft_hidden: jax.Array  # what an EAGLE head reads: `hidden`, or an EAGLE-3 head's [T, 3 * hidden_size]
-    # A MoE model's (expert ids [L, moe_layers, k] at each row of logits, counts [moe_layers, E]); else ()
-    routing: tuple
 
 
 class _Step(NamedTuple):
@@ -81,7 +64,7 @@ class _Step(NamedTuple):
     sched: SchedulerOutput
     rows: np.ndarray  # [n] int32: the scheduled requests' rows
     first_rows: np.ndarray | None  # with drafts, each request's first row of logits (else row i is request i's)
-    forward: _Forward
+    forward: Forward
     mode: SampleMode
     processed: bool
     num_logprobs: int | None
@@ -146,21 +129,11 @@ class ModelRunner:
         # The sampled ids' array: as long as the widest bucket's rows of logits (max_num_seqs without drafts).
         self.num_sampled = layouts[self.token_buckets[-1]].num_rows
         # A buffer per step in flight (two with asynchronous scheduling, one per pipeline stage)
-        self._host_buffers = {t: [(b, layout.host_views(b)) for b in (np.zeros(layout.size, np.int32) for _ in
-                                                                      range(max(2, parallel.pipeline_parallel_size)))]
-                              for t, layout in layouts.items()}
-        self._num_steps = 0
-        self.bitmask_words = cdiv(mc.arch.vocab_size, 32)
-        # Per request bucket: a bitmask allowing every token, on the device, and two host buffers for masks.
-        self._all_allowed: dict[int, jax.Array] = {}
-        self._host_bitmasks: dict[int, list[np.ndarray]] = {}
+        self.host_buffers = batching.HostBuffers(layouts, max(2, parallel.pipeline_parallel_size))
         user_processors = tuple(cls(config) for cls in config.logits_processors)
-        self.num_logprobs = min(mc.max_logprobs, mc.arch.vocab_size)  # the most top tokens a request gets
-        # A step computes the top K of the bucket that holds its requests' most: a top-k of 8
-        # costs a fifth of one of 20 at [256, 128k] on an H200 (above 16, XLA sorts the rows).
-        self.logprob_buckets = sorted({0, min(8, self.num_logprobs), self.num_logprobs})
+        num_logprobs = min(mc.max_logprobs, mc.arch.vocab_size)  # the most top tokens a request gets
         self.fns = StepFunctions(self.weights.graphdef, self.weights.treedef, attn_fn, layouts, self.num_sampled, self.mesh,
-            self.kv_cache.shardings, user_processors, self.num_logprobs, config.batch_invariant, num_spec,
+            self.kv_cache.shardings, user_processors, num_logprobs, config.batch_invariant, num_spec,
             self.aux_layers, self.block_size if self.draft else None, mc.arch.moe.num_experts if mc.arch.moe else 0,
             config.enable_dbo)
         self.processor_rows = ProcessorRows(config, user_processors, self.fns.write_rows,
@@ -172,6 +145,8 @@ class ModelRunner:
         self._table_width = 2 + num_spec if self.draft else 0
         self._prev_tokens = self._zero_prev_tokens()  # the last step's tokens on the device, for the next one
         self.executables = Executables(executable_store(self), compiler_options(config, self.mesh))
+        self.sampling = StepSampling(self.executables, self.fns, self.processor_rows, self.mesh, mc.arch.vocab_size,
+                                     mc.max_logprobs, lambda: self.head_params)
         self._waiting: _Step | None = None  # a step whose sampling waits for the core's token masks
         self.step_replay: StepReplay | None = None  # a benchmark's recorder, off unless armed
 
@@ -226,9 +201,7 @@ class ModelRunner:
         self.kv_cache.delete()
         self.processor_rows.delete()
         self._prev_tokens.delete()
-        for array in self._all_allowed.values():
-            array.delete()
-        self._all_allowed.clear()
+        self.sampling.delete()
         self.request_rows.clear()
         if self.pooler is not None:
             self.pooler.clear()
@@ -290,13 +263,12 @@ class ModelRunner:
             self.processor_rows.update_users(added, removed, failed)
         lora_slots = self.lora.prepare_step(sched, failed) if self.lora else None
         token_bucket = self._token_bucket(sched.num_scheduled_tokens)
-        buffer, views = self.next_host_buffer(token_bucket)
+        buffer, views = self.host_buffers.next(token_bucket)
         first_rows = batching.pack(sched, rows, self.request_rows, views, self.block_size, self._table_width,
                                    lora_slots)
         mode = self.request_rows.batch_sample_mode(rows)
         processed = bool(self.processor_rows.users) or bool(self.request_rows.processed[rows].any())
-        most = int(self.request_rows.num_logprobs[rows].max())
-        num_logprobs = None if most < 0 else next(k for k in self.logprob_buckets if k >= most)
+        num_logprobs = self.sampling.logprob_bucket(int(self.request_rows.num_logprobs[rows].max()))
         prompt_inputs, prompt_segments = batching.prompt_logprob_inputs(sched, views, self.request_rows.prompts,
                                                                         token_bucket)
         if self.step_replay is not None:
@@ -315,18 +287,9 @@ class ModelRunner:
     def sample_tokens(self, masks: TokenMasks) -> StepOutput:
         """Dispatch the sampling of the step execute_model left waiting, under the core's masks."""
         step, self._waiting = self._waiting, None
-        num_reqs = step.forward.logits.shape[0]
-        # Two buffers in turn, as the step's inputs: the step before may not have read its mask yet
-        # (a CPU device reads a numpy argument in place).
-        buffers = self._host_bitmasks.setdefault(
-            num_reqs, [np.empty((num_reqs, self.bitmask_words), np.int32) for _ in range(2)])
-        buffers.reverse()
-        bitmask = buffers[0]
-        bitmask[:] = -1
         first_rows = range(len(step.sched.scheduled)) if step.first_rows is None else step.first_rows.tolist()
-        index = {s.req_id: row for s, row in zip(step.sched.scheduled, first_rows)}  # a masked request has no drafts
-        bitmask[[index[r] for r in masks.req_ids]] = masks.bitmask
-        return self._sample_step(step, bitmask)
+        return self._sample_step(step, self.sampling.masked_bitmask(step.forward.logits.shape[0], step.sched.scheduled,
+                                                                    first_rows, masks))
 
     def _sample_step(self, step: _Step, bitmask: np.ndarray | None) -> StepOutput:
         sampled, logprobs, prompt_logprobs, table = self._sample(
@@ -346,30 +309,19 @@ class ModelRunner:
     def _token_bucket(self, num_tokens: int) -> int:
         return next(b for b in self.token_buckets if b >= num_tokens)
 
-    def next_host_buffer(self, token_bucket: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """The bucket's host buffers in turn: with n steps in flight, a buffer is rewritten
-        only once the step that read it has finished."""
-        self._num_steps += 1
-        buffers = self._host_buffers[token_bucket]
-        return buffers[self._num_steps % len(buffers)]
-
-    def host_buffer(self, token_bucket: int) -> np.ndarray:
-        """A host buffer of the bucket, for lowering (its shape is what counts)."""
-        return self._host_buffers[token_bucket][0][0]
-
-    def _forward(self, token_bucket: int, buffer: np.ndarray) -> _Forward:
+    def _forward(self, token_bucket: int, buffer: np.ndarray) -> Forward:
         if self.pipeline:
             greedy, logits, words, hidden = self.pipeline.forward(self.executables, token_bucket, buffer)
-            return _Forward(token_bucket, greedy, logits, words, hidden, None, hidden, ())
+            return Forward(token_bucket, greedy, logits, words, hidden, None, hidden, ())
         forward = self.executables.get(ExecutableKey(FORWARD, token_bucket), lambda: self.lower_forward(token_bucket))
         with TraceAnnotation("dispatch"):
             greedy, logits, words, hidden, self.kv_cache.caches, routing, *drafter_inputs = forward(
                 self.weights.params, self.kv_cache.caches, self._prev_tokens, buffer, **self._lora_arg())
         draft_inputs = drafter_inputs[0] if drafter_inputs else None
         draft_hidden = drafter_inputs[1] if len(drafter_inputs) > 1 else hidden
-        return _Forward(token_bucket, greedy, logits, words, hidden, draft_inputs, draft_hidden, routing)
+        return Forward(token_bucket, greedy, logits, words, hidden, draft_inputs, draft_hidden, routing)
 
-    def _pool(self, fwd: _Forward, token_rows: np.ndarray) -> jax.Array:
+    def _pool(self, fwd: Forward, token_rows: np.ndarray) -> jax.Array:
         """The forward's hidden states summed into a row per request (worker/pooler.py), on their way to the
         host: [R, hidden_size] float32."""
         num_rows = self.layouts[fwd.token_bucket].num_reqs
@@ -380,7 +332,7 @@ class ModelRunner:
         sums.copy_to_host_async()
         return sums
 
-    def _propose(self, fwd: _Forward, sampled: jax.Array) -> jax.Array | None:
+    def _propose(self, fwd: Forward, sampled: jax.Array) -> jax.Array | None:
         """With a draft model or an EAGLE head, its table (draft_inputs.py) of the step's requests: the
         token each took last, the drafts for after it, and how many of its drafts the model rejected."""
         if self.draft is None:
@@ -392,43 +344,13 @@ class ModelRunner:
                                                         fwd.draft_inputs, sampled, fwd.draft_hidden)
         return table
 
-    def _sample(self, fwd: _Forward, mode: SampleMode, processed: bool = False, num_logprobs: int | None = None,
+    def _sample(self, fwd: Forward, mode: SampleMode, processed: bool = False, num_logprobs: int | None = None,
                 bitmask: np.ndarray | None = None, prompt_inputs=(), user_rows: np.ndarray | None = None
                 ) -> tuple[jax.Array, Logprobs | None, list[Logprobs], jax.Array | None]:
-        """Sample a dispatched forward: unless the batch is greedy with no logits processors, its
-        sampler (with `processed`, the processors', under `bitmask` [R, bitmask_words] or none);
-        if asked, the logprobs of its sampled ids, and the prompt logprobs of `prompt_inputs`
-        [(token indices [C], target ids [C])]; then a drafter's next drafts. `user_rows`: the step's
-        rows, for the users' processors' states. Returns (the sampled ids, their Logprobs or None,
-        the prompt inputs' Logprobs, the drafter's table or None); the next step's forward reads its
-        tokens from the table, or without a drafter from the sampled ids."""
-        num_reqs = fwd.logits.shape[0]
-        if processed:
-            bitmask = self.all_allowed_bitmask(num_reqs) if bitmask is None else bitmask
-            state, user_states = self.processor_rows.state, self.processor_rows.user_states(user_rows, num_reqs)
-            sampler = self.executables.get(ExecutableKey(SAMPLER, num_reqs, mode, True), lambda: (
-                self.fns.sample_processed.lower(fwd.logits, fwd.words, state, bitmask, user_states, mode)))
-            with TraceAnnotation("dispatch"):
-                sampled, self.processor_rows.state = sampler(fwd.logits, fwd.words, state, bitmask, user_states)
-        elif mode == SampleMode.GREEDY:
-            sampled = fwd.greedy
-        else:
-            sampler = self.executables.get(ExecutableKey(SAMPLER, num_reqs, mode, False),
-                                           lambda: self.fns.sample.lower(fwd.logits, fwd.words, mode))
-            with TraceAnnotation("dispatch"):
-                sampled = sampler(fwd.logits, fwd.words)
-        logprobs = None
-        if num_logprobs is not None:
-            fn = self.executables.get(ExecutableKey(LOGPROBS, num_reqs, num_logprobs=num_logprobs), lambda: (
-                self.fns.logprobs.lower(fwd.logits, sampled, num_logprobs)))
-            with TraceAnnotation("dispatch"):
-                logprobs = Logprobs(*fn(fwd.logits, sampled))
-        prompt_logprobs = []
-        for indices, targets in prompt_inputs:
-            fn = self.executables.get(ExecutableKey(PROMPT_LOGPROBS, fwd.token_bucket), lambda: (
-                self.fns.prompt_logprobs.lower(self.head_params, fwd.hidden, indices, targets)))
-            with TraceAnnotation("dispatch"):
-                prompt_logprobs.append(Logprobs(*fn(self.head_params, fwd.hidden, indices, targets)))
+        """StepSampling.sample, then a drafter's next drafts: also returns the drafter's table or None.
+        The next step's forward reads its tokens from the table, or without a drafter from the sampled ids."""
+        sampled, logprobs, prompt_logprobs = self.sampling.sample(fwd, mode, processed, num_logprobs, bitmask,
+                                                                  prompt_inputs, user_rows)
         table = self._propose(fwd, sampled)
         self._prev_tokens = sampled if table is None else table
         return sampled, logprobs, prompt_logprobs, table
@@ -442,7 +364,7 @@ class ModelRunner:
         return self._sample(forward, mode, processed, num_logprobs, None, prompt_inputs), pooled
 
     def lower_forward(self, token_bucket: int) -> jax.stages.Lowered:
-        buffer = self.host_buffer(token_bucket)
+        buffer = self.host_buffers.first(token_bucket)
         if self.pipeline:
             return self.pipeline.lower(self.pipeline.num_stages - 1, token_bucket, buffer)
         return self.fns.forward.lower(self.weights.params, self.kv_cache.caches, self._prev_tokens, buffer,
@@ -465,12 +387,6 @@ class ModelRunner:
         """The forward's draft_inputs, sampled ids and draft_hidden (arrays or their shapes)."""
         return self.draft.propose.lower(self.draft.params(self.weights), self.kv_cache.draft_caches, draft_inputs,
                                         sampled, draft_hidden, token_bucket)
-
-    def all_allowed_bitmask(self, num_reqs: int) -> jax.Array:
-        if num_reqs not in self._all_allowed:
-            self._all_allowed[num_reqs] = jax.device_put(np.full((num_reqs, self.bitmask_words), -1, np.int32),
-                                                         replicated(self.mesh))
-        return self._all_allowed[num_reqs]
 
     # ---- compilation ----
     def warm_up(self, show_progress: bool = True) -> None:

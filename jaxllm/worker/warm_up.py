@@ -22,7 +22,7 @@ def run_warm_up(runner, show_progress: bool = True) -> None:
     runner.compile_split."""
     start = time.perf_counter()
     num_stages = runner.pipeline.num_stages if runner.pipeline else 1
-    keys = warm_up_keys(runner.token_buckets, runner.layouts, runner.logprob_buckets, runner.draft is not None,
+    keys = warm_up_keys(runner.token_buckets, runner.layouts, runner.sampling.logprob_buckets, runner.draft is not None,
                         runner.pooler is not None, num_stages)
     split = runner.executables.build(keys, lambda key, info: lower(runner, key, info), show_progress)
     compiled_s = time.perf_counter() - start
@@ -30,14 +30,14 @@ def run_warm_up(runner, show_progress: bool = True) -> None:
     runner.processor_rows.write([], {})
     row_buckets = set()
     for token_bucket in runner.token_buckets:
-        buffer, views = runner.next_host_buffer(token_bucket)
+        buffer, views = runner.host_buffers.next(token_bucket)
         batching.fill_padding(views)
         zeros = np.zeros(batching.prompt_logprobs_chunk(token_bucket), np.int32)
         token_rows = np.full(token_bucket, -1, np.int32) if runner.pooler is not None else None
         # Each forward once, with the logprobs, prompt logprobs and pooling; each sampler once, after
         # the smallest forward of its request bucket.
         jax.block_until_ready(runner.dispatch(token_bucket, buffer, SampleMode.GREEDY, False,
-                                              num_logprobs=runner.num_logprobs, prompt_inputs=[(zeros, zeros)],
+                                              num_logprobs=runner.sampling.num_logprobs, prompt_inputs=[(zeros, zeros)],
                                               token_rows=token_rows))
         num_rows = runner.layouts[token_bucket].num_rows
         if num_rows not in row_buckets:
@@ -79,7 +79,7 @@ def lower(runner, key: ExecutableKey, forward_info) -> jax.stages.Lowered:
     if key.kind == FORWARD:
         return runner.lower_forward(key.bucket)
     if key.kind == STAGE:
-        return runner.pipeline.lower(key.stage, key.bucket, runner.host_buffer(key.bucket))
+        return runner.pipeline.lower(key.stage, key.bucket, runner.host_buffers.first(key.bucket))
     sampled, logits, words, hidden = forward_info[:4]
     fns = runner.fns
     if key.kind == DRAFT:  # after the KV caches and the routing: the inputs as run, then an EAGLE-3 head's states
@@ -96,7 +96,7 @@ def lower(runner, key: ExecutableKey, forward_info) -> jax.stages.Lowered:
     if not key.processed:
         return fns.sample.lower(logits, words, key.mode)
     rows = runner.processor_rows
-    return fns.sample_processed.lower(logits, words, rows.state, runner.all_allowed_bitmask(key.bucket),
+    return fns.sample_processed.lower(logits, words, rows.state, runner.sampling.all_allowed_bitmask(key.bucket),
                                       rows.user_states(None, key.bucket), key.mode)
 
 

@@ -82,8 +82,8 @@ def test_the_runners_logprobs_executable_holds_no_conditional():
                         max_num_batched_tokens=32, num_gpu_blocks_override=8).create_config()
     runner = ModelRunner(config)
     sampled, logits, *_ = runner.lower_forward(runner.token_buckets[0]).out_info
-    for k in runner.logprob_buckets:
+    for k in runner.sampling.logprob_buckets:
         text = runner.fns.logprobs.lower(logits, sampled, k).as_text()
         assert "stablehlo.if" not in text and "stablehlo.case" not in text
-    assert runner.num_logprobs == 20  # max_logprobs, vLLM's default
-    assert runner.logprob_buckets == [0, 8, 20]
+    assert runner.sampling.num_logprobs == 20  # max_logprobs, vLLM's default
+    assert runner.sampling.logprob_buckets == [0, 8, 20]

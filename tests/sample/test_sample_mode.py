@@ -67,7 +67,7 @@ def test_the_step_holds_no_conditional():
                         max_num_batched_tokens=32, num_gpu_blocks_override=8).create_config()
     runner = ModelRunner(config)
     token_bucket = runner.token_buckets[0]
-    buffer, views = runner.next_host_buffer(token_bucket)
+    buffer, views = runner.host_buffers.next(token_bucket)
     batching.fill_padding(views)
     params = runner.weights.params
     forward = runner.fns.forward.lower(params, runner.kv_caches, runner._prev_tokens, buffer, token_bucket)
@@ -75,7 +75,7 @@ def test_the_step_holds_no_conditional():
     _, logits, words, *_ = runner.fns.forward.eval_shape(params, runner.kv_caches, runner._prev_tokens,
                                                            buffer, token_bucket)
     texts += [runner.fns.sample.lower(logits, words, mode).as_text() for mode in list(SampleMode)[1:]]
-    bitmask = runner.all_allowed_bitmask(logits.shape[0])
+    bitmask = runner.sampling.all_allowed_bitmask(logits.shape[0])
     texts += [runner.fns.sample_processed.lower(logits, words, runner.processor_rows.state, bitmask,
                                                 runner.processor_rows.user_states(None, logits.shape[0]), mode).as_text()
               for mode in SampleMode]

@@ -53,8 +53,8 @@ def test_an_all_padding_step_writes_nothing_to_the_kv_cache():
     runner = ModelRunner(config)
     for token_bucket in runner.token_buckets:
         runner.kv_cache.caches = jax.tree.map(jax.numpy.ones_like, runner.kv_caches)  # so a write of anything shows
-        buffer, views = runner.next_host_buffer(token_bucket)
+        buffer, views = runner.host_buffers.next(token_bucket)
         batching.fill_padding(views)
         jax.block_until_ready(runner.dispatch(token_bucket, buffer, SampleMode.FILTERED, processed=True,
-                                              num_logprobs=runner.num_logprobs))
+                                              num_logprobs=runner.sampling.num_logprobs))
         assert all(np.all(np.asarray(c) == 1) for c in jax.tree.leaves(runner.kv_caches)), token_bucket
