@@ -12,8 +12,9 @@ weights (route's arguments say how).
 
 The experts' weights are stacked, gate_up_proj [E, hidden, 2, I] (gate and up fused, as the dense
 MLP's) and down_proj [E, I, hidden]. The T * k (token, expert) pairs are sorted by expert, so each
-expert's rows are contiguous, one grouped GEMM per projection (jax.lax.ragged_dot) runs every
-expert on its rows, and the rows go back to token order to be summed with their weights. With
+expert's rows are contiguous, one grouped GEMM per projection (kernels/grouped_matmul.py on a
+GPU, jax.lax.ragged_dot elsewhere: grouped_matmul_kind) runs every expert on its rows, and the
+rows go back to token order to be summed with their weights. With
 quantization="fp8" the stacked weights are e4m3 with a float32 scale per expert and output channel,
 and each row goes to e4m3 by its own max (grouped_dot), as an Fp8Linear's.
 
@@ -38,12 +39,14 @@ A forward traced under recording_routing() hands back each MoE layer's expert id
 """
 import contextlib
 import contextvars
+import os
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.kernels.grouped_matmul import grouped_matmul
 from jaxllm.models.config import ModelArchConfig, MoeConfig
 from jaxllm.models.fp8 import quantize_rows
 from jaxllm.models.llama import INIT_STD, MLP, DecoderLayer, LlamaForCausalLM, Linear
@@ -108,15 +111,31 @@ def _stacked(weight):
     return weight[0] if isinstance(weight, tuple) else weight
 
 
+def grouped_matmul_kind() -> str:
+    """The grouped GEMM a model traces with, JAXLLM_MOE_KERNEL: "pallas" (kernels/grouped_matmul.py,
+    the default on a GPU, where XLA's ragged_dot runs every row through every expert) or "ragged"
+    (jax.lax.ragged_dot, the default elsewhere)."""
+    kind = os.environ.get("JAXLLM_MOE_KERNEL") or ("pallas" if jax.default_backend() == "gpu" else "ragged")
+    if kind not in ("pallas", "ragged"):
+        raise ValueError(f"JAXLLM_MOE_KERNEL must be 'pallas' or 'ragged', got {kind!r}")
+    return kind
+
+
+def _grouped_matmul(rows, weight, group_sizes, out_dtype):
+    if grouped_matmul_kind() == "pallas":
+        return grouped_matmul(rows, weight, group_sizes, out_dtype)
+    return jax.lax.ragged_dot(rows, weight, group_sizes, preferred_element_type=out_dtype)
+
+
 def grouped_dot(rows, weight, group_sizes, row_experts):
     """rows [M, K] grouped by expert, each times its expert's weight: [G, K, N] in the model's dtype, or
     (e4m3 [G, K, N], float32 scale [G, N] per output channel) with the rows scaled to e4m3 per row as
     an Fp8Linear's; row_experts [M] (sorted; G: none) picks each row's scales -> [M, N] in rows' dtype."""
     if not isinstance(weight, tuple):
-        return jax.lax.ragged_dot(rows, weight, group_sizes)
+        return _grouped_matmul(rows, weight, group_sizes, rows.dtype)
     w8, w_scale = weight
     x8, x_scale = quantize_rows(rows)
-    y = jax.lax.ragged_dot(x8, w8, group_sizes, preferred_element_type=jnp.float32)
+    y = _grouped_matmul(x8, w8, group_sizes, jnp.float32)
     scale = jnp.take(w_scale, row_experts, axis=0, mode="fill", fill_value=0)
     return (y * x_scale[:, None] * scale).astype(rows.dtype)
 

@@ -60,7 +60,8 @@
 #   eagle       bench step on the 8B shape at batch 1, 8 and 64 without drafts, then with a random-weight
 #               EAGLE-3 head of the 8B's published shape drafting k = DRAFT_TOKENS (default "2 4"), under
 #               asynchronous scheduling (the draft model's too in the draft part): the cost of a step
-#   moe-matmul  bench moe-matmul: the grouped GEMM at Qwen3-30B-A3B's experts (bf16, its Triton lowering, FP8)
+#   moe-matmul  the grouped GEMM's gpu-marked tests, then bench moe-matmul at Qwen3-30B-A3B's experts (ragged_dot
+#               and the Pallas kernel, bf16 and FP8; MOE_MATMUL_ARGS adds flags: "--tokens 1,256 --variants pallas,dense")
 #   ssd         the SSD scan's Pallas kernel: its gpu-marked tests, then bench ssd (Mamba2-2.7B's heads,
 #               plain JAX and the kernel, beside an attention layer over the same prompt)
 #   lora        bench serve 1000/1000 on the 8B shape: the base model on a server without LoRA, then 8
@@ -346,7 +347,9 @@ part_eagle() {
 part_moe-matmul() {
   local mm=()
   [ $TINY = 1 ] && mm=(--experts 8 --top-k 2 --hidden-size 64 --intermediate-size 32 --tokens 1,64)
-  step 120 "bench moe-matmul" "${JAXLLM[@]}" bench moe-matmul "${mm[@]}" --output-json "$D/moe_matmul.json" 2>&1 | quiet 30
+  [ $TINY = 1 ] || step 60 "grouped GEMM tests" timeout 180 "$PY" -m pytest -q -m gpu tests/kernels/test_grouped_matmul.py 2>&1 | quiet 20
+  step 120 "bench moe-matmul" "${JAXLLM[@]}" bench moe-matmul "${mm[@]}" ${MOE_MATMUL_ARGS:-} \
+    --output-json "$D/moe_matmul.json" 2>&1 | quiet 30
 }
 
 part_models() {

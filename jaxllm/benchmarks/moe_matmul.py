@@ -1,11 +1,12 @@
 """`jaxllm bench moe-matmul`: the MoE layer's grouped GEMM (models/moe.py's expert_mlp: the experts'
-SwiGLU on rows sorted by expert, two jax.lax.ragged_dot) at an MoE model's expert shapes, from
+SwiGLU on rows sorted by expert, two grouped GEMMs) at an MoE model's expert shapes, from
 decode's few tokens to a prefill's thousands (one table, last).
 
 For each token count T, the T * k (token, expert) rows of a uniform random routing, through:
-- ragged: ragged_dot as XLA lowers it by default;
-- triton: ragged_dot through JAX's Pallas-Triton lowering (jax_ragged_dot_use_gpu_pallas_triton_lowering);
-- fp8: the experts in e4m3 as quantization="fp8" holds them, the rows scaled to e4m3 per row;
+- ragged: jax.lax.ragged_dot as XLA lowers it (JAXLLM_MOE_KERNEL=ragged);
+- pallas: the Pallas grouped GEMM (kernels/grouped_matmul.py, JAXLLM_MOE_KERNEL=pallas);
+- fp8, fp8-pallas: the experts in e4m3 as quantization="fp8" holds them, the rows scaled to e4m3
+  per row, through either;
 - dense: the same rows through one expert's SwiGLU with jnp.dot, the same FLOPs: the rate a
   grouped GEMM is held to at prefill;
 - gather (up to --gather-max-rows rows): each row's expert weights gathered and applied one row at
@@ -17,6 +18,7 @@ time, its TFLOP/s and, against the bytes of the experts the routing chose, its G
 the layer should read only those, so a rate far under the device's copy rate means it read the others.
 """
 import contextlib
+import os
 
 import jax
 import jax.numpy as jnp
@@ -25,10 +27,10 @@ import numpy as np
 from jaxllm.benchmarks.common import positive_int, positive_ints, write_json
 from jaxllm.benchmarks.device_timing import median_loop_s
 
-HELP = "the MoE grouped GEMM (ragged_dot, its Triton lowering, a gather path) against a dense dot of the same FLOPs"
+HELP = "the MoE grouped GEMM (ragged_dot, the Pallas kernel, FP8, a gather path) against a dense dot of the same FLOPs"
 MAX_ERROR = 1e-2
 FP8_MAX_ERROR = 0.1  # e4m3's rounding of the weights and of the rows, about 4% each
-TRITON_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
+VARIANTS = ("ragged", "pallas", "fp8", "fp8-pallas", "dense", "gather")
 
 
 def add_cli_args(parser) -> None:
@@ -38,6 +40,8 @@ def add_cli_args(parser) -> None:
     parser.add_argument("--intermediate-size", type=positive_int, default=768, help="each expert's (default 768)")
     parser.add_argument("--tokens", type=positive_ints, default="1,4,16,64,256,1024,4096,8192", help="the T values")
     parser.add_argument("--gather-max-rows", type=int, default=64, help="time the gather path up to this many rows")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"a comma-separated subset of {', '.join(VARIANTS)} (default: all)")
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed loops, the median taken")
     parser.add_argument("--output-json", help="write the rows to this file")
 
@@ -55,19 +59,26 @@ def _dense_mlp(rows, gate_up, down):
 
 
 @contextlib.contextmanager
-def _triton_lowering(on: bool):
-    """ragged_dot lowered through Pallas-Triton (read when a jitted function lowers) while inside."""
-    before = getattr(jax.config, TRITON_FLAG)
-    jax.config.update(TRITON_FLAG, on)
+def _moe_kernel(kind: str):
+    """JAXLLM_MOE_KERNEL=kind (read when a jitted function traces) while inside."""
+    before = os.environ.get("JAXLLM_MOE_KERNEL")
+    os.environ["JAXLLM_MOE_KERNEL"] = kind
     try:
         yield
     finally:
-        jax.config.update(TRITON_FLAG, before)
+        if before is None:
+            del os.environ["JAXLLM_MOE_KERNEL"]
+        else:
+            os.environ["JAXLLM_MOE_KERNEL"] = before
 
 
 def main(ns) -> int:
     from jaxllm.models.fp8 import quantize_experts
     from jaxllm.models.moe import expert_mlp
+    chosen = ns.variants.split(",")
+    unknown = sorted(set(chosen) - set(VARIANTS))
+    if unknown:
+        raise ValueError(f"--variants: unknown {', '.join(unknown)} (choose from {', '.join(VARIANTS)})")
     device = jax.devices()[0].device_kind
     print(device, jax.__version__)
     e, k, hidden, inter = ns.experts, ns.top_k, ns.hidden_size, ns.intermediate_size
@@ -90,14 +101,16 @@ def main(ns) -> int:
         def grouped(x, gu, d):
             return expert_mlp(x, experts, sizes, gu, d)
 
-        variants = {"ragged": grouped, "triton": grouped, "fp8": grouped,
+        variants = {"ragged": grouped, "pallas": grouped, "fp8": grouped, "fp8-pallas": grouped,
                     "dense": lambda x, gu, d: _dense_mlp(x, gu[0], d[0])}
         if t * k <= ns.gather_max_rows:
             variants["gather"] = lambda x, gu, d: _gather_mlp(x, experts, gu, d)
-        want = np.asarray(jax.jit(grouped)(x, *sets[0]), np.float32)
-        for name, fn in variants.items():
-            error, weight_sets = None, fp8_sets if name == "fp8" else sets
-            with _triton_lowering(name == "triton"):
+        with _moe_kernel("ragged"):
+            want = np.asarray(jax.jit(grouped)(x, *sets[0]), np.float32)
+        for name, variant in ((n, f) for n, f in variants.items() if n in chosen):
+            fn = lambda *a, f=variant: f(*a)  # a function of its own, traced anew under its kernel's variable
+            error, weight_sets = None, fp8_sets if name.startswith("fp8") else sets
+            with _moe_kernel("pallas" if name.endswith("pallas") else "ragged"):
                 if name != "dense":
                     try:
                         got = np.asarray(jax.jit(fn)(x, *weight_sets[0]), np.float32)
@@ -105,11 +118,11 @@ def main(ns) -> int:
                         print(f"T={t} {name}: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
                         continue
                     error = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
-                    if error > (FP8_MAX_ERROR if name == "fp8" else MAX_ERROR):
+                    if error > (FP8_MAX_ERROR if name.startswith("fp8") else MAX_ERROR):
                         failed.append(f"T={t} {name}: relative error {error:.2e}")
                 s = median_loop_s(fn, [(x, *w) for w in weight_sets], reps=ns.repeats)
             flops = 2 * t * k * (hidden * 2 * inter + inter * hidden)
-            read = active * expert_bytes // (2 if name == "fp8" else 1)
+            read = active * expert_bytes // (2 if name.startswith("fp8") else 1)
             rows_out.append({"tokens": t, "rows": t * k, "experts_hit": active, "variant": name, "us": 1e6 * s,
                              "TFLOPs": flops / s / 1e12, "active_GBps": read / s / 1e9,
                              "error": error})
@@ -117,11 +130,12 @@ def main(ns) -> int:
     write_json(ns.output_json, {"device": device, "experts": e, "top_k": k, "hidden_size": hidden,
                                 "intermediate_size": inter, "rows": rows_out})
     print(f"\nE={e} k={k} hidden={hidden} I={inter} ({expert_bytes / 2**20:.1f} MiB per expert, bf16)")
-    print(f"{'T':>6} {'rows':>6} {'hit':>4} {'variant':>7} {'us':>9} {'TFLOP/s':>8} {'active GB/s':>11} {'vs dense':>8}")
+    print(f"{'T':>6} {'rows':>6} {'hit':>4} {'variant':>10} {'us':>9} {'TFLOP/s':>8} {'active GB/s':>11} {'vs dense':>8}")
     dense = {r["tokens"]: r["us"] for r in rows_out if r["variant"] == "dense"}
+    ratio = lambda r: f"{dense[r['tokens']] / r['us']:>8.2f}" if r["tokens"] in dense else f"{'-':>8}"
     for r in rows_out:
-        print(f"{r['tokens']:>6} {r['rows']:>6} {r['experts_hit']:>4} {r['variant']:>7} {r['us']:>9.1f} "
-              f"{r['TFLOPs']:>8.1f} {r['active_GBps']:>11.0f} {dense[r['tokens']] / r['us']:>8.2f}")
+        print(f"{r['tokens']:>6} {r['rows']:>6} {r['experts_hit']:>4} {r['variant']:>10} {r['us']:>9.1f} "
+              f"{r['TFLOPs']:>8.1f} {r['active_GBps']:>11.0f} {ratio(r)}")
     for line in failed:
         print("wrong:", line)
     return 1 if failed else 0
