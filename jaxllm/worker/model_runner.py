@@ -146,7 +146,7 @@ class ModelRunner:
         self._prev_tokens = self._zero_prev_tokens()  # the last step's tokens on the device, for the next one
         self.executables = Executables(executable_store(self), compiler_options(config, self.mesh))
         self.sampling = StepSampling(self.executables, self.fns, self.processor_rows, self.mesh, mc.arch.vocab_size,
-                                     mc.max_logprobs, lambda: self.head_params)
+                                     num_logprobs, lambda: self.head_params)
         self._waiting: _Step | None = None  # a step whose sampling waits for the core's token masks
         self.step_replay: StepReplay | None = None  # a benchmark's recorder, off unless armed
 

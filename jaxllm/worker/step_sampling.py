@@ -34,15 +34,16 @@ class Forward(NamedTuple):
 
 class StepSampling:
     def __init__(self, executables: Executables, fns: StepFunctions, processor_rows: ProcessorRows, mesh,
-                 vocab_size: int, max_logprobs: int, head_params: Callable[[], list[jax.Array]]):
-        """head_params: the params that compute logits from the forward's hidden states (prompt logprobs)."""
+                 vocab_size: int, num_logprobs: int, head_params: Callable[[], list[jax.Array]]):
+        """num_logprobs: the most top tokens a request gets; head_params: the params that compute logits
+        from the forward's hidden states (prompt logprobs)."""
         self.executables, self.fns, self.processor_rows, self.mesh = executables, fns, processor_rows, mesh
         self.head_params = head_params
         self.bitmask_words = cdiv(vocab_size, 32)
         # Per request bucket: a bitmask allowing every token, on the device, and two host buffers for masks.
         self._all_allowed: dict[int, jax.Array] = {}
         self._host_bitmasks: dict[int, list[np.ndarray]] = {}
-        self.num_logprobs = min(max_logprobs, vocab_size)  # the most top tokens a request gets
+        self.num_logprobs = num_logprobs
         # A step computes the top K of the bucket that holds its requests' most: a top-k of 8
         # costs a fifth of one of 20 at [256, 128k] on an H200 (above 16, XLA sorts the rows).
         self.logprob_buckets = sorted({0, min(8, self.num_logprobs), self.num_logprobs})
