@@ -146,7 +146,7 @@ class ModelRunner:
         self._prev_tokens = self._zero_prev_tokens()  # the last step's tokens on the device, for the next one
         self.executables = Executables(executable_store(self), compiler_options(config, self.mesh))
         self.sampling = StepSampling(self.executables, self.fns, self.processor_rows, self.mesh, mc.arch.vocab_size,
-                                     num_logprobs, lambda: self.head_params)
+                                     num_logprobs)
         self._waiting: _Step | None = None  # a step whose sampling waits for the core's token masks
         self.step_replay: StepReplay | None = None  # a benchmark's recorder, off unless armed
 
@@ -246,6 +246,7 @@ class ModelRunner:
             self.draft.weights.delete()
         self.kv_cache.delete()
         self.processor_rows.delete()
+        self.sampling.delete()
         self._prev_tokens.delete()
 
     # ---- the step ----
@@ -350,7 +351,7 @@ class ModelRunner:
         """StepSampling.sample, then a drafter's next drafts: also returns the drafter's table or None.
         The next step's forward reads its tokens from the table, or without a drafter from the sampled ids."""
         sampled, logprobs, prompt_logprobs = self.sampling.sample(fwd, mode, processed, num_logprobs, bitmask,
-                                                                  prompt_inputs, user_rows)
+                                                                  prompt_inputs, user_rows, self.head_params)
         table = self._propose(fwd, sampled)
         self._prev_tokens = sampled if table is None else table
         return sampled, logprobs, prompt_logprobs, table

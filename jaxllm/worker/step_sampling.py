@@ -3,7 +3,7 @@ greedy with no logits processors (the sampler, one executable per request bucket
 whether it runs the processors of jaxllm/sample/processors.py under the core's token masks), and,
 when a request asks for them, the logprobs of the sampled ids (per request bucket and number of
 top tokens; jaxllm/sample/logprobs.py) and of its prompt (per token bucket)."""
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -34,11 +34,9 @@ class Forward(NamedTuple):
 
 class StepSampling:
     def __init__(self, executables: Executables, fns: StepFunctions, processor_rows: ProcessorRows, mesh,
-                 vocab_size: int, num_logprobs: int, head_params: Callable[[], list[jax.Array]]):
-        """num_logprobs: the most top tokens a request gets; head_params: the params that compute logits
-        from the forward's hidden states (prompt logprobs)."""
+                 vocab_size: int, num_logprobs: int):
+        """num_logprobs: the most top tokens a request gets."""
         self.executables, self.fns, self.processor_rows, self.mesh = executables, fns, processor_rows, mesh
-        self.head_params = head_params
         self.bitmask_words = cdiv(vocab_size, 32)
         # Per request bucket: a bitmask allowing every token, on the device, and two host buffers for masks.
         self._all_allowed: dict[int, jax.Array] = {}
@@ -80,13 +78,14 @@ class StepSampling:
         self._all_allowed.clear()
 
     def sample(self, fwd: Forward, mode: SampleMode, processed: bool, num_logprobs: int | None,
-               bitmask: np.ndarray | None, prompt_inputs, user_rows: np.ndarray | None
+               bitmask: np.ndarray | None, prompt_inputs, user_rows: np.ndarray | None, head_params: list[jax.Array]
                ) -> tuple[jax.Array, Logprobs | None, list[Logprobs]]:
         """Sample a dispatched forward: unless the batch is greedy with no logits processors, its
         sampler (with `processed`, the processors', under `bitmask` [R, bitmask_words] or none);
         if asked, the logprobs of its sampled ids, and the prompt logprobs of `prompt_inputs`
-        [(token indices [C], target ids [C])]. `user_rows`: the step's rows, for the users'
-        processors' states. Returns (the sampled ids, their Logprobs or None, the prompt inputs' Logprobs)."""
+        [(token indices [C], target ids [C])] through `head_params` (what computes logits from the
+        forward's hidden states). `user_rows`: the step's rows, for the users' processors' states.
+        Returns (the sampled ids, their Logprobs or None, the prompt inputs' Logprobs)."""
         num_rows = fwd.logits.shape[0]
         if processed:
             bitmask = self.all_allowed_bitmask(num_rows) if bitmask is None else bitmask
@@ -111,9 +110,8 @@ class StepSampling:
                 logprobs = Logprobs(*fn(fwd.logits, sampled))
         prompt_logprobs = []
         for indices, targets in prompt_inputs:
-            head = self.head_params()
             fn = self.executables.get(ExecutableKey(PROMPT_LOGPROBS, fwd.token_bucket), lambda: (
-                self.fns.prompt_logprobs.lower(head, fwd.hidden, indices, targets)))
+                self.fns.prompt_logprobs.lower(head_params, fwd.hidden, indices, targets)))
             with TraceAnnotation("dispatch"):
-                prompt_logprobs.append(Logprobs(*fn(head, fwd.hidden, indices, targets)))
+                prompt_logprobs.append(Logprobs(*fn(head_params, fwd.hidden, indices, targets)))
         return sampled, logprobs, prompt_logprobs
