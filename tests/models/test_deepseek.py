@@ -293,8 +293,9 @@ def test_engine_args_latent_attention_cannot_take_are_a_clear_error(args, messag
 # -- tensor parallelism -------------------------------------------------------------------
 
 @needs_2
-def test_tensor_parallel_gives_hfs_greedy_tokens_and_logprobs_with_the_latent_cache_on_every_device():
-    with LLM(tiny_model("deepseek_v2"), tensor_parallel_size=2, **ENGINE) as llm:
+@pytest.mark.parametrize("form", PREFILL_FORMS)
+def test_tensor_parallel_gives_hfs_greedy_tokens_and_logprobs_with_the_latent_cache_on_every_device(form):
+    with build_with(form, lambda: LLM(tiny_model("deepseek_v2"), tensor_parallel_size=2, **ENGINE)) as llm:
         assert_greedy_is_hfs(llm, "deepseek_v2")
         cache = runner(llm).kv_caches[0][0]
         assert cache.sharding.is_fully_replicated
@@ -306,4 +307,4 @@ def test_tensor_parallel_over_two_forced_devices():
     """The test above, in a child process with 2 forced host devices."""
     if jax.device_count() >= 2:
         pytest.skip("this process has the devices: the test above runs here")
-    run_with_host_devices(__file__, "tensor_parallel_gives", 2, "1 passed", timeout_s=600)
+    run_with_host_devices(__file__, "tensor_parallel_gives", 2, "2 passed", timeout_s=600)
