@@ -24,10 +24,15 @@ form, would gather each request's context into buffers whose size follows its le
   padding tokens zeros and -inf
 
 The reference walks the step's keys in tiles of KEY_TILE tokens with an online softmax, every query
-at once (memory O(num_tokens * num_heads * KEY_TILE)), up to the last real token.
+at once (memory O(num_tokens * num_heads * KEY_TILE)), up to the last real token: the whole masked
+[tokens x tokens] rectangle. The Pallas kernel (kernels/pallas_mla_prefill.py) skips the tiles
+before each query block's earliest request; step_attention_fn picks between them.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxllm.kernels.reference import log_sum_exp, token_requests
 from jaxllm.utils import cdiv
@@ -79,3 +84,21 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     total = w_a + w_b
     merged = out_a.astype(jnp.float32) * w_a[..., None] + out_b.astype(jnp.float32) * w_b[..., None]
     return merged / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+def step_attention_fn(mesh=None):
+    """The step part a model runs: the Pallas kernel on a GPU, the reference elsewhere. With a mesh
+    whose "model" axis spans several devices, each device runs it on its own heads (k_pe whole)."""
+    fn = step_attention
+    if jax.default_backend() == "gpu":
+        from jaxllm.kernels import pallas_mla_prefill
+        fn = pallas_mla_prefill.step_attention
+    if mesh is None or mesh.shape["model"] == 1:
+        return fn
+    heads = P(None, "model", None)
+
+    def per_device_heads(q, k_nope, k_pe, v, query_start_loc, num_seqs, *, scale):
+        return jax.shard_map(functools.partial(fn, scale=scale), mesh=mesh, check_vma=False,
+                             in_specs=(heads, heads, P(), heads, P(), P()), out_specs=(heads, P(None, "model")))(
+            q, k_nope, k_pe, v, query_start_loc, num_seqs)
+    return per_device_heads

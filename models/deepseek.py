@@ -25,9 +25,11 @@ JAXLLM_MLA_PREFILL=expanded (read when the model is built; prefill_form) splits 
 attention in two parts of one softmax (kernels/mla_prefill.py): over its request's tokens of this
 step, with every head's K and V expanded from the step's fresh latents (nope + rope + v FLOPs a
 (query, key) pair and head where the absorbed form takes 2 x (kv_lora_rank + rope): 320 against 1152
-for V3), and over the context cached before the step, absorbed as above; the two merge by their
-log-sum-exps before W_UV's output. A decode token's step part is itself alone, so its context part
-is the absorbed attention it had; the shapes are the step's, and one executable still serves any mix.
+for V3; a Pallas kernel on a GPU, kernels/pallas_mla_prefill.py), and over the context cached before
+the step, absorbed as above (the latent backend's context_only). The context part's output goes
+through W_UV, then the two merge by their log-sum-exps before o_proj. A decode token's step part is
+itself alone, so its context part is the absorbed attention it had; the shapes are the step's, and
+one executable still serves any mix. Not yet run on a GPU, so not the default.
 """
 import os
 
@@ -35,7 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.kernels.attention import AttentionMetadata, write_slots
-from jaxllm.kernels.mla_prefill import merge_attention, step_attention
+from jaxllm.kernels.mla_prefill import merge_attention, step_attention_fn
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.llama import MLP, DecoderLayer, Linear, RMSNorm, apply_rope, dot
 from jaxllm.models.moe import Experts, MoeForCausalLM, Router, record_routing, route
@@ -63,9 +65,10 @@ def apply_rope_to_pairs(x, cos, sin):
 class MLAttention(nnx.Module):
     """Multi-head latent attention (the module's docstring), HF's names for its projections."""
 
-    def __init__(self, config: ModelArchConfig, *, dtype, rngs):
+    def __init__(self, config: ModelArchConfig, *, dtype, rngs, mesh=None):
+        """mesh: where the expanded prefill's step part runs each device's heads (None: one device)."""
         c, mla = config, config.mla
-        self.num_heads, self.mla, self.scale = c.num_heads, mla, c.attn_scale
+        self.num_heads, self.mla, self.scale, self.mesh = c.num_heads, mla, c.attn_scale, mesh
         self.prefill = prefill_form()
         qk_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         self.rope = apply_rope_to_pairs if mla.rope_interleave else apply_rope
@@ -112,8 +115,8 @@ class MLAttention(nnx.Module):
             context, context_lse = attn_fn(q_abs, cache, cache, *metadata, scale=self.scale, context_only=True,
                                            return_lse=True)
             k_nope, v = jnp.einsum("tr,rhn->thn", c, w_uk), jnp.einsum("tr,rhv->thv", c, w_uv)
-            step, step_lse = step_attention(jnp.concatenate([q[..., :nope], q_pe], -1), k_nope, k_pe, v,
-                                            md.query_start_loc, md.num_seqs, scale=self.scale)
+            step, step_lse = step_attention_fn(self.mesh)(jnp.concatenate([q[..., :nope], q_pe], -1), k_nope, k_pe,
+                                                          v, md.query_start_loc, md.num_seqs, scale=self.scale)
             context = jnp.einsum("thr,rhv->thv", context[..., :rank], w_uv)
             o = merge_attention(step, step_lse, context, context_lse).astype(x.dtype)
         return self.o_proj(o.reshape(n, h * mla.v_head_dim)), (cache,)
@@ -151,4 +154,4 @@ class DeepseekForCausalLM(MoeForCausalLM):
         if layer in config.moe.sparse_layers:
             mlp = DeepseekMoeBlock(config, dtype=dtype, rngs=rngs, mesh=self.mesh)
         return DecoderLayer(config, layer, dtype=dtype, rngs=rngs, mlp=mlp,
-                            attention=MLAttention(config, dtype=dtype, rngs=rngs))
+                            attention=MLAttention(config, dtype=dtype, rngs=rngs, mesh=self.mesh))

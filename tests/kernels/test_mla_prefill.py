@@ -2,14 +2,17 @@
 every head's keys and values over each request's whole sequence: the step part, the reference's
 context part (context_only, return_lse) over a shuffled latent cache, and their merge, on ragged
 batches of fresh prompts, later chunks, decodes and one-token sequences beside padding tokens and
-request slots."""
+request slots. The step part's Pallas kernel (in the interpreter, which fills outputs with NaN
+first, so a row no program writes fails) against the reference."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.kernels import reference
+from jaxllm.kernels import pallas_mla_prefill, reference
 from jaxllm.kernels.mla_prefill import KEY_TILE, merge_attention, step_attention
-from tests.kernels.ragged_batch import make_batch, random_requests
+from jaxllm.kernels.pallas_mla_prefill import StepTiles
+from tests.kernels.ragged_batch import make_batch, random_requests, relative_error
 
 HEADS, NOPE, ROPE, RANK, V_DIM, BLOCK_SIZE, SCALE = 4, 8, 4, 12, 6, 8, 0.3
 
@@ -63,11 +66,8 @@ def oracle(batch, q, weights, latents):
 @pytest.mark.parametrize("seed, max_chunk", [(0, 12), (1, KEY_TILE + 9)])  # chunks within one key tile, across two
 def test_step_and_context_parts_merged_equal_attention_over_every_heads_expanded_keys(seed, max_chunk):
     batch, q, cache, fresh, w, latents, metadata = mla_batch(seed, max_chunk)
-    qsl, seq_lens, tables, num_seqs = metadata
     w_uk, w_uv = jnp.asarray(w[..., :NOPE]), jnp.asarray(w[..., NOPE:])
-    c, k_pe = jnp.asarray(fresh[:, :RANK]), jnp.asarray(fresh[:, RANK:])
-    step, step_lse = step_attention(jnp.asarray(q), jnp.einsum("tr,rhn->thn", c, w_uk), k_pe,
-                                    jnp.einsum("tr,rhv->thv", c, w_uv), qsl, num_seqs, scale=SCALE)
+    step, step_lse = step_attention(*step_inputs(batch, q, fresh, w, metadata), scale=SCALE)
     q_abs = jnp.concatenate([jnp.einsum("thn,rhn->thr", q[..., :NOPE], w_uk), q[..., NOPE:]], -1)
     context, context_lse = reference.ragged_paged_attention(q_abs, cache, cache, *metadata, scale=SCALE,
                                                             context_only=True, return_lse=True)
@@ -81,6 +81,49 @@ def test_step_and_context_parts_merged_equal_attention_over_every_heads_expanded
     np.testing.assert_allclose(np.asarray(step_lse[:n]), want_step_lse, rtol=1e-5, atol=1e-5)
     assert (out[n:] == 0).all() and (np.asarray(step_lse[n:]) == -np.inf).all()  # padding: zeros, not NaN
     assert (np.asarray(context_lse[n:]) == -np.inf).all()
+
+
+def step_inputs(batch, q, fresh, w, metadata, dtype=jnp.float32):
+    """step_attention's arguments for an mla_batch."""
+    c, k_pe = jnp.asarray(fresh[:, :RANK], dtype), jnp.asarray(fresh[:, RANK:], dtype)
+    w = jnp.asarray(w, dtype)
+    qsl, _, _, num_seqs = metadata
+    return (jnp.asarray(q, dtype), jnp.einsum("tr,rhn->thn", c, w[..., :NOPE]), k_pe,
+            jnp.einsum("tr,rhv->thv", c, w[..., NOPE:]), qsl, num_seqs)
+
+
+@pytest.mark.parametrize("seed, max_chunk, block_q, tile", [
+    (0, 12, 16, 16),   # query blocks that cut requests, a tile for each
+    (1, 73, 32, 16),   # a chunk over several query blocks and tiles; blocks that start mid-request
+])
+def test_pallas_step_kernel_matches_the_reference(seed, max_chunk, block_q, tile):
+    batch, q, _, fresh, w, _, metadata = mla_batch(seed, max_chunk)
+    args = step_inputs(batch, q, fresh, w, metadata)
+    out, lse = pallas_mla_prefill.step_attention(*args, scale=SCALE, tiles=StepTiles(block_q=block_q, tile=tile),
+                                                 interpret=True)
+    want, want_lse = step_attention(*args, scale=SCALE)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)  # padding rows too: zeros
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)  # and -inf
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("num_heads", [16, 128])  # V2-Lite's heads, V3's
+def test_gpu_step_kernel_matches_the_reference_at_deepseeks_shapes(num_heads):
+    """Compiled by Triton: bf16, nope 128, rope 64, v 128, ragged prompts and decodes in 2048 tokens."""
+    rng = np.random.default_rng(num_heads)
+    q_lens = [700, 1, 300, 1, 1, 900, 17]
+    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens), [sum(q_lens)] * 2]), jnp.int32)
+    t = 2048
+    q, k_nope, v = (jnp.asarray(rng.standard_normal((t, num_heads, d)), jnp.bfloat16) for d in (192, 128, 128))
+    k_pe = jnp.asarray(rng.standard_normal((t, 64)), jnp.bfloat16)
+    args = (q, k_nope, k_pe, v, qsl, jnp.asarray([len(q_lens)], jnp.int32))
+    out, lse = pallas_mla_prefill.step_attention(*args, scale=192 ** -0.5)
+    want, want_lse = step_attention(*args, scale=192 ** -0.5)
+    n = sum(q_lens)
+    assert np.isfinite(np.asarray(out[:n])).all()
+    assert relative_error(out[:n], want[:n]) < 1e-2
+    np.testing.assert_allclose(lse[:n], want_lse[:n], rtol=1e-2, atol=1e-2)
 
 
 def test_a_part_of_no_keys_leaves_the_other_exactly_and_padding_rows_are_zeros():
