@@ -76,6 +76,16 @@ def enable_persistent_cache() -> None:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+# The environment variables that pick what a model traces (a kernel, latent attention's prefill form):
+# part of an executable's key, as its code is, so a stored executable of another choice is never loaded.
+TRACE_CHOICES = ("JAXLLM_MOE_KERNEL", "JAXLLM_SSD_KERNEL", "JAXLLM_MLA_PREFILL")
+
+
+def trace_choices() -> dict[str, str | None]:
+    """Each of TRACE_CHOICES with its value in this process (None: unset)."""
+    return {name: os.environ.get(name) for name in TRACE_CHOICES}
+
+
 def source_digest() -> str:
     """SHA-256 over the .py files of jaxllm's three parts (jaxllm/, kernels/ and models/ in the
     repository), wherever they are installed: a code change is a new key."""

@@ -40,7 +40,8 @@ def get_attention_fn(name: str, mesh=None, batch_invariant: bool = False, latent
     the reference in fixed blocks of tokens, or a GPU backend without split-K.
     latent: over a latent cache (DeepSeek's MLA: one KV head whose values are its keys, replicated
     under tensor parallelism, each device's q heads reading it whole): the reference or the Pallas
-    latent kernel (kernels/latent_attention.py)."""
+    latent kernel (kernels/latent_attention.py), which also take context_only and return_lse (the
+    expanded prefill's context part, models/deepseek.py)."""
     fn = _latent_backend(name) if latent else _backend(name)
     if batch_invariant:
         from jaxllm.kernels import batch_invariant as invariant
@@ -54,10 +55,12 @@ def _per_device_heads(fn, mesh, latent: bool = False):
     heads, cache, replicated = P(None, "model", None), P() if latent else P(None, None, "model", None), P()
 
     def attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs, *,
-                  scale, sliding_window=None, soft_cap=None):
+                  scale, sliding_window=None, soft_cap=None, **latent_options):
+        """latent_options: the latent backends' context_only and return_lse (reference.py)."""
         local = functools.partial(fn, scale=scale, sliding_window=sliding_window,
-                                  soft_cap=soft_cap)
-        return jax.shard_map(local, mesh=mesh, out_specs=heads, check_vma=False,
+                                  soft_cap=soft_cap, **latent_options)
+        out_specs = (heads, P(None, "model")) if latent_options.get("return_lse") else heads
+        return jax.shard_map(local, mesh=mesh, out_specs=out_specs, check_vma=False,
                              in_specs=(heads, cache, cache) + (replicated,) * 4)(
             q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs)
     return attention

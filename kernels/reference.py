@@ -27,34 +27,56 @@ def token_positions(query_start_loc, seq_lens, num_seqs, num_tokens):
     """Per token: its request index, its position in that request, and whether it
     is a real token. Each of shape [num_tokens]."""
     token = jnp.arange(num_tokens, dtype=jnp.int32)
-    num_reqs = seq_lens.shape[0]
-    # compare_all: one fused comparison; the default binary search is a loop of small launches on GPU.
-    req = jnp.searchsorted(query_start_loc[1:], token, side="right", method="compare_all").astype(jnp.int32)
-    req = jnp.minimum(req, num_reqs - 1)
-    valid = token < query_start_loc[jnp.reshape(num_seqs, ())]
+    req, valid = token_requests(query_start_loc, num_seqs, num_tokens)
     q_end = query_start_loc[req + 1]
     pos = seq_lens[req] - (q_end - token)
     return req, pos, valid
 
 
+def token_requests(query_start_loc, num_seqs, num_tokens):
+    """Per token: its request index, and whether it is a real token. Each of shape [num_tokens]."""
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    num_reqs = query_start_loc.shape[0] - 1
+    # compare_all: one fused comparison; the default binary search is a loop of small launches on GPU.
+    req = jnp.searchsorted(query_start_loc[1:], token, side="right", method="compare_all").astype(jnp.int32)
+    req = jnp.minimum(req, num_reqs - 1)
+    valid = token < query_start_loc[jnp.reshape(num_seqs, ())]
+    return req, valid
+
+
+def context_positions(query_start_loc, seq_lens, req):
+    """Per token of requests req [num_tokens]: the last position its request had cached before this
+    step, seq_len - query_len - 1 (-1: none, a prompt's first chunk)."""
+    return seq_lens[req] - (query_start_loc[req + 1] - query_start_loc[req]) - 1
+
+
 def ragged_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                           num_seqs, *, scale, sliding_window=None, soft_cap=None):
+                           num_seqs, *, scale, sliding_window=None, soft_cap=None, context_only=False,
+                           return_lse=False):
     """Attention of every scheduled token over its request's paged KV.
 
-    Returns [num_tokens, num_q_heads, head_dim] in q's dtype.
+    Returns [num_tokens, num_q_heads, head_dim] in q's dtype. Two options only the latent
+    backends take (kernels/attention.py; expanded latent attention's context part, models/deepseek.py):
+    context_only: each token over its request's context cached before this step alone (positions
+    < seq_len - query_len, context_positions), none for a prompt's first chunk. return_lse: also
+    each (token, head)'s log-sum-exp of its scaled scores, [num_tokens, num_q_heads] float32,
+    -inf where the token attends to nothing (padding, no context).
     """
     req, pos, valid = token_positions(query_start_loc, seq_lens, num_seqs, q.shape[0])
+    if context_only:
+        pos = context_positions(query_start_loc, seq_lens, req)
     return attend(q, k_cache, v_cache, block_tables[req], pos, valid, scale=scale, sliding_window=sliding_window,
-                  soft_cap=soft_cap)
+                  soft_cap=soft_cap, return_lse=return_lse)
 
 
 def attend(q, k_cache, v_cache, tables, pos, valid, *, scale, sliding_window=None, soft_cap=None,
-           every_block=False):
+           every_block=False, return_lse=False):
     """Attention of tokens q [num_tokens, num_q_heads, head_dim], each over its request's blocks
     tables [num_tokens, max_blocks_per_seq] up to its position pos [num_tokens] (valid: a real
     token). Blocks past a token's own are masked to exact zeros, so its result does not depend
     on the other tokens'. every_block: walk all max_blocks_per_seq blocks, a loop of static
-    length that reverse-mode differentiation can go through (the same numbers, more work)."""
+    length that reverse-mode differentiation can go through (the same numbers, more work).
+    return_lse: (out, log-sum-exp [num_tokens, num_q_heads] float32, -inf for no key)."""
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -92,9 +114,16 @@ def attend(q, k_cache, v_cache, tables, pos, valid, *, scale, sliding_window=Non
             jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32))
     if every_block:
         first_block, num_blocks = 0, tables.shape[1]
-    _, l, acc = jax.lax.fori_loop(first_block, num_blocks, body, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+    m, l, acc = jax.lax.fori_loop(first_block, num_blocks, body, init)
+    out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+    if not return_lse:
+        return out
+    return out, log_sum_exp(m, l).reshape(num_tokens, num_q_heads)
+
+
+def log_sum_exp(m, l):
+    """An online softmax's log-sum-exp from its running max m and sum l (of exp(s - m)): -inf where l is 0."""
+    return jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):

@@ -18,19 +18,41 @@ the query and W_UV into the output, so it reads only latents:
 
 which is multi-query attention of `heads` query heads over one KV head of kv_lora_rank + rope
 dimensions whose values are the latents themselves (their rope part's output is dropped): the
-attention backends' interface, over the latent cache as both K and V. Every token takes this
-form, prefill chunks and decode tokens alike, so one executable serves any mixed batch; a prefill
-that expanded each head's K and V from the latents would need fewer FLOPs (not built).
+attention backends' interface, over the latent cache as both K and V. By default every token takes
+this form, prefill chunks and decode tokens alike, so one executable serves any mixed batch.
+
+JAXLLM_MLA_PREFILL=expanded (read when the model is built; prefill_form) splits each token's
+attention in two parts of one softmax (kernels/mla_prefill.py): over its request's tokens of this
+step, with every head's K and V expanded from the step's fresh latents (nope + rope + v FLOPs a
+(query, key) pair and head where the absorbed form takes 2 x (kv_lora_rank + rope): 320 against 1152
+for V3; a Pallas kernel on a GPU, kernels/pallas_mla_prefill.py), and over the context cached before
+the step, absorbed as above (the latent backend's context_only). The context part's output goes
+through W_UV, then the two merge by their log-sum-exps before o_proj. A decode token's step part is
+itself alone, so its context part is the absorbed attention it had; the shapes are the step's, and
+one executable still serves any mix. Not yet run on a GPU, so not the default.
 """
+import os
+
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.kernels.attention import AttentionMetadata, write_slots
+from jaxllm.kernels.mla_prefill import merge_attention, step_attention_fn
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.llama import MLP, DecoderLayer, Linear, RMSNorm, apply_rope, dot
 from jaxllm.models.moe import Experts, MoeForCausalLM, Router, record_routing, route
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's (DeepSeek's and HF's default, not rms_norm_eps)
+PREFILL_FORMS = ("absorbed", "expanded")
+
+
+def prefill_form() -> str:
+    """How latent attention runs a step's prompt tokens, JAXLLM_MLA_PREFILL: "absorbed" (the default
+    until "expanded" is measured on a GPU) or "expanded" (the module docstring)."""
+    form = os.environ.get("JAXLLM_MLA_PREFILL", "absorbed")
+    if form not in PREFILL_FORMS:
+        raise ValueError(f"JAXLLM_MLA_PREFILL must be one of {PREFILL_FORMS}, got {form!r}")
+    return form
 
 
 def apply_rope_to_pairs(x, cos, sin):
@@ -43,9 +65,11 @@ def apply_rope_to_pairs(x, cos, sin):
 class MLAttention(nnx.Module):
     """Multi-head latent attention (the module's docstring), HF's names for its projections."""
 
-    def __init__(self, config: ModelArchConfig, *, dtype, rngs):
+    def __init__(self, config: ModelArchConfig, *, dtype, rngs, mesh=None):
+        """mesh: where the expanded prefill's step part runs each device's heads (None: one device)."""
         c, mla = config, config.mla
-        self.num_heads, self.mla, self.scale = c.num_heads, mla, c.attn_scale
+        self.num_heads, self.mla, self.scale, self.mesh = c.num_heads, mla, c.attn_scale, mesh
+        self.prefill = prefill_form()
         qk_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         self.rope = apply_rope_to_pairs if mla.rope_interleave else apply_rope
         if mla.q_lora_rank is None:
@@ -77,15 +101,24 @@ class MLAttention(nnx.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.reshape(n, h, -1)
         kv = self.kv_a_proj_with_mqa(x)
-        latent = jnp.concatenate([self.kv_a_layernorm(kv[:, :rank]), self.rope(kv[:, None, rank:], cos, sin)[:, 0]],
-                                 axis=-1)
-        cache = write_slots(kv_cache[0], latent[:, None, :], md.slot_mapping)
+        c, k_pe = self.kv_a_layernorm(kv[:, :rank]), self.rope(kv[:, None, rank:], cos, sin)[:, 0]
+        cache = write_slots(kv_cache[0], jnp.concatenate([c, k_pe], axis=-1)[:, None, :], md.slot_mapping)
         w_kv = self.kv_b_proj.kernel[...].reshape(rank, h, -1)  # [kv_lora_rank, heads, nope + v]
-        q_latent = jnp.einsum("thn,rhn->thr", q[..., :nope], w_kv[..., :nope])
-        q_abs = jnp.concatenate([q_latent, self.rope(q[..., nope:], cos, sin)], axis=-1)  # [T, heads, latent_dim]
-        o = attn_fn(q_abs, cache, cache, md.query_start_loc, md.seq_lens, md.block_tables, md.num_seqs,
-                    scale=self.scale)
-        o = jnp.einsum("thr,rhv->thv", o[..., :rank], w_kv[..., nope:])
+        w_uk, w_uv = w_kv[..., :nope], w_kv[..., nope:]
+        q_pe = self.rope(q[..., nope:], cos, sin)
+        q_abs = jnp.concatenate([jnp.einsum("thn,rhn->thr", q[..., :nope], w_uk), q_pe], -1)  # [T, heads, latent_dim]
+        metadata = (md.query_start_loc, md.seq_lens, md.block_tables, md.num_seqs)
+        if self.prefill == "absorbed":
+            o = attn_fn(q_abs, cache, cache, *metadata, scale=self.scale)
+            o = jnp.einsum("thr,rhv->thv", o[..., :rank], w_uv)
+        else:  # the step's own tokens expanded, the cached context absorbed, one softmax
+            context, context_lse = attn_fn(q_abs, cache, cache, *metadata, scale=self.scale, context_only=True,
+                                           return_lse=True)
+            k_nope, v = jnp.einsum("tr,rhn->thn", c, w_uk), jnp.einsum("tr,rhv->thv", c, w_uv)
+            step, step_lse = step_attention_fn(self.mesh)(jnp.concatenate([q[..., :nope], q_pe], -1), k_nope, k_pe,
+                                                          v, md.query_start_loc, md.num_seqs, scale=self.scale)
+            context = jnp.einsum("thr,rhv->thv", context[..., :rank], w_uv)
+            o = merge_attention(step, step_lse, context, context_lse).astype(x.dtype)
         return self.o_proj(o.reshape(n, h * mla.v_head_dim)), (cache,)
 
 
@@ -121,4 +154,4 @@ class DeepseekForCausalLM(MoeForCausalLM):
         if layer in config.moe.sparse_layers:
             mlp = DeepseekMoeBlock(config, dtype=dtype, rngs=rngs, mesh=self.mesh)
         return DecoderLayer(config, layer, dtype=dtype, rngs=rngs, mlp=mlp,
-                            attention=MLAttention(config, dtype=dtype, rngs=rngs))
+                            attention=MLAttention(config, dtype=dtype, rngs=rngs, mesh=self.mesh))

@@ -109,5 +109,5 @@ def executable_store(runner) -> compilation.ExecutableStore | None:
     params = [(w.treedef, [(p.shape, p.dtype, p.sharding) for p in w.params]) for w in weights]
     caches = [(k.shape, k.dtype, k.sharding) for k, *_ in runner.kv_cache.caches + (runner.kv_cache.draft_caches or [])]
     key = "\n".join(map(repr, (runner.config, params, caches,  # the buckets follow the config
-                               compilation.source_digest())))
+                               compilation.source_digest(), compilation.trace_choices())))
     return compilation.ExecutableStore.maybe(key, list(runner.mesh.devices.flat))

@@ -20,11 +20,11 @@ from tests.conftest import ROOT, tiny_model
 pytestmark = pytest.mark.timeout(600)
 
 
-def start(store_dir, **overrides) -> dict:
-    """A start of the tiny Llama in a child with the store on in `store_dir`: what its compile
-    phase did, its outputs, and its log."""
+def start(store_dir, env=None, **overrides) -> dict:
+    """A start of the tiny Llama in a child with the store on in `store_dir` (and `env` in its
+    environment): what its compile phase did, its outputs, and its log."""
     # XLA's own cache off: a warm start loads from the store alone, and on CPU nothing else deserializes.
-    env = dict(os.environ, JAXLLM_EXECUTABLE_STORE=str(store_dir), JAXLLM_COMPILATION_CACHE="off")
+    env = dict(os.environ, JAXLLM_EXECUTABLE_STORE=str(store_dir), JAXLLM_COMPILATION_CACHE="off", **(env or {}))
     result = subprocess.run([sys.executable, "-m", "tests.engine.test_executable_store", json.dumps(overrides)],
                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -51,6 +51,13 @@ def test_a_second_start_loads_every_executable_and_gives_the_same_outputs(first)
 def test_another_config_is_another_key(first, tmp_path):
     store_dir = shutil.copytree(first[0], tmp_path / "store")
     assert start(store_dir, max_num_seqs=1)["stored"] == 0
+
+
+def test_a_kernel_chosen_by_the_environment_is_another_key(first, tmp_path):
+    """JAXLLM_MOE_KERNEL, JAXLLM_SSD_KERNEL and JAXLLM_MLA_PREFILL change what a model traces."""
+    store_dir = shutil.copytree(first[0], tmp_path / "store")
+    other = "absorbed" if os.environ.get("JAXLLM_MLA_PREFILL") == "expanded" else "expanded"
+    assert start(store_dir, env={"JAXLLM_MLA_PREFILL": other})["stored"] == 0
 
 
 def test_a_broken_stored_executable_is_compiled_again(first, tmp_path):

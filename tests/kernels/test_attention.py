@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.kernels import mosaic_attention, pallas_attention, reference, triton_attention
+from jaxllm.kernels import latent_attention, mosaic_attention, pallas_attention, reference, triton_attention
 from tests.kernels.ragged_batch import HEADS, assert_matches, make_batch, random_requests, relative_error
 
 HEAD_DIMS = (64, 128, 256)
@@ -253,7 +253,11 @@ def test_schedule_covers_every_real_token_once():
 
 
 def test_backends_share_the_reference_signature():
+    """The latent kernel's whole; the others' without the two options only latent attention takes."""
     want = inspect.signature(reference.ragged_paged_attention)
+    assert inspect.signature(latent_attention.ragged_paged_attention) == want
+    latent_only = ("context_only", "return_lse")
+    want = want.replace(parameters=[p for name, p in want.parameters.items() if name not in latent_only])
     assert inspect.signature(pallas_attention.ragged_paged_attention) == want
     assert inspect.signature(triton_attention.ragged_paged_attention) == want
     assert inspect.signature(mosaic_attention.ragged_paged_attention) == want

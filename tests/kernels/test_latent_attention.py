@@ -29,6 +29,25 @@ def test_kernel_matches_the_reference_on_mixed_batches(num_heads, dim, block_siz
     assert_matches(out, reference.ragged_paged_attention(q, cache, cache, *rest, scale=0.3), batch, dtype)
 
 
+def test_kernel_gives_the_references_context_part_and_log_sum_exp():
+    """context_only and return_lse (expanded latent attention's context part): each token over its
+    request's positions before this step, none for a fresh prompt (log-sum-exp -inf, output zeros)."""
+    rng = np.random.default_rng(3)
+    ctx_lens, q_lens = random_requests(rng, 6, max_ctx=60)
+    ctx_lens[0] = 0  # a prompt's first chunk: no context
+    batch = make_batch(rng, ctx_lens=ctx_lens, q_lens=q_lens, num_q_heads=20, num_kv_heads=1, head_dim=24,
+                       block_size=16, extra_tokens=3, extra_reqs=2)
+    q, cache, _, *rest = batch.args
+    out, lse = latent_paged_attention(q, cache, *rest, scale=0.3, tiles=LatentTiles(block_h=16, tile=16),
+                                      interpret=True, context_only=True, return_lse=True)
+    want, want_lse = reference.ragged_paged_attention(q, cache, cache, *rest, scale=0.3, context_only=True,
+                                                      return_lse=True)
+    assert_matches(out, want, batch, jnp.float32)
+    n = batch.num_real_tokens
+    np.testing.assert_allclose(lse[:n], want_lse[:n], rtol=1e-5, atol=1e-5)
+    assert (lse[:q_lens[0]] == -np.inf).all() and (out[:q_lens[0]] == 0).all()
+
+
 @pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
 def test_the_tiny_deepseek_models_match_hf_with_the_kernel_as_their_attention(name):
     config, model, golden = load_fixture(name)
@@ -45,16 +64,22 @@ def test_a_latent_of_two_powers_of_two_loads_in_two_parts_and_another_is_refused
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 @pytest.mark.parametrize("num_heads", [16, 128])  # V2-Lite's heads, V3's
 @pytest.mark.parametrize("cache_dtype", [None, jnp.float8_e4m3fn])
-def test_gpu_kernel_matches_the_reference_at_deepseeks_shapes(num_heads, cache_dtype):
+@pytest.mark.parametrize("context_only", [False, True])  # True: the expanded prefill's context part, with its LSE
+def test_gpu_kernel_matches_the_reference_at_deepseeks_shapes(num_heads, cache_dtype, context_only):
     """Compiled by Triton: bf16 queries over 576-wide latents (512 + 64), long contexts, mixed batches."""
     rng = np.random.default_rng(num_heads)
     ctx_lens, q_lens = random_requests(rng, 24, max_ctx=3000, max_chunk=200)
     batch = make_batch(rng, ctx_lens=ctx_lens, q_lens=q_lens, num_q_heads=num_heads, num_kv_heads=1, head_dim=576,
                        block_size=16, dtype=jnp.bfloat16, cache_dtype=cache_dtype, extra_tokens=5, extra_reqs=3)
     q, cache, _, *rest = batch.args
-    out = latent_paged_attention(q, cache, *rest, scale=576 ** -0.5)
-    assert_matches(out, reference.ragged_paged_attention(q, cache, cache, *rest, scale=576 ** -0.5), batch,
-                   jnp.bfloat16)
+    options = dict(scale=576 ** -0.5, context_only=context_only, return_lse=context_only)
+    out = latent_paged_attention(q, cache, *rest, **options)
+    want = reference.ragged_paged_attention(q, cache, cache, *rest, **options)
+    if context_only:
+        (out, lse), (want, want_lse) = out, want
+        n = batch.num_real_tokens
+        np.testing.assert_allclose(lse[:n], want_lse[:n], rtol=1e-2, atol=1e-2)
+    assert_matches(out, want, batch, jnp.bfloat16)
 
 
 def test_launch_shapes_that_triton_cannot_take_are_a_clear_error():

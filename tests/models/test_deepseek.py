@@ -3,9 +3,12 @@
 Parity is against HF transformers' fp32 outputs in tests/fixtures/tiny/deepseek_v{2,3}/golden.npz
 (scripts/make_fixtures.py). The latent attention layer is checked against a float64 reference that
 expands every head's keys and values, as HF does, over ragged batches of prefill chunks and decode
-tokens on shuffled block tables. With fewer than 2 devices, the tensor-parallel test runs in a
+tokens on shuffled block tables. The tests that hold for both prefill forms (JAXLLM_MLA_PREFILL:
+absorbed, expanded) run over both. With fewer than 2 devices, the tensor-parallel test runs in a
 child with 2 forced host devices.
 """
+import copy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +19,7 @@ from jaxllm.config import EngineArgs
 from jaxllm.kernels import reference
 from jaxllm.kernels.attention import AttentionMetadata
 from jaxllm.models.config import ModelArchConfig
+from jaxllm.models.deepseek import PREFILL_FORMS, prefill_form
 from jaxllm.models.fp8 import Fp8Linear
 from jaxllm.models.llama import Linear, rope_cos_sin, rope_inv_freq
 from jaxllm.models.loader import abstract_params, checkpoint_params, iter_hf_weights
@@ -31,9 +35,17 @@ TIGHT_ENGINE = dict(ENGINE, max_model_len=128, num_gpu_blocks_override=12)
 needs_2 = pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices: the last test runs it with 2")
 
 
-@pytest.fixture(scope="module")
-def v3_engine():
-    with LLM(tiny_model("deepseek_v3"), **TIGHT_ENGINE) as llm:
+def build_with(form: str, make):
+    """make() with JAXLLM_MLA_PREFILL=form while the model is built (the layers read it then)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("JAXLLM_MLA_PREFILL", form)
+        return make()
+
+
+@pytest.fixture(scope="module", params=PREFILL_FORMS)
+def v3_engine(request):
+    with build_with(request.param, lambda: LLM(tiny_model("deepseek_v3"), **TIGHT_ENGINE)) as llm:
+        assert runner(llm).weights.model().layers[0].self_attn.prefill == request.param
         yield llm
 
 
@@ -41,16 +53,31 @@ def runner(llm):
     return llm.llm_engine.engine_core.core.executor.runner
 
 
+@pytest.mark.parametrize("form", PREFILL_FORMS)
 @pytest.mark.parametrize("name", MODELS)
-def test_logits_of_whole_and_chunked_prompts_match_hf_transformers(name):
-    assert_logits_match_hf(name, *load_fixture(name))
+def test_logits_of_whole_and_chunked_prompts_match_hf_transformers(name, form):
+    config, model, golden = build_with(form, lambda: load_fixture(name))
+    assert model.layers[0].self_attn.prefill == form
+    assert_logits_match_hf(name, config, model, golden)
 
 
-def test_v2_greedy_tokens_and_logprobs_match_hf_transformers_and_nothing_compiles_after_warm_up():
-    with LLM(tiny_model("deepseek_v2"), **ENGINE) as llm:
+@pytest.mark.parametrize("form", PREFILL_FORMS)
+def test_v2_greedy_tokens_and_logprobs_match_hf_transformers_and_nothing_compiles_after_warm_up(form):
+    with build_with(form, lambda: LLM(tiny_model("deepseek_v2"), **ENGINE)) as llm:
+        assert runner(llm).weights.model().layers[0].self_attn.prefill == form
         before = llm.llm_engine.get_stats()["num_compilations"]
         assert_greedy_is_hfs(llm, "deepseek_v2")
         assert llm.llm_engine.get_stats()["num_compilations"] == before
+
+
+def test_the_prefill_form_is_jaxllm_mla_prefill_absorbed_unless_asked(monkeypatch):
+    monkeypatch.delenv("JAXLLM_MLA_PREFILL", raising=False)
+    assert prefill_form() == "absorbed"
+    monkeypatch.setenv("JAXLLM_MLA_PREFILL", "expanded")
+    assert prefill_form() == "expanded"
+    monkeypatch.setenv("JAXLLM_MLA_PREFILL", "naive")
+    with pytest.raises(ValueError, match="JAXLLM_MLA_PREFILL must be one of \\('absorbed', 'expanded'\\), got 'naive'"):
+        prefill_form()
 
 
 def test_fp8_quantizes_all_but_the_routers_and_the_absorbed_kv_b_proj():
@@ -147,7 +174,8 @@ def reference_mla(attn, config: ModelArchConfig, x):
 
 def run_schedule(attn, config: ModelArchConfig, xs, rng):
     """Each request's tokens through the layer in SCHEDULE's ragged steps, over a latent cache of
-    junk whose blocks each request holds in shuffled order. Returns each request's outputs [L, hidden]."""
+    junk whose blocks each request holds in shuffled order. Returns each request's outputs [L, hidden];
+    the padding rows must come out finite."""
     blocks = [cdiv(n, BLOCK_SIZE) for n in LENGTHS]
     num_blocks = sum(blocks) + 1
     perm = rng.permutation(num_blocks - 1)
@@ -177,6 +205,7 @@ def run_schedule(attn, config: ModelArchConfig, xs, rng):
                                seq_lens=jnp.asarray(seq_lens), num_seqs=jnp.asarray([len(reqs)], jnp.int32))
         cos, sin = rope_cos_sin(config, jnp.asarray(positions))
         out, (cache,) = layer(jnp.asarray(x), cos, sin, cache, md)
+        assert np.isfinite(np.asarray(out[t:])).all(), "a padding row is not finite"
         for row, i in enumerate(reqs):
             outputs[i].append(np.asarray(out[qsl[row]:qsl[row + 1]]))
             done[i] += step[i]
@@ -186,16 +215,24 @@ def run_schedule(attn, config: ModelArchConfig, xs, rng):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_latent_attention_over_ragged_paged_batches_equals_the_expanded_float64_reference(name):
-    """Absorbed queries and outputs over the latent cache = every head's own K and V, for prefill
-    chunks, decode tokens and a one-token sequence in one batch (V2: no q LoRA; V3: q LoRA)."""
+    """Both prefill forms = every head's own K and V: absorbed queries and outputs over the latent
+    cache, and the step's tokens expanded merged with the cached context absorbed; for prefill chunks
+    with and without cached context, decode tokens and a one-token sequence in one batch, beside
+    padding rows and request slots (V2: no q LoRA; V3: q LoRA)."""
     config, model, _ = load_fixture(name)
     attn = model.layers[1].self_attn
     rng = np.random.default_rng(0)
     xs = [rng.standard_normal((n, config.hidden_size)).astype(np.float32) for n in LENGTHS]
-    got = run_schedule(attn, config, xs, rng)
+    got = {}
+    for form in PREFILL_FORMS:
+        attn.prefill = form  # (a model built under JAXLLM_MLA_PREFILL=form)
+        got[form] = run_schedule(attn, config, xs, copy.deepcopy(rng))  # the same cache and tables
     for i, x in enumerate(xs):
         want = reference_mla(attn, config, x)
-        np.testing.assert_allclose(got[i], want, rtol=1e-4, atol=1e-5 * np.abs(want).max(), err_msg=f"request {i}")
+        for form in PREFILL_FORMS:
+            np.testing.assert_allclose(got[form][i], want, rtol=1e-4, atol=1e-5 * np.abs(want).max(),
+                                       err_msg=f"{form}: request {i}")
+        np.testing.assert_allclose(got["expanded"][i], got["absorbed"][i], rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
 
 # -- configs ------------------------------------------------------------------------------
@@ -256,8 +293,9 @@ def test_engine_args_latent_attention_cannot_take_are_a_clear_error(args, messag
 # -- tensor parallelism -------------------------------------------------------------------
 
 @needs_2
-def test_tensor_parallel_gives_hfs_greedy_tokens_and_logprobs_with_the_latent_cache_on_every_device():
-    with LLM(tiny_model("deepseek_v2"), tensor_parallel_size=2, **ENGINE) as llm:
+@pytest.mark.parametrize("form", PREFILL_FORMS)
+def test_tensor_parallel_gives_hfs_greedy_tokens_and_logprobs_with_the_latent_cache_on_every_device(form):
+    with build_with(form, lambda: LLM(tiny_model("deepseek_v2"), tensor_parallel_size=2, **ENGINE)) as llm:
         assert_greedy_is_hfs(llm, "deepseek_v2")
         cache = runner(llm).kv_caches[0][0]
         assert cache.sharding.is_fully_replicated
@@ -269,4 +307,4 @@ def test_tensor_parallel_over_two_forced_devices():
     """The test above, in a child process with 2 forced host devices."""
     if jax.device_count() >= 2:
         pytest.skip("this process has the devices: the test above runs here")
-    run_with_host_devices(__file__, "tensor_parallel_gives", 2, "1 passed", timeout_s=600)
+    run_with_host_devices(__file__, "tensor_parallel_gives", 2, "2 passed", timeout_s=600)
