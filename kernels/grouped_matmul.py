@@ -10,10 +10,12 @@ The rows are cut in [BM] tiles; a tile may hold rows of several groups, and a gr
 several tiles. Each (tile, group) pair that shares rows is one work item: a program per work item
 and [BN] output columns multiplies the tile's rows by the group's weight, K walked in BK chunks
 with a float32 accumulator, and stores the rows that are the group's (a masked store: each row
-belongs to one group, so no two programs write the same row). There are at most
-cdiv(M, BM) + G - 1 work items; the grid has that many, and those past the real ones return at
-once. A group with no rows costs nothing, so a decode step reads only the chosen experts' weights.
-Rows after the last group come out zero.
+belongs to one group, so no two programs write the same row). The rows after the last group are
+one more group, whose programs store zeros: every row is written, so the output needs no zeroed
+buffer of its own (XLA may hoist such a buffer's fill, making every MoE layer's output live at
+once). There are at most cdiv(M, BM) + G work items; the grid has that many, and those past the
+real ones return at once. A group with no rows costs nothing, so a decode step reads only the
+chosen experts' weights.
 """
 import dataclasses
 import functools
@@ -44,14 +46,16 @@ INTERPRET_TILES = GroupedTiles(16, 16, 16, 4, 1)  # small tiles: the interpreter
 
 
 def work_items(group_sizes, num_rows: int, block_m: int):
-    """The (tile, group) pairs that share rows, in order of group: (tile [W] int32, group [W] int32,
-    -1 past the real ones, group starts [G], group ends [G]) for W = cdiv(num_rows, block_m) + G - 1."""
+    """The (tile, group) pairs that share rows, in order of group, the rows after the last group
+    being group G: (tile [W] int32, group [W] int32, -1 past the real ones, group starts [G + 1],
+    group ends [G + 1]) for W = cdiv(num_rows, block_m) + G."""
+    group_sizes = jnp.append(group_sizes, num_rows - jnp.sum(group_sizes)).astype(jnp.int32)
     num_groups = group_sizes.shape[0]
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
     first = starts // block_m
     count = jnp.where(group_sizes > 0, (ends - 1) // block_m - first + 1, 0)
-    # group sizes [3, 0, 5] with 4-row tiles: rows 0-2, 3-7 -> items (tile 0, g 0), (0, 2), (1, 2)
+    # group sizes [3, 0, 4] with 4-row tiles: rows 0-2, 3-6, 7 -> items (tile 0, g 0), (0, 2), (1, 2), (1, 3)
     cumulative = jnp.cumsum(count)
     item = jnp.arange(pl.cdiv(num_rows, block_m) + num_groups - 1, dtype=jnp.int32)
     # searchsorted(cumulative, item, side="right") as one comparison (jnp.searchsorted lowers to a
@@ -63,26 +67,28 @@ def work_items(group_sizes, num_rows: int, block_m: int):
             starts.astype(jnp.int32), ends.astype(jnp.int32))
 
 
-def _kernel(tile_ref, group_ref, start_ref, end_ref, x_ref, w_ref, zeros_ref, o_ref, *,
-            block_m: int, block_n: int, block_k: int, num_k: int):
-    del zeros_ref  # o_ref's initial contents (aliased): the rows no group writes stay zero
+def _kernel(tile_ref, group_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *,
+            block_m: int, block_n: int, block_k: int, num_k: int, num_groups: int):
     item, j = pl.program_id(0), pl.program_id(1)
     group = group_ref[item]
+    row0 = tile_ref[item] * block_m
+    columns = pl.ds(j * block_n, block_n)
+    rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, block_n), 0)
+    mine = (rows >= start_ref[jnp.maximum(group, 0)]) & (rows < end_ref[jnp.maximum(group, 0)])
 
-    @pl.when(group >= 0)
+    @pl.when((group >= 0) & (group < num_groups))
     def _():
-        row0 = tile_ref[item] * block_m
-        columns = pl.ds(j * block_n, block_n)
-
         def body(k, acc):
             x = x_ref[pl.ds(row0, block_m), pl.ds(k * block_k, block_k)]
             w = w_ref[group, pl.ds(k * block_k, block_k), columns]
             return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
 
         acc = jax.lax.fori_loop(0, num_k, body, jnp.zeros((block_m, block_n), jnp.float32))
-        rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, block_n), 0)
-        mine = (rows >= start_ref[group]) & (rows < end_ref[group])
         plgpu.store(o_ref.at[pl.ds(row0, block_m), columns], acc.astype(o_ref.dtype), mask=mine)
+
+    @pl.when(group == num_groups)  # the rows after the last group
+    def _():
+        plgpu.store(o_ref.at[pl.ds(row0, block_m), columns], jnp.zeros((block_m, block_n), o_ref.dtype), mask=mine)
 
 
 def grouped_matmul(rows, weight, group_sizes, out_dtype=None, tiles: GroupedTiles | None = None,
@@ -104,11 +110,10 @@ def grouped_matmul(rows, weight, group_sizes, out_dtype=None, tiles: GroupedTile
     tile, group, starts, ends = work_items(group_sizes, x.shape[0], t.block_m)
     out_dtype = out_dtype or rows.dtype
     out = pl.pallas_call(
-        functools.partial(_kernel, block_m=t.block_m, block_n=bn, block_k=bk, num_k=k // bk),
+        functools.partial(_kernel, block_m=t.block_m, block_n=bn, block_k=bk, num_k=k // bk, num_groups=num_groups),
         out_shape=jax.ShapeDtypeStruct((x.shape[0], n), out_dtype),
         grid=(tile.shape[0], n // bn),
-        input_output_aliases={6: 0},
         compiler_params=plgpu.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret,
-    )(tile, group, starts, ends, x, weight, jnp.zeros((x.shape[0], n), out_dtype))
+    )(tile, group, starts, ends, x, weight)
     return out[:m]

@@ -24,8 +24,12 @@ def reference(rows, weight, sizes):
 def test_work_items_are_the_tiles_and_groups_that_share_rows():
     # groups of 3, 0 and 5 rows in tiles of 4: rows 0-2 are group 0's, rows 3-7 group 2's
     tile, group, starts, ends = (np.asarray(a) for a in work_items(jnp.array([3, 0, 5]), 8, 4))
-    assert tile.tolist() == [0, 0, 1, 0] and group.tolist() == [0, 2, 2, -1]
-    assert starts.tolist() == [0, 3, 3] and ends.tolist() == [3, 3, 8]
+    assert tile.tolist() == [0, 0, 1, 0, 0] and group.tolist() == [0, 2, 2, -1, -1]
+    assert starts.tolist() == [0, 3, 3, 8] and ends.tolist() == [3, 3, 8, 8]
+    # 3, 0 and 4 rows: row 7 is after the last group, group 3 (the rows the kernel zeroes)
+    tile, group, starts, ends = (np.asarray(a) for a in work_items(jnp.array([3, 0, 4]), 8, 4))
+    assert tile.tolist() == [0, 0, 1, 1, 0] and group.tolist() == [0, 2, 2, 3, -1]
+    assert starts.tolist() == [0, 3, 3, 7] and ends.tolist() == [3, 3, 7, 8]
 
 
 @pytest.mark.parametrize("sizes", [
