@@ -351,8 +351,8 @@ class EngineArgs:
     def _attention_backend(self, arch: ModelArchConfig, quantization: QuantConfig | None, speculative,
                            devices: DeviceFacts) -> str:
         """The one asked for, else the platform's fastest. Latent attention (DeepSeek, models/deepseek.py) runs
-        on its own backends (kernels/attention.py, LATENT_BACKENDS; the reference unless asked), and without what
-        it does not take yet."""
+        on its own backends (kernels/attention.py, LATENT_BACKENDS: the Pallas latent kernel on a GPU, the
+        reference elsewhere), and without what it does not take yet."""
         if arch.mla is None:
             return self.attention_backend or devices.attention_backend
         from jaxllm.kernels.attention import LATENT_BACKENDS
@@ -363,7 +363,7 @@ class EngineArgs:
                "model does not load yet: load its bf16 checkpoint (quantization='fp8' quantizes it as it loads)")
         _check(speculative is None or speculative.method == "ngram", f"speculative_config.method "
                f"{speculative and speculative.method!r} does not run with the {name} model yet: use 'ngram'")
-        return self.attention_backend or "reference"
+        return self.attention_backend or ("pallas" if devices.platform == "gpu" else "reference")
 
     def _check_experts(self, arch: ModelArchConfig, quantization: QuantConfig | None) -> ModelArchConfig:
         """A mixture-of-experts model's experts checked against the devices, with enable_expert_parallel

@@ -16,6 +16,7 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineArgs
+from jaxllm.device_facts import DeviceFacts
 from jaxllm.kernels import reference
 from jaxllm.kernels.attention import AttentionMetadata
 from jaxllm.models.config import ModelArchConfig
@@ -70,11 +71,11 @@ def test_v2_greedy_tokens_and_logprobs_match_hf_transformers_and_nothing_compile
         assert llm.llm_engine.get_stats()["num_compilations"] == before
 
 
-def test_the_prefill_form_is_jaxllm_mla_prefill_absorbed_unless_asked(monkeypatch):
+def test_the_prefill_form_is_jaxllm_mla_prefill_expanded_unless_asked(monkeypatch):
     monkeypatch.delenv("JAXLLM_MLA_PREFILL", raising=False)
-    assert prefill_form() == "absorbed"
-    monkeypatch.setenv("JAXLLM_MLA_PREFILL", "expanded")
     assert prefill_form() == "expanded"
+    monkeypatch.setenv("JAXLLM_MLA_PREFILL", "absorbed")
+    assert prefill_form() == "absorbed"
     monkeypatch.setenv("JAXLLM_MLA_PREFILL", "naive")
     with pytest.raises(ValueError, match="JAXLLM_MLA_PREFILL must be one of \\('absorbed', 'expanded'\\), got 'naive'"):
         prefill_form()
@@ -288,6 +289,11 @@ def test_v3_checkpoints_multi_token_prediction_layer_is_skipped_and_nothing_else
 def test_engine_args_latent_attention_cannot_take_are_a_clear_error(args, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(model=tiny_model("deepseek_v3"), **args).create_config()
+
+
+def test_latent_attention_runs_on_the_pallas_kernel_on_a_gpu_and_the_reference_elsewhere():
+    for devices, backend in ((DeviceFacts("gpu", 1, "mosaic"), "pallas"), (DeviceFacts("cpu", 1, "reference"), "reference")):
+        assert EngineArgs(model=tiny_model("deepseek_v2")).create_config(devices).attention_backend == backend
 
 
 # -- tensor parallelism -------------------------------------------------------------------
