@@ -171,11 +171,20 @@ _SEARCH_BITS = 3  # bits decided per pass: 7 candidate thresholds, summed in one
 def _search(ok, num_bits: int, num_rows: int) -> jax.Array:
     """The largest t [R] uint32 below 2**num_bits with ok(t) [R] bool, for an ok that holds
     up to some t and not above it, and holds at 0. Decides _SEARCH_BITS bits per pass from
-    the top: of the candidate prefixes, as many hold as the next digit's value."""
-    prefix, shift = jnp.zeros(num_rows, jnp.uint32), num_bits
-    while shift > 0:
-        step = min(_SEARCH_BITS, shift)
-        shift -= step
-        holds = jnp.stack([ok(prefix + jnp.uint32(j << shift)) for j in range(1, 2 ** step)], -1)
-        prefix = prefix + (holds.sum(-1, dtype=jnp.uint32) << shift)
+    the top: of the candidate prefixes, as many hold as the next digit's value. The passes
+    are unrolled on a GPU (a loop there syncs with the host each pass); on a CPU, where XLA
+    takes seconds to compile the ~150 unrolled reductions of a filtered sampler, the passes
+    after the first run in a loop."""
+    def one_pass(prefix, shift, step: int):
+        holds = jnp.stack([ok(prefix + (jnp.uint32(j) << shift)) for j in range(1, 2 ** step)], -1)
+        return prefix + (holds.sum(-1, dtype=jnp.uint32) << shift)
+
+    first = num_bits % _SEARCH_BITS or _SEARCH_BITS  # the top pass decides the bits left over
+    prefix = one_pass(jnp.zeros(num_rows, jnp.uint32), jnp.uint32(num_bits - first), first)
+    num_passes = (num_bits - first) // _SEARCH_BITS
+    if jax.default_backend() == "cpu":
+        return jax.lax.fori_loop(0, num_passes, lambda i, p: one_pass(
+            p, (num_passes - 1 - i).astype(jnp.uint32) * _SEARCH_BITS, _SEARCH_BITS), prefix)
+    for i in reversed(range(num_passes)):
+        prefix = one_pass(prefix, jnp.uint32(i * _SEARCH_BITS), _SEARCH_BITS)
     return prefix
