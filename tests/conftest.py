@@ -37,6 +37,16 @@ def smollm2():
         yield llm
 
 
+@pytest.fixture(scope="module")
+def compile_when_first_used():
+    """JAXLLM_WARM_UP=0 while a module's engines start (and in their core processes): each
+    executable compiles when a step first needs it, for modules that check no compilation count.
+    A module takes it with `pytestmark = pytest.mark.usefixtures("compile_when_first_used")`."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JAXLLM_WARM_UP", "0")
+        yield
+
+
 # The longest files (forced-device children, several engines each) first: pytest-xdist hands out a
 # file at a time, so a long one started last would leave the other worker idle at the end.
 LONGEST_FILES = ("engine/test_expert_parallel.py", "engine/test_tensor_parallel.py", "engine/test_jax_program.py",

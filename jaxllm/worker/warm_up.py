@@ -3,6 +3,7 @@ store) and run once, so that serving never compiles. What each executable is low
 lives here; executables.py keeps and compiles them.
 """
 import itertools
+import os
 import time
 
 import jax
@@ -19,7 +20,13 @@ def run_warm_up(runner, show_progress: bool = True) -> None:
     """Compile every executable of `runner`, then run each once: the forward, the prompt logprobs
     (and with a pooler, the pooling) of every token bucket, and the sampler (of every mode) and the
     logprobs of every request bucket. Records the time in runner.startup_s["compile"] and
-    runner.compile_split."""
+    runner.compile_split. With JAXLLM_WARM_UP=0 nothing is compiled now: each executable is, when a
+    step first needs it (executables.py Executables.get)."""
+    if os.environ.get("JAXLLM_WARM_UP", "1") == "0":
+        runner.processor_rows.write([], {})
+        runner.startup_s["compile"] = 0.0
+        runner.compile_split = "skipped (JAXLLM_WARM_UP=0: each executable compiles when first used)"
+        return
     start = time.perf_counter()
     num_stages = runner.pipeline.num_stages if runner.pipeline else 1
     keys = warm_up_keys(runner.token_buckets, runner.layouts, runner.sampling.logprob_buckets, runner.draft is not None,

@@ -155,3 +155,19 @@ def test_a_failed_step_ends_running_requests_with_an_error_and_the_engine_serves
     assert len(out[0].outputs[0].token_ids) == 4
     s = stats(llm)
     assert s["num_free_blocks"] == s["num_blocks"]
+
+
+def test_without_warm_up_each_executable_compiles_when_first_used_and_gives_the_same_tokens(llm, monkeypatch):
+    """JAXLLM_WARM_UP=0: nothing compiles at start-up, the first steps compile what they need, and
+    the tokens are those of the warmed-up engine."""
+    prompts, params = workload(6, 7, max_prompt=60)
+    want = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setenv("JAXLLM_WARM_UP", "0")
+    with LLM(tiny_model("llama"), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, max_num_seqs=32,
+             max_num_batched_tokens=128, num_gpu_blocks_override=40, block_size=16, show_progress=False,
+             enable_multiprocessing=False) as lazy:
+        assert "compile 0.0 s (skipped (JAXLLM_WARM_UP=0" in lazy.llm_engine.engine_core.description
+        started = compilation.num_compilations()
+        got = [out.outputs[0].token_ids for out in lazy.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert compilation.num_compilations() > started
