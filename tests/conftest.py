@@ -40,7 +40,7 @@ def smollm2():
 @pytest.fixture(scope="module")
 def compile_when_first_used():
     """JAXLLM_WARM_UP=0 while a module's engines start (and in their core processes): each
-    executable compiles when a step first needs it, for modules that check no compilation count.
+    executable compiles when a step first needs it. For the modules that count no compilations.
     A module takes it with `pytestmark = pytest.mark.usefixtures("compile_when_first_used")`."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("JAXLLM_WARM_UP", "0")
