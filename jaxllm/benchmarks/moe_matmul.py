@@ -16,7 +16,12 @@ bench exits 1),
 then timed on the device (median_loop_s, two weight sets in rotation). The table gives each one's
 time, its TFLOP/s and, against the bytes of the experts the routing chose, its GB/s: at small T
 the layer should read only those, so a rate far under the device's copy rate means it read the others.
+
+--tiles BMxBNxBKxWARPSxSTAGES,... also times the Pallas kernel alone at each of those launches, on
+each projection of the layer (gate-up: K = hidden, N = 2I; down: K = I, N = hidden), against a
+dense dot of the same rows (a second table): the sweep behind the kernel's default tiles.
 """
+import argparse
 import contextlib
 import os
 
@@ -42,8 +47,62 @@ def add_cli_args(parser) -> None:
     parser.add_argument("--gather-max-rows", type=int, default=64, help="time the gather path up to this many rows")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"a comma-separated subset of {', '.join(VARIANTS)} (default: all)")
+    parser.add_argument("--tiles", type=_tile_list, default=[],
+                        help="also time the Pallas kernel per projection at these launches, e.g. 64x128x64x4x4,128x128x64x8x3")
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed loops, the median taken")
     parser.add_argument("--output-json", help="write the rows to this file")
+
+
+def _tile_list(text: str) -> list:
+    from jaxllm.kernels.grouped_matmul import GroupedTiles
+    try:
+        return [GroupedTiles(*map(int, item.split("x"))) for item in text.split(",") if item]
+    except (TypeError, ValueError) as err:
+        raise argparse.ArgumentTypeError(f"BMxBNxBKxWARPSxSTAGES items, comma-separated ({err})") from None
+
+
+def _routing(rng, t: int, e: int, k: int):
+    """A uniform random routing of t tokens to k distinct experts each: (row experts [t * k] sorted,
+    group sizes [e], the number of experts hit)."""
+    ids = np.argsort(rng.random((t, e)), axis=1)[:, :k].reshape(-1)
+    return (jnp.asarray(np.sort(ids, kind="stable"), jnp.int32), jnp.asarray(np.bincount(ids, minlength=e), jnp.int32),
+            len(np.unique(ids)))
+
+
+def _tile_sweep(ns, rng) -> tuple[list[dict], list[str]]:
+    """Each projection's grouped GEMM at each of ns.tiles, beside a dense dot of the same rows: prints
+    the table; (its rows, the launches whose output differs from the default launch's)."""
+    from jaxllm.kernels.grouped_matmul import grouped_matmul
+    e, k, hidden, inter = ns.experts, ns.top_k, ns.hidden_size, ns.intermediate_size
+    rows_out, failed = [], []
+    for name, kk, n in (("gate-up", hidden, 2 * inter), ("down", inter, hidden)):
+        weight_sets = [jnp.asarray(rng.standard_normal((e, kk, n), np.float32) * 0.02, jnp.bfloat16) for _ in range(2)]
+        for t in ns.tokens:
+            _, sizes, _ = _routing(rng, t, e, k)
+            x = jnp.asarray(rng.standard_normal((t * k, kk), np.float32), jnp.bfloat16)
+            want = np.asarray(jax.jit(grouped_matmul)(x, weight_sets[0], sizes), np.float32)
+            flops = 2 * t * k * kk * n
+            dense_s = median_loop_s(lambda x, w: jnp.dot(x, w[0]), [(x, w) for w in weight_sets], reps=ns.repeats)
+            for tiles in ns.tiles:
+                fn = lambda x, w, tiles=tiles: grouped_matmul(x, w, sizes, tiles=tiles)
+                try:
+                    got = np.asarray(jax.jit(fn)(x, weight_sets[0]), np.float32)
+                except Exception as err:  # a launch this device cannot run (shared memory): said, not fatal
+                    print(f"{name} T={t} {tiles}: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+                    continue
+                error = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+                if error > MAX_ERROR:
+                    failed.append(f"{name} T={t} {tiles}: relative error {error:.2e}")
+                s = median_loop_s(fn, [(x, w) for w in weight_sets], reps=ns.repeats)
+                launch = f"{tiles.block_m}x{tiles.block_n}x{tiles.block_k}x{tiles.num_warps}x{tiles.num_stages}"
+                rows_out.append({"projection": name, "tokens": t, "tiles": launch, "us": 1e6 * s,
+                                 "TFLOPs": flops / s / 1e12, "vs_dense": dense_s / s})
+                print(*rows_out[-1].values(), flush=True)
+    print(f"\n{'projection':>10} {'T':>6} {'tiles':>16} {'us':>9} {'TFLOP/s':>8} {'vs dense':>8}")
+    for r in rows_out:
+        print(f"{r['projection']:>10} {r['tokens']:>6} {r['tiles']:>16} {r['us']:>9.1f} {r['TFLOPs']:>8.1f} "
+              f"{r['vs_dense']:>8.2f}")
+    return rows_out, failed
 
 
 def _gather_mlp(rows, experts, gate_up, down):
@@ -75,7 +134,7 @@ def _moe_kernel(kind: str):
 def main(ns) -> int:
     from jaxllm.models.fp8 import quantize_experts
     from jaxllm.models.moe import expert_mlp
-    chosen = ns.variants.split(",")
+    chosen = [name for name in ns.variants.split(",") if name]  # none: the --tiles sweep alone
     unknown = sorted(set(chosen) - set(VARIANTS))
     if unknown:
         raise ValueError(f"--variants: unknown {', '.join(unknown)} (choose from {', '.join(VARIANTS)})")
@@ -91,13 +150,9 @@ def main(ns) -> int:
     fp8_sets = [tuple(quantize_experts(w) for w in weight_set) for weight_set in sets]
     expert_bytes = (hidden * 2 * inter + inter * hidden) * 2
     rows_out, failed = [], []
-    for t in ns.tokens:
-        ids = np.argsort(rng.random((t, e)), axis=1)[:, :k].reshape(-1)  # k distinct experts per token
-        order = np.argsort(ids, kind="stable")
-        experts = jnp.asarray(ids[order], jnp.int32)
-        sizes = jnp.asarray(np.bincount(ids, minlength=e), jnp.int32)
+    for t in ns.tokens if chosen else ():
+        experts, sizes, active = _routing(rng, t, e, k)
         x = jnp.asarray(rng.standard_normal((t * k, hidden), np.float32), jnp.bfloat16)
-        active = len(np.unique(ids))
         def grouped(x, gu, d):
             return expert_mlp(x, experts, sizes, gu, d)
 
@@ -127,8 +182,6 @@ def main(ns) -> int:
                              "TFLOPs": flops / s / 1e12, "active_GBps": read / s / 1e9,
                              "error": error})
             print(*rows_out[-1].values(), flush=True)  # as it comes, in case the call is cut short
-    write_json(ns.output_json, {"device": device, "experts": e, "top_k": k, "hidden_size": hidden,
-                                "intermediate_size": inter, "rows": rows_out})
     print(f"\nE={e} k={k} hidden={hidden} I={inter} ({expert_bytes / 2**20:.1f} MiB per expert, bf16)")
     print(f"{'T':>6} {'rows':>6} {'hit':>4} {'variant':>10} {'us':>9} {'TFLOP/s':>8} {'active GB/s':>11} {'vs dense':>8}")
     dense = {r["tokens"]: r["us"] for r in rows_out if r["variant"] == "dense"}
@@ -136,6 +189,9 @@ def main(ns) -> int:
     for r in rows_out:
         print(f"{r['tokens']:>6} {r['rows']:>6} {r['experts_hit']:>4} {r['variant']:>10} {r['us']:>9.1f} "
               f"{r['TFLOPs']:>8.1f} {r['active_GBps']:>11.0f} {ratio(r)}")
-    for line in failed:
+    tile_rows, tile_failed = _tile_sweep(ns, rng) if ns.tiles else ([], [])
+    write_json(ns.output_json, {"device": device, "experts": e, "top_k": k, "hidden_size": hidden,
+                                "intermediate_size": inter, "rows": rows_out, "tiles": tile_rows})
+    for line in failed + tile_failed:
         print("wrong:", line)
-    return 1 if failed else 0
+    return 1 if failed or tile_failed else 0
