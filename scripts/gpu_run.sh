@@ -70,7 +70,8 @@
 #   models      for each of MODELS (default "qwen3-30b-a3b llama-3.1-8b"; any bundled config, e.g.
 #               deepseek-v2-lite, mamba2-2.7b) bench step at batch 1, 64 and 256 (128/128) and bench
 #               throughput 128/128 at 1024 sequences and 16384 batched tokens (LONG=1: 1000/1000 too),
-#               each beside its bounds (bench bounds table, the JAX ceilings measured first)
+#               each beside its bounds (bench bounds table, the JAX ceilings measured first); PROFILE=1
+#               profiles each batch's decode steps and prints the summary
 #   kv-dtype    bench kv-dtype: decode attention over bf16 and e4m3 caches
 #   quant       the quantized checkpoints' kernels: their gpu-marked tests (W4A16, block FP8), then
 #               bench quant-matmul at the 8B's shapes (QUANT_ARGS adds flags: "--w4-tiles ...")
@@ -364,8 +365,10 @@ part_models() {
     local weights=(--load-format dummy --dtype bfloat16) name=${model##*/}
     [ $TINY = 1 ] && weights=(--skip-tokenizer-init)
     mkdir -p "$D/$name" && cp "$D/ceilings_jax.json" "$D/$name/" 2> /dev/null
+    local profile=() shown=8
+    [ "${PROFILE:-0}" = 1 ] && profile=(--profile-dir "/tmp/profile-$name") shown=60
     step 150 "bench step, $name" "${JAXLLM[@]}" bench step --model "$model" "${weights[@]}" "${engine[@]}" \
-      "${shape[@]}" --output-json "$D/$name/step.json" 2>&1 | quiet 8
+      "${shape[@]}" "${profile[@]}" --output-json "$D/$name/step.json" 2>&1 | quiet $shown
     step 120 "throughput 128/128, $name" "${JAXLLM[@]}" bench throughput --model "$model" "${weights[@]}" "${engine[@]}" \
       "${tput[@]}" --input-len 128 --output-len 128 --num-prompts "$prompts" --output-json "$D/$name/throughput.json" \
       2>&1 | quiet 6
