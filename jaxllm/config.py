@@ -408,8 +408,7 @@ class EngineArgs:
         pp = self.pipeline_parallel_size
         if pp == 1:
             return ()
-        for ok, what in ((self.num_hosts == 1, f"num_hosts={self.num_hosts}"),
-                         (self.data_parallel_size == 1, f"data_parallel_size={self.data_parallel_size}"),
+        for ok, what in ((self.data_parallel_size == 1, f"data_parallel_size={self.data_parallel_size}"),
                          (speculative is None, "speculative_config"), (quantization is None, "quantization"),
                          (arch.moe is None, f"a mixture-of-experts model ({arch.architecture})"),
                          (arch.mamba is None, f"a Mamba model ({arch.architecture})"),

@@ -282,7 +282,7 @@ def place_source(source: TensorSource, shape: tuple[int, ...], dtype, sharding: 
         return pieces[key]
 
     # Blocking keeps at most one param's host pieces alive.
-    return jax.block_until_ready(jax.make_array_from_callback(shape, sharding, read))
+    return jax.block_until_ready(jax.make_array_from_callback(shape, sharding, read, dtype=dtype))
 
 
 def _is_mtp_layer(name: str, config: ModelArchConfig) -> bool:

@@ -466,7 +466,8 @@ def serve_engine_core(config: Config, show_progress: bool, input_address: str, o
     handshake.connect(output_address)
     try:
         parallel = config.parallel
-        init_distributed(parallel.num_hosts, parallel.host_rank, parallel.coordinator_address)
+        init_distributed(parallel.num_hosts, parallel.host_rank, parallel.coordinator_address,
+                         parallel.pipeline_parallel_size > 1)
         core = EngineCore(config, show_progress)  # with other hosts: ready once every host is
     except BaseException as e:
         e.add_note(f"in the engine core process:\n{traceback.format_exc()}")

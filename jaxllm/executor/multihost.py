@@ -137,7 +137,8 @@ def run_worker(engine_args) -> int:
     if engine_args.num_hosts < 2 or engine_args.host_rank == 0:
         raise ValueError("jaxllm worker runs hosts 1 .. num_hosts - 1 of a multi-host engine: "
                          f"got num_hosts={engine_args.num_hosts}, host_rank={engine_args.host_rank}")
-    init_distributed(engine_args.num_hosts, engine_args.host_rank, engine_args.coordinator_address)
+    init_distributed(engine_args.num_hosts, engine_args.host_rank, engine_args.coordinator_address,
+                     engine_args.pipeline_parallel_size > 1)
     config = engine_args.create_config()
     executor = UniprocExecutor(config, show_progress=False)
     ctx = zmq.Context()

@@ -139,15 +139,21 @@ class KVCache:
         cache = self.config.cache
         if cache.num_gpu_blocks_override:
             return cache.num_gpu_blocks_override
-        # This host's first device (every host sizes alike), or under pipeline parallelism each stage's first,
-        # after its weights: the fewest blocks of any.
-        devices = [jax.local_devices()[0]] if len(self.stages) == 1 else [s.mesh.devices.flat[0] for s in self.stages]
-        stats = [device.memory_stats() or {} for device in devices]
-        if "bytes_limit" in stats[0]:
+        # This host's first device (every host sizes alike), or under pipeline parallelism the first device of
+        # each stage on this host, after its weights: the fewest blocks of any.
+        if len(self.stages) == 1:
+            stages = {0: jax.local_devices()[0]}
+        else:
+            stages = {i: stage.mesh.devices.flat[0] for i, stage in enumerate(self.stages)
+                      if stage.mesh.devices.flat[0].process_index == jax.process_index()}
+        stats = {i: device.memory_stats() or {} for i, device in stages.items()}
+        if not stats:  # a host that holds no stage: the others size the cache
+            num_blocks = np.iinfo(np.int32).max
+        elif any("bytes_limit" in s for s in stats.values()):
             num_blocks = min(
                 int((s["bytes_limit"] * cache.gpu_memory_utilization - s["bytes_in_use"] - self._activation_bytes()
                      - self._processor_state_bytes() - self.state_bytes) // self._stage_bytes_per_block(i))
-                for i, s in enumerate(stats))
+                for i, s in stats.items())
         else:
             budget = min(_CPU_KV_CACHE_BYTES,
                          self.config.scheduler.max_num_seqs * self.blocks_per_request() * self.bytes_per_block)

@@ -299,13 +299,13 @@ class ModelRunner:
         routed, counts = step.forward.routing or (None, None)
         if routed is not None and not self.request_rows.routed_experts[step.rows].any():
             routed = None
-        for array in (sampled, *(logprobs or ()), *(a for p in prompt_logprobs for a in p)):
+        output = StepOutput(sampled, step.sched.scheduled, step.first_rows, logprobs, prompt_logprobs,
+                            step.prompt_segments, step.failed, table, step.pooling, routed, counts)
+        if self.pipeline and self.pipeline.output_elsewhere:
+            output = self.pipeline.to_first_stage(output)
+        for array in output.device_arrays():
             array.copy_to_host_async()
-        for array in (table, routed, counts):
-            if array is not None:
-                array.copy_to_host_async()
-        return StepOutput(sampled, step.sched.scheduled, step.first_rows, logprobs, prompt_logprobs,
-                          step.prompt_segments, step.failed, table, step.pooling, routed, counts)
+        return output
 
     def _token_bucket(self, num_tokens: int) -> int:
         return next(b for b in self.token_buckets if b >= num_tokens)

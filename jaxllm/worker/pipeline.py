@@ -35,6 +35,7 @@ from jaxllm.worker import input_batch as batching
 from jaxllm.worker.executables import FORWARD, STAGE, ExecutableKey, Executables
 from jaxllm.worker.kv_cache import KVCache
 from jaxllm.worker.model_loader import ModelWeights
+from jaxllm.worker.step_output import StepOutput
 from jaxllm.worker.step_functions import forward_out_shardings, sampled_rows, traced_invariant
 
 _TIED_EMBEDDING = ("embed_tokens", "embedding")
@@ -85,6 +86,24 @@ class Pipeline:
                         own[value.dtype] = jax.device_put(np.zeros((), value.dtype), replicated(stage.mesh))
                     params.append(own[value.dtype])
             self.params.append(params)
+
+    @property
+    def output_elsewhere(self) -> bool:
+        """Whether the last stage has none of host 0's devices (stages on hosts of their own): host 0
+        reads each step's outputs, so they move to the first stage's devices, which are its."""
+        return all(d.process_index != 0 for d in self.stages[-1].mesh.devices.flat)
+
+    def to_first_stage(self, output: StepOutput) -> StepOutput:
+        """A step's outputs moved from the last stage's devices to the first stage's (host 0's). Every host
+        makes the same call in the same order: a transfer between hosts has a sender and a receiver."""
+        first = replicated(self.stages[0].mesh)
+        moved = jax.device_put((output.sampled, output.logprobs, output.prompt_logprobs, output.drafter_table,
+                                output.routed_experts, output.expert_counts,
+                                output.pooling and output.pooling.sums), first)
+        sampled, logprobs, prompt_logprobs, table, routed, counts, sums = moved
+        pooling = output.pooling and output.pooling._replace(sums=sums)
+        return dataclasses.replace(output, sampled=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                   drafter_table=table, routed_experts=routed, expert_counts=counts, pooling=pooling)
 
     @property
     def head_params(self) -> list[jax.Array]:

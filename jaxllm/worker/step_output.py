@@ -37,6 +37,11 @@ class StepOutput:
     routed_experts: jax.Array | None = None
     expert_counts: jax.Array | None = None
 
+    def device_arrays(self) -> list[jax.Array]:
+        """The arrays get_output reads (but the pooling's, which its own outputs read)."""
+        arrays = [self.sampled, *(self.logprobs or ()), *(a for chunk in self.prompt_logprobs for a in chunk)]
+        return arrays + [a for a in (self.drafter_table, self.routed_experts, self.expert_counts) if a is not None]
+
     @property
     def num_reqs(self) -> int:
         return len(self.scheduled)
