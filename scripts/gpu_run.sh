@@ -67,6 +67,9 @@
 #   lora        bench serve 1000/1000 on the 8B shape: the base model on a server without LoRA, then 8
 #               random rank-16 adapters mixed uniformly on a server with them (the throughput ratio)
 #   embed       bench throughput --runner pooling on the 8B shape: 1000 prompts of 512 tokens embedded
+#   tools       a server with --enable-auto-tool-choice --tool-call-parser hermes on the 8B shape: bench serve
+#               of chat requests (512 in, 128 out) at concurrency 1 and 64, without tools and with
+#               NUM_TOOLS (default 8) function tools in each: what tool calling costs a request
 #   models      for each of MODELS (default "qwen3-30b-a3b llama-3.1-8b"; any bundled config, e.g.
 #               deepseek-v2-lite, mamba2-2.7b) bench step at batch 1, 64 and 256 (128/128) and bench
 #               throughput 128/128 at 1024 sequences and 16384 batched tokens (LONG=1: 1000/1000 too),
@@ -105,7 +108,8 @@ while [ $# -gt 0 ]; do
   esac
 done
 ALL_PARTS=" smoke step tput tput1000 tput2048 qwen startup fp8 prefix prefill serve sampling hf-compare kernels"
-ALL_PARTS+=" check hybrid weights invariant spec draft eagle moe-matmul ssd lora embed models kv-dtype quant sampler multi-gpu "
+ALL_PARTS+=" check hybrid weights invariant spec draft eagle moe-matmul ssd lora embed tools models kv-dtype quant sampler"
+ALL_PARTS+=" multi-gpu "
 [ ${#PARTS[@]} -gt 0 ] || { echo "name at least one part" >&2; usage 2 >&2; }
 expanded=()
 for part in "${PARTS[@]}"; do
@@ -477,6 +481,37 @@ part_lora() {
   [ $DRY = 1 ] || "$PY" -c "import json, os; r = {m: json.load(open(f'$D/serve_{m}.json'))['output_throughput']
     for m in ('base', 'lora') if os.path.exists(f'$D/serve_{m}.json')}; print('output tok/s', r,
     'LoRA / base: %.3f' % (r['lora'] / r['base']) if len(r) == 2 else '')"
+}
+
+part_tools() {
+  local in=512 out=128 max_len=2048 seqs=256 batched=8192 port=${PORT:-8767} tools=${NUM_TOOLS:-8} conc=(1 64)
+  local prompts=(16 256) tok=/tmp/wordtok i n
+  [ $TINY = 1 ] && in=32 out=16 max_len=512 seqs=16 batched=512 prompts=(4 16) conc=(1 8)
+  run "$PY" -m jaxllm.benchmarks.dummy_tokenizer word "$tok" --model "$MODEL8" || return 1
+  local server=("${JAXLLM[@]}" serve --model "$MODEL8" "${WEIGHTS8[@]}" --tokenizer "$tok" --max-model-len "$max_len"
+                --max-num-seqs "$seqs" --max-num-batched-tokens "$batched" --host 127.0.0.1 --port "$port"
+                --uvicorn-log-level warning --max-log-len 8 --enable-auto-tool-choice --tool-call-parser hermes)
+  if [ $DRY = 0 ] && [ "$(( $(left) - 20 ))" -lt 150 ]; then
+    echo "SKIPPED the tools server: $(left) s left"; return 1
+  fi
+  [ $DRY = 1 ] && show "${server[@]}" >&3
+  [ $DRY = 1 ] || start_server || return 1
+  for i in "${!conc[@]}"; do
+    for n in 0 "$tools"; do
+      step 60 "bench serve chat c=${conc[$i]}, $n tools" "${JAXLLM[@]}" bench serve --base-url "http://127.0.0.1:$port" \
+        --endpoint /v1/chat/completions --num-prompts "${prompts[$i]}" --random-input-len "$in" \
+        --random-output-len "$out" --ignore-eos --temperature 1.0 --max-concurrency "${conc[$i]}" --num-tools "$n" \
+        --output-json "$D/chat_c${conc[$i]}_tools$n.json" 2>&1 | tail -22
+    done
+  done
+  [ $DRY = 1 ] && return 0
+  stop_server
+  "$PY" -c "import glob, json, numpy as np
+print(f\"{'concurrency':>11} {'tools':>5} {'prompt':>6} {'TTFT ms':>8} {'TPOT ms':>8} {'E2EL ms':>8} {'out tok/s':>9}\")
+for path in sorted(glob.glob('$D/chat_c*_tools*.json')):
+    r = json.load(open(path))
+    print(f\"{r['max_concurrency']:>11} {r['num_tools']:>5} {np.mean(r['input_lens']):>6.0f} {r['mean_ttft_ms']:>8.1f} \"
+          f\"{r['mean_tpot_ms']:>8.2f} {r['mean_e2el_ms']:>8.1f} {r['output_throughput']:>9.0f}\")"
 }
 
 # serve_bench I: bench serve at part_serve's I-th concurrency (its settings).

@@ -5,7 +5,9 @@ has none of its own; pass the folder as `--tokenizer FOLDER`.
         structured outputs run (`bench step --sampling all --structured-requests N`).
   word  one word-level token per id of the vocabulary (" w123"): every id a random model
         samples decodes to text, so each streamed chunk has some and `bench serve` times every
-        token (a byte tokenizer would leave most ids unknown).
+        token (a byte tokenizer would leave most ids unknown). Its chat template writes each
+        message as "role: content" and a request's tools as their JSON first, a token for each
+        whitespace-separated piece (a real tokenizer makes about twice as many of JSON).
 
     python -m jaxllm.benchmarks.dummy_tokenizer byte /tmp/bytetok
     python -m jaxllm.benchmarks.dummy_tokenizer word /tmp/wordtok --model llama-3.1-8b
@@ -25,11 +27,17 @@ def write_byte_tokenizer(folder: str) -> None:
     _save(tokenizer, folder, {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>"})
 
 
+WORD_CHAT_TEMPLATE = (
+    "{% if tools %}tools: {% for tool in tools %}{{ tool | tojson }} {% endfor %}\n{% endif %}"
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
 def write_word_tokenizer(folder: str, vocab_size: int) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    _save(tokenizer, folder, {"tokenizer_class": "PreTrainedTokenizerFast"})
+    _save(tokenizer, folder, {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": WORD_CHAT_TEMPLATE})
 
 
 def _save(tokenizer, folder: str, config: dict) -> None:

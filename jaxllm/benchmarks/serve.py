@@ -13,6 +13,14 @@ Requests start at --request-rate per second (Poisson arrivals, or gamma ones wit
 is the time to the first chunk holding text, ITL each gap between text chunks after it,
 TPOT (latency - TTFT) / (output tokens - 1), E2EL the whole request; output tokens come from
 the stream's usage chunk. Exits 1 if a request failed.
+
+`--endpoint /v1/chat/completions` sends each prompt as one user message: a random prompt's ids
+as the words "w<id>" (one token each with `python -m jaxllm.benchmarks.dummy_tokenizer word`),
+counted in the prompt's length as the server's usage says after its chat template; a streamed
+chunk of content, reasoning or tool-call deltas is a token's arrival. `--num-tools N` adds N
+function tools to each chat request with tool_choice "auto": against the same run without them,
+what tool calling costs a request (the tools' longer prompt, the server's tool parser on the
+stream).
 """
 import argparse
 import asyncio
@@ -71,6 +79,8 @@ def add_cli_args(parser) -> None:
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
     parser.add_argument("--request-timeout-s", type=_positive_float, default=6 * 3600.0)
+    parser.add_argument("--num-tools", type=non_negative_int, default=0,
+                        help="with the chat endpoint: this many function tools in each request, tool_choice auto")
     parser.add_argument("--output-json", help="write the results to this file")
 
 
@@ -119,11 +129,26 @@ async def _tokenize(session, base_url: str, text: str, add_special_tokens: bool 
         return body["tokens"]
 
 
+def sample_tools(n: int) -> list[dict]:
+    """n function tools of the shape agents send: a name, a description, typed parameters."""
+    return [{"type": "function", "function": {
+        "name": f"lookup_record_{i}", "description": f"Look up a record of table {i} by its id and return its fields.",
+        "parameters": {"type": "object", "required": ["id"], "properties": {
+            "id": {"type": "string", "description": "the record's id"},
+            "fields": {"type": "array", "items": {"type": "string"}, "description": "the fields to return"},
+            "limit": {"type": "integer", "description": "at most this many rows"}}}}} for i in range(n)]
+
+
+def chat_text(prompt) -> str:
+    """A prompt as a user message's text: itself, or a random prompt's ids as words "w<id>"."""
+    return prompt if isinstance(prompt, str) else " ".join(f"w{i}" for i in prompt)
+
+
 # ---- one request ----
 async def send_request(session, url: str, headers: dict, payload: dict) -> dict:
     """Stream one completion; its timings (seconds) and what came back."""
-    result = {"success": False, "ttft": 0.0, "itl": [], "latency": 0.0, "output_tokens": 0, "text": "",
-              "error": ""}
+    result = {"success": False, "ttft": 0.0, "itl": [], "latency": 0.0, "prompt_tokens": 0, "output_tokens": 0,
+              "text": "", "error": ""}
     start = time.perf_counter()
     last = start
     try:
@@ -144,10 +169,12 @@ async def send_request(session, url: str, headers: dict, payload: dict) -> dict:
                     result["error"] = body["error"].get("message", str(body["error"]))
                     return result
                 if body.get("usage"):
+                    result["prompt_tokens"] = body["usage"]["prompt_tokens"]
                     result["output_tokens"] = body["usage"]["completion_tokens"]
                 for choice in body.get("choices", ()):
-                    text = choice.get("text") or (choice.get("delta") or {}).get("content")
-                    if not text:
+                    delta = choice.get("delta") or {}
+                    text = choice.get("text") or delta.get("content") or ""
+                    if not (text or delta.get("reasoning_content") or delta.get("tool_calls")):
                         continue
                     now = time.perf_counter()
                     if chunks == 0:
@@ -174,8 +201,12 @@ async def _arrivals(n: int, rate: float, burstiness: float, rng: np.random.Gener
 
 
 # ---- the bench ----
-def summarize(outputs: list[dict], requests, duration: float, percentiles: list[float]) -> dict:
-    """vLLM's figures and JSON keys."""
+def summarize(outputs: list[dict], requests, duration: float, percentiles: list[float],
+              served_prompt_lens: bool = False) -> dict:
+    """vLLM's figures and JSON keys. served_prompt_lens: each prompt's length is the server's count
+    (a chat request's, after its template), not the dataset's."""
+    if served_prompt_lens:
+        requests = [(prompt, o["prompt_tokens"], m) for o, (prompt, _, m) in zip(outputs, requests)]
     done = [(o, r) for o, r in zip(outputs, requests) if o["success"]]
     output_lens = [o["output_tokens"] for o, _ in done]
     total_input = sum(r[1] for _, r in done)
@@ -215,6 +246,10 @@ def summarize(outputs: list[dict], requests, duration: float, percentiles: list[
 async def run_serve_bench(ns) -> dict:
     import aiohttp
 
+    chat = ns.endpoint.rstrip("/").endswith("/chat/completions")
+    if ns.num_tools and not chat:
+        raise ValueError(f"--num-tools needs the chat endpoint (--endpoint /v1/chat/completions), not {ns.endpoint}")
+    tools = {"tools": sample_tools(ns.num_tools), "tool_choice": "auto"} if ns.num_tools else {}
     base_url = ns.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     percentiles = [float(p) for p in ns.metric_percentiles.split(",") if p.strip()]
@@ -252,7 +287,9 @@ async def run_serve_bench(ns) -> dict:
             [model] * len(requests)
 
         def payload(prompt, output_len: int, name: str) -> dict:
-            return {"model": name, "prompt": prompt, "max_tokens": output_len, "temperature": ns.temperature,
+            asked = {"messages": [{"role": "user", "content": chat_text(prompt)}], **tools} if chat else \
+                {"prompt": prompt}
+            return {"model": name, **asked, "max_tokens": output_len, "temperature": ns.temperature,
                     "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ns.ignore_eos}
 
         test = await send_request(session, url, headers, payload(requests[0][0], min(requests[0][2], 4), names[0]))
@@ -277,8 +314,9 @@ async def run_serve_bench(ns) -> dict:
               "dataset_name": ns.dataset_name,
               "random_prefix_len": ns.random_prefix_len if ns.dataset_name == "random" else 0,
               "num_prompts": len(requests), "request_rate": ns.request_rate, "burstiness": ns.burstiness,
-              "max_concurrency": ns.max_concurrency, "ignore_eos": ns.ignore_eos, "seed": ns.seed}
-    result.update(summarize(outputs, requests, duration, percentiles))
+              "max_concurrency": ns.max_concurrency, "ignore_eos": ns.ignore_eos, "seed": ns.seed,
+              "num_tools": ns.num_tools}
+    result.update(summarize(outputs, requests, duration, percentiles, served_prompt_lens=chat))
     return result
 
 

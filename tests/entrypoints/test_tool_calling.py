@@ -200,3 +200,27 @@ def test_a_bad_tool_request_is_a_400_naming_the_field_and_the_server_serves_on(a
         chat(api, **{"max_tokens": 4, **fields})
     assert error.value.body["param"] == param and named in error.value.body["message"]
     assert chat(api, tool_choice="none", max_tokens=4).choices[0].finish_reason in ("stop", "length")
+
+
+def test_bench_serve_times_chat_requests_with_and_without_tools(server, tmp_path, capsys):
+    from jaxllm.benchmarks.serve import sample_tools
+    from jaxllm.cli import main
+    runs = {}
+    for num_tools in (0, 3):
+        path = tmp_path / f"tools{num_tools}.json"
+        assert main(["bench", "serve", "--base-url", server.url, "--endpoint", "/v1/chat/completions", "--num-prompts",
+                     "4", "--random-input-len", "6", "--random-output-len", "5", "--ignore-eos", "--num-tools",
+                     str(num_tools), "--output-json", str(path)]) == 0
+        runs[num_tools] = json.loads(path.read_text())
+    for num_tools, result in runs.items():
+        assert result["completed"] == 4 and result["num_tools"] == num_tools
+        assert result["endpoint"] == "/v1/chat/completions"
+        assert result["output_lens"] == [5] * 4 and 0 < result["mean_ttft_ms"] <= result["mean_e2el_ms"]
+    # The served prompt lengths: the template's, and with tools the tools' rendering before the message.
+    plain, with_tools = runs[0]["input_lens"], runs[3]["input_lens"]
+    assert all(n > 6 for n in plain)
+    rendered = sum(len(f"{t['function']['name']}({','.join(t['function']['parameters']['properties'])});")
+                   for t in sample_tools(3))  # one token a character
+    assert [b - a for a, b in zip(plain, with_tools)] == [len("<tools></tools>") + rendered] * 4
+    status = main(["bench", "serve", "--base-url", server.url, "--num-prompts", "1", "--num-tools", "2"])
+    assert status != 0 and "--num-tools needs the chat endpoint" in capsys.readouterr().err
