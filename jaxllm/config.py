@@ -290,6 +290,11 @@ class EngineArgs:
         _check(arch.num_heads % tp == 0 and (arch.num_kv_heads % tp == 0 or tp % arch.num_kv_heads == 0),
                f"tensor_parallel_size={tp} must divide the model's attention heads ({arch.num_heads}), "
                f"and divide or be a multiple of its KV heads ({arch.num_kv_heads})")
+        dense_mlp = arch.moe is None or len(arch.moe.sparse_layers) < arch.num_layers
+        _check(not dense_mlp or arch.intermediate_size % tp == 0, f"tensor_parallel_size={tp} must divide the "
+               f"model's intermediate_size ({arch.intermediate_size}): each device holds a slice of every MLP")
+        _check(arch.vocab_size % tp == 0, f"tensor_parallel_size={tp} must divide the model's vocab_size "
+               f"({arch.vocab_size}): each device holds a slice of the embedding's and the LM head's rows")
         backend = self._attention_backend(arch, quantization, speculative, devices)
         arch = self._check_experts(arch, quantization)
         prefix_caching = self._check_mamba(arch, speculative, quantization)

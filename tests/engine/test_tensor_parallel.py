@@ -125,8 +125,24 @@ def test_heads_that_do_not_split_over_the_devices_are_a_clear_error():
         EngineArgs(model=tiny_model("llama"), tensor_parallel_size=8).create_config()  # 4 q heads
 
 
+def test_an_mlp_or_a_vocabulary_that_does_not_split_over_the_devices_is_a_clear_error(tmp_path):
+    from jaxllm.config import EngineArgs
+    from jaxllm.device_facts import DeviceFacts
+    four = DeviceFacts("cpu", 4, "reference")
+    model = write_model(tmp_path, num_heads=4, num_kv_heads=4, vocab=258)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 must divide the model's vocab_size \(258\)"):
+        EngineArgs(model=model, tensor_parallel_size=4).create_config(four)
+    EngineArgs(model=model, tensor_parallel_size=2).create_config(four)
+    with open(os.path.join(model, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump({**config, "vocab_size": 256, "intermediate_size": 130}, f)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 must divide the model's intermediate_size \(130\)"):
+        EngineArgs(model=model, tensor_parallel_size=4).create_config(four)
+
+
 def test_tensor_parallel_over_eight_forced_devices():
     """The tests above, in a child process with 8 forced host devices."""
     if jax.device_count() >= 8:
         pytest.skip("this process has the devices: the tests above run here")
-    run_with_host_devices(__file__, "not eight_forced", 8, "4 passed", timeout_s=900)
+    run_with_host_devices(__file__, "not eight_forced and not vocabulary", 8, "4 passed", timeout_s=900)
