@@ -59,6 +59,23 @@ def test_chat_streamed_text_equals_the_whole_text_and_starts_with_the_role(api):
     assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
 
 
+def test_chat_echo_starts_the_reply_with_the_assistants_last_message_streamed_and_not(api):
+    messages = [{"role": "user", "content": "tell a story"}, {"role": "assistant", "content": "Once upon"}]
+    going_on = dict(model=MODEL_NAME, max_tokens=6, temperature=0.0,
+                    extra_body={"continue_final_message": True, "add_generation_prompt": False, "ignore_eos": True})
+    plain = api.chat.completions.create(messages=messages, **going_on).choices[0].message.content
+    echoed = api.chat.completions.create(messages=messages, **{**going_on, "extra_body": {
+        **going_on["extra_body"], "echo": True}}).choices[0].message.content
+    assert echoed == "Once upon" + plain
+    texts, _, chunks = stream_text(api.chat.completions.create(messages=messages, stream=True, **{
+        **going_on, "extra_body": {**going_on["extra_body"], "echo": True}}))
+    assert texts == {0: echoed} and chunks[1].choices[0].delta.content == "Once upon"
+    # The last message the user's: nothing to echo.
+    user_last = dict(model=MODEL_NAME, messages=messages[:1], max_tokens=4, temperature=0.0)
+    assert api.chat.completions.create(**user_last, extra_body={"echo": True}).choices[0].message.content == \
+        api.chat.completions.create(**user_last).choices[0].message.content
+
+
 def test_chat_prompt_is_the_chat_template_applied(api, client):
     tokens = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
     assert client.post("/detokenize", json={"tokens": tokens}).json()["prompt"] == "<user>hi|<assistant>"

@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from jaxllm.engine.exceptions import EngineDeadError
-from jaxllm.entrypoints.chat_utils import apply_chat_template, chat_messages
+from jaxllm.entrypoints.chat_utils import apply_chat_template, chat_messages, content_text
 from jaxllm.entrypoints.openai.cli_args import ChatFeatures
 from jaxllm.entrypoints.openai.errors import APIError, engine_dead_error, shutdown_error
 from jaxllm.entrypoints.openai.output_parser import OutputDelta, OutputParser, ParsedOutput
@@ -175,10 +175,13 @@ class ChatServing:
         out = firsts[0]
         if out.error is not None:
             raise APIError(500, f"the engine failed the request: {out.error}")
-        choices = []
+        choices, echo = [], echoed_text(request)
         for c in sorted(out.outputs, key=lambda c: c.index):
             parsed = prepared.new_parser().parse(c.text)
-            choices.append(ChatChoice(index=c.index, message=assistant_message(parsed),
+            message = assistant_message(parsed)
+            if echo:
+                message.content = echo + (message.content or "")
+            choices.append(ChatChoice(index=c.index, message=message,
                                       logprobs=None if c.logprobs is None else chat_logprobs(c, top),
                                       finish_reason=finish_reason(c.finish_reason, bool(parsed.tool_calls),
                                                                   prepared.named_tool),
@@ -203,12 +206,13 @@ class ChatServing:
             return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                              total_tokens=prompt_tokens + completion_tokens)
 
+        echo = echoed_text(request)
         for index in range(request.n):
-            chunk = ChatCompletionChunk(id=request_id, created=created, model=model,
-                                        choices=[ChatStreamChoice(index=index,
-                                                                  delta=DeltaMessage(role="assistant", content=""))],
-                                        usage=usage() if continuous else None)
-            yield sse(chunk.model_dump_json())
+            for delta in [DeltaMessage(role="assistant", content="")] + ([DeltaMessage(content=echo)] if echo else []):
+                chunk = ChatCompletionChunk(id=request_id, created=created, model=model,
+                                            choices=[ChatStreamChoice(index=index, delta=delta)],
+                                            usage=usage() if continuous else None)
+                yield sse(chunk.model_dump_json())
         try:
             async for c, delta in self.parsed_outputs(requests, parsers):
                 completion_tokens += len(c.token_ids)
@@ -234,6 +238,15 @@ class ChatServing:
         finally:
             requests.close()  # also when the client left: the server closes this stream at a yield
         yield sse("[DONE]")
+
+
+def echoed_text(request: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the last message's text when it is the assistant's (the reply goes on
+    from it, as with continue_final_message), which the reply's content then starts with; else ""."""
+    last = request.messages[-1] if request.messages else None
+    if not request.echo or last is None or last.role != "assistant" or last.content is None:
+        return ""
+    return content_text("messages[-1]", last.content)
 
 
 def assistant_message(parsed: ParsedOutput) -> AssistantMessage:
