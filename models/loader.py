@@ -12,6 +12,7 @@ stacked experts are packed so from each expert's tensors (ExpertsSource); Granit
 stacked already, gate and up in one tensor (StackedGateUpSource).
 """
 import functools
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 
@@ -37,6 +38,10 @@ from jaxllm.models.quant_config import FP8_BLOCK, INT4, QuantConfig
 from jaxllm.models.tensor_sources import (ExpertsSource, GateUpSource, Index, QKVSource, SharedSource,
                                           StackedGateUpSource, TensorSource)
 from jaxllm.sharding import StageMeshes, named_sharding
+
+logger = logging.getLogger(__name__)
+# Calibrated KV cache scales (compressed-tensors', ModelOpt's, vLLM's FP8 checkpoints): per layer, not read
+_KV_SCALES = (".k_scale", ".v_scale", ".kv_scale", ".q_scale", ".prob_scale")
 
 ParamPath = tuple  # a param's path in the module, e.g. ("layers", 0, "self_attn", "qkv_proj", "kernel")
 # A fused param's module and the HF projections it is packed from, in order.
@@ -237,9 +242,12 @@ def checkpoint_params(config: ModelArchConfig, params: dict, weights: Iterable[t
     missing (at the end: list() it to check a checkpoint whole before using any of it)."""
     tensors = hf_tensors(config, params)
     arrived = {}  # param path -> {HF name: source}, until all the param's tensors have come
-    done = set()
+    done, kv_scales = set(), 0
     for name, source in weights:
         name = _text_model_name(name)
+        if name is not None and name.endswith(_KV_SCALES) and ".self_attn." in name and name not in tensors:
+            kv_scales += 1
+            continue
         if (name is None or name.endswith("rotary_emb.inv_freq")
                 or (config.tie_word_embeddings and name == "lm_head.weight") or _is_mtp_layer(name, config)):
             continue  # a multimodal model's vision tower; a buffer some checkpoints save; the head a
@@ -260,6 +268,9 @@ def checkpoint_params(config: ModelArchConfig, params: dict, weights: Iterable[t
         del arrived[path]
         done.add(path)
         yield path, _packed(config, path, [(n, parts[n]) for n in names], _fuse(params[path]))
+    if kv_scales:
+        logger.warning("the checkpoint's %d calibrated attention scales (k_scale, v_scale, ...) are not read: an "
+                       "8-bit KV cache (kv_cache_dtype='fp8') scales by 1, as vLLM does without them", kv_scales)
     missing = [name for path in params if path not in done for name in path_to_hf_names(path, config)
                if name not in arrived.get(path, {})]
     if missing:

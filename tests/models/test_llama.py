@@ -210,6 +210,15 @@ def test_loader_names_an_unexpected_tensor():
         create(random_hf_tensors(TINY) + [extra])
 
 
+def test_loader_skips_calibrated_kv_cache_scales_with_a_warning(caplog):
+    scales = [(f"model.layers.{i}.self_attn.{kind}", np.float32(0.5)) for i in range(2) for kind in ("k_scale", "v_scale")]
+    want = create(random_hf_tensors(TINY))
+    with caplog.at_level("WARNING", logger="jaxllm.models.loader"):
+        got = create(random_hf_tensors(TINY) + scales)
+    assert "the checkpoint's 4 calibrated attention scales (k_scale, v_scale, ...) are not read" in caplog.text
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), nnx.state(got), nnx.state(want)))
+
+
 def test_loader_names_a_misshaped_tensor():
     bad = [(n, a[:-1] if n == "model.norm.weight" else a) for n, a in random_hf_tensors(TINY)]
     with pytest.raises(ValueError, match=r"'model\.norm\.weight' has shape \(31,\), expected \(32,\)"):
