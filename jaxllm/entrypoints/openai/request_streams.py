@@ -16,6 +16,10 @@ class ServerShuttingDown(Exception):
     """What a request's outputs end with when the server stops it to shut down."""
 
 
+class RequestFailed(Exception):
+    """The engine failed a request (its output carries the error)."""
+
+
 class RequestStreams:
     """The engine requests of one API request (one per prompt), their outputs interleaved as
     they come: each request is read by a task of its own into one small queue. A consumer

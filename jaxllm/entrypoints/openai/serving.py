@@ -27,7 +27,7 @@ from jaxllm.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from jaxllm.entrypoints.openai.prompts import PromptEncoder, PromptTooLong
 from jaxllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                 CompletionResponse, SamplingRequest, UsageInfo, random_id)
-from jaxllm.entrypoints.openai.request_streams import RequestStreams, ServerShuttingDown
+from jaxllm.entrypoints.openai.request_streams import RequestFailed, RequestStreams, ServerShuttingDown
 from jaxllm.entrypoints.openai.serving_models import ServingModels
 from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import CompletionOutput, RequestOutput
@@ -53,6 +53,33 @@ def sse(payload: str) -> str:
 
 def error_event(error: APIError) -> str:
     return sse(json.dumps(error.body()))
+
+
+STREAM_ENDINGS = (RequestFailed, EngineDeadError, ServerShuttingDown)  # what ends a stream with an error
+
+
+def stream_error(e: Exception) -> APIError:
+    """The error a stream ended by one of STREAM_ENDINGS reports."""
+    if isinstance(e, EngineDeadError):
+        return engine_dead_error()
+    if isinstance(e, ServerShuttingDown):
+        return shutdown_error()
+    return APIError(500, f"the engine failed the request: {e}")
+
+
+async def sse_events(events: AsyncIterator[str], requests: RequestStreams) -> AsyncIterator[str]:
+    """A stream's events, then [DONE]; one of STREAM_ENDINGS ends it early with an error event. Its
+    requests are closed whatever happens, also when the client leaves (the server closes this
+    stream at a yield)."""
+    try:
+        async for event in events:
+            yield event
+    except STREAM_ENDINGS as e:
+        yield error_event(stream_error(e))
+    finally:
+        requests.close()
+        await events.aclose()
+    yield sse("[DONE]")
 
 
 def token_text(token_id: int, logprob) -> str:
@@ -297,7 +324,7 @@ class OpenAIServing:
         requests = self.start(request_id, prompts, params, max_tokens, lora_request)
         firsts = await self.first_outputs(requests, CompletionRequest.model_fields)
         if request.stream:
-            return self._completion_stream(request, request_id, model, prompts, requests)
+            return sse_events(self._completion_stream(request, request_id, model, prompts, requests), requests)
         requests.close()
         choices = []
         for i, out in enumerate(firsts):
@@ -346,43 +373,33 @@ class OpenAIServing:
         completion_tokens = 0
         echoed: set[int] = set()
         text_offsets: dict[int, int] = {}
-        try:
-            async for i, out in requests:
-                if out.error is not None:
-                    yield error_event(APIError(500, f"the engine failed the request: {out.error}"))
-                    break
-                for c in out.outputs:
-                    index = i * request.n + c.index
-                    completion_tokens += len(c.token_ids)
-                    text = c.text
-                    if request.echo and index not in echoed:
-                        echoed.add(index)
-                        text = (prompts[i][0] or "") + text
-                    logprobs = None
-                    if c.logprobs is not None:
-                        logprobs = self._completion_logprobs(c, text_offsets.get(index, 0))
-                        text_offsets[index] = text_offsets.get(index, 0) + len(c.text)
-                    if not text and c.finish_reason is None and not c.token_ids:
-                        continue
-                    usage = None
-                    if continuous:
-                        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                          total_tokens=prompt_tokens + completion_tokens)
-                    chunk = CompletionResponse(
-                        id=request_id, created=created, model=model, usage=usage,
-                        choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
-                    yield sse(chunk.model_dump_json())
-            else:
-                if include_usage:
+        async for i, out in requests:
+            if out.error is not None:
+                raise RequestFailed(out.error)
+            for c in out.outputs:
+                index = i * request.n + c.index
+                completion_tokens += len(c.token_ids)
+                text = c.text
+                if request.echo and index not in echoed:
+                    echoed.add(index)
+                    text = (prompts[i][0] or "") + text
+                logprobs = None
+                if c.logprobs is not None:
+                    logprobs = self._completion_logprobs(c, text_offsets.get(index, 0))
+                    text_offsets[index] = text_offsets.get(index, 0) + len(c.text)
+                if not text and c.finish_reason is None and not c.token_ids:
+                    continue
+                usage = None
+                if continuous:
                     usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                                       total_tokens=prompt_tokens + completion_tokens)
-                    chunk = CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage)
-                    yield sse(chunk.model_dump_json())
-        except EngineDeadError:
-            yield error_event(engine_dead_error())
-        except ServerShuttingDown:
-            yield error_event(shutdown_error())
-        finally:
-            requests.close()  # also when the client left: the server closes this stream at a yield
-        yield sse("[DONE]")
+                chunk = CompletionResponse(
+                    id=request_id, created=created, model=model, usage=usage,
+                    choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                yield sse(chunk.model_dump_json())
+        if include_usage:
+            usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                              total_tokens=prompt_tokens + completion_tokens)
+            chunk = CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage)
+            yield sse(chunk.model_dump_json())

@@ -12,10 +12,9 @@ import functools
 import time
 from collections.abc import AsyncIterator, Callable
 
-from jaxllm.engine.exceptions import EngineDeadError
 from jaxllm.entrypoints.chat_utils import apply_chat_template, chat_messages, content_text
 from jaxllm.entrypoints.openai.cli_args import ChatFeatures
-from jaxllm.entrypoints.openai.errors import APIError, engine_dead_error, shutdown_error
+from jaxllm.entrypoints.openai.errors import APIError
 from jaxllm.entrypoints.openai.output_parser import OutputDelta, OutputParser, ParsedOutput
 from jaxllm.entrypoints.openai.prompts import PromptTooLong
 from jaxllm.entrypoints.openai.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk,
@@ -24,18 +23,14 @@ from jaxllm.entrypoints.openai.protocol import (AssistantMessage, ChatChoice, Ch
                                                 FunctionCallOut, NamedToolChoice, TokenLogprob, ToolCallOut,
                                                 TopLogprob, UsageInfo, random_id)
 from jaxllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, ReasoningParser, thinking_state
-from jaxllm.entrypoints.openai.request_streams import RequestStreams, ServerShuttingDown
-from jaxllm.entrypoints.openai.serving import OpenAIServing, error_event, sse, token_text
+from jaxllm.entrypoints.openai.request_streams import RequestFailed, RequestStreams
+from jaxllm.entrypoints.openai.serving import OpenAIServing, sse, sse_events, token_text
 from jaxllm.entrypoints.openai.tool_calling import (forced_call_schema, resolve_tool_choice, template_messages,
                                                     template_tools)
 from jaxllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, NamedToolParser, RequiredToolParser
 from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import CompletionOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-
-
-class RequestFailed(Exception):
-    """The engine failed a request (its output carries the error)."""
 
 
 @dataclasses.dataclass
@@ -170,7 +165,7 @@ class ChatServing:
         requests, firsts = await self.start(request_id, prepared, ChatCompletionRequest.model_fields)
         top = request.top_logprobs or 0
         if request.stream:
-            return self._chat_stream(request, request_id, model, prepared, requests, top)
+            return sse_events(self._chat_stream(request, request_id, model, prepared, requests, top), requests)
         requests.close()
         out = firsts[0]
         if out.error is not None:
@@ -213,31 +208,21 @@ class ChatServing:
                                             choices=[ChatStreamChoice(index=index, delta=delta)],
                                             usage=usage() if continuous else None)
                 yield sse(chunk.model_dump_json())
-        try:
-            async for c, delta in self.parsed_outputs(requests, parsers):
-                completion_tokens += len(c.token_ids)
-                if not delta and c.finish_reason is None and not (c.token_ids and c.logprobs):
-                    continue
-                finish = None if c.finish_reason is None else \
-                    finish_reason(c.finish_reason, parsers[c.index].tools_called, prepared.named_tool)
-                choice = ChatStreamChoice(index=c.index, delta=delta_message(delta),
-                                          logprobs=None if c.logprobs is None else chat_logprobs(c, top),
-                                          finish_reason=finish, stop_reason=c.stop_reason)
-                chunk = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice],
-                                            usage=usage() if continuous else None)
-                yield sse(chunk.model_dump_json())
-            if include_usage:
-                chunk = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage())
-                yield sse(chunk.model_dump_json())
-        except RequestFailed as e:
-            yield error_event(APIError(500, f"the engine failed the request: {e}"))
-        except EngineDeadError:
-            yield error_event(engine_dead_error())
-        except ServerShuttingDown:
-            yield error_event(shutdown_error())
-        finally:
-            requests.close()  # also when the client left: the server closes this stream at a yield
-        yield sse("[DONE]")
+        async for c, delta in self.parsed_outputs(requests, parsers):
+            completion_tokens += len(c.token_ids)
+            if not delta and c.finish_reason is None and not (c.token_ids and c.logprobs):
+                continue
+            finish = None if c.finish_reason is None else \
+                finish_reason(c.finish_reason, parsers[c.index].tools_called, prepared.named_tool)
+            choice = ChatStreamChoice(index=c.index, delta=delta_message(delta),
+                                      logprobs=None if c.logprobs is None else chat_logprobs(c, top),
+                                      finish_reason=finish, stop_reason=c.stop_reason)
+            chunk = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice],
+                                        usage=usage() if continuous else None)
+            yield sse(chunk.model_dump_json())
+        if include_usage:
+            chunk = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage())
+            yield sse(chunk.model_dump_json())
 
 
 def echoed_text(request: ChatCompletionRequest) -> str:

@@ -15,17 +15,16 @@ from collections.abc import AsyncIterator
 
 from pydantic import ValidationError
 
-from jaxllm.engine.exceptions import EngineDeadError
-from jaxllm.entrypoints.openai.errors import APIError, engine_dead_error, shutdown_error
+from jaxllm.entrypoints.openai.errors import APIError
 from jaxllm.entrypoints.openai.output_parser import OutputDelta, ParsedOutput
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest
 from jaxllm.entrypoints.openai.request_body import validation_error
-from jaxllm.entrypoints.openai.request_streams import ServerShuttingDown
 from jaxllm.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from jaxllm.entrypoints.openai.responses_protocol import (ResponseObject, ResponsesRequest, Usage, function_call_item,
                                                           input_messages, item_id, message_item, output_text,
                                                           reasoning_item, reasoning_text)
-from jaxllm.entrypoints.openai.serving_chat import ChatServing, PreparedChat, RequestFailed
+from jaxllm.entrypoints.openai.serving import STREAM_ENDINGS, stream_error
+from jaxllm.entrypoints.openai.serving_chat import ChatServing, PreparedChat
 from jaxllm.entrypoints.openai.tool_parsers import ToolCallDelta
 
 # The chat path names its fields; a Responses request names them so.
@@ -144,9 +143,8 @@ class ResponsesServing:
                 for event in items.take(delta):
                     yield event
                 finish = c.finish_reason
-        except (RequestFailed, EngineDeadError, ServerShuttingDown) as e:
-            error = APIError(500, f"the engine failed the request: {e}") if isinstance(e, RequestFailed) else \
-                engine_dead_error() if isinstance(e, EngineDeadError) else shutdown_error()
+        except STREAM_ENDINGS as e:
+            error = stream_error(e)
             yield items.event("error", code=error.code, message=error.message, param=None)
             return
         finally:
