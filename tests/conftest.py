@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import shutil
@@ -16,6 +17,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # seconds at the default level), far more than to running its tiny models.
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
                                     "--xla_llvm_disable_expensive_passes=true"]).strip()
+# Engines skip the start-up compile: each executable compiles when a step first needs it, so a test
+# compiles what it runs and not every bucket and sampling mode. The tests that count compilations
+# after warm-up, or time an engine's answers, warm their engines up (warm_up, warm_up_every_engine).
+os.environ.setdefault("JAXLLM_WARM_UP", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -27,31 +32,51 @@ def tiny_model(name: str) -> str:
     return os.path.join(FIXTURES, "tiny", name)
 
 
+@contextlib.contextmanager
+def engines_warmed_up():
+    """JAXLLM_WARM_UP=1 for the engines started inside (and their core processes and servers): every
+    executable compiled at start-up, as outside the tests."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JAXLLM_WARM_UP", "1")
+        yield
+
+
+@pytest.fixture
+def warm_up():
+    """A test's own engines warmed up (engines_warmed_up)."""
+    with engines_warmed_up():
+        yield
+
+
+@pytest.fixture(scope="module")
+def warm_up_every_engine():
+    """Every engine of a module warmed up (engines_warmed_up), its module fixtures' too. A module takes
+    it with `pytestmark = pytest.mark.usefixtures("warm_up_every_engine")`."""
+    with engines_warmed_up():
+        yield
+
+
 @pytest.fixture(scope="session")
 def smollm2():
-    """The embedded SmolLM2 (the default model), one engine for every module that needs it."""
+    """The embedded SmolLM2 (the default model), one engine for every module that needs it, warmed up
+    (structured outputs count its compilations)."""
     from jaxllm import LLM
     before = set(child_pids())
-    with LLM(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256, show_progress=False) as llm:
+    with engines_warmed_up():
+        llm = LLM(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256, show_progress=False)
+    with llm:
         _SESSION_CHILDREN.update(set(child_pids()) - before)  # its engine core lives as long as the session
         yield llm
 
 
-@pytest.fixture(scope="module")
-def compile_when_first_used():
-    """JAXLLM_WARM_UP=0 while a module's engines start (and in their core processes): each
-    executable compiles when a step first needs it. For the modules that count no compilations.
-    A module takes it with `pytestmark = pytest.mark.usefixtures("compile_when_first_used")`."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("JAXLLM_WARM_UP", "0")
-        yield
-
-
-# The longest files (forced-device children, several engines each) first: pytest-xdist hands out a
-# file at a time, so a long one started last would leave the other worker idle at the end.
-LONGEST_FILES = ("engine/test_expert_parallel.py", "engine/test_tensor_parallel.py", "engine/test_jax_program.py",
-                 "engine/test_multihost.py", "models/test_quantized_checkpoints.py", "engine/test_data_parallel.py",
-                 "engine/test_core_process.py", "models/test_moe.py", "models/test_gemma3.py")
+# The longest files on a cold cache first: pytest-xdist hands out a file at a time, so a long one
+# started last would leave the other worker idle at the end.
+LONGEST_FILES = ("engine/test_structured_outputs.py", "engine/test_core_process.py", "kernels/test_mosaic_attention.py",
+                 "entrypoints/test_large_requests.py", "kernels/test_attention.py", "benchmarks/test_kernel_benches.py",
+                 "engine/test_kv_cache_dtype.py", "engine/test_pipeline_parallel.py", "engine/test_speculative.py",
+                 "engine/test_jax_program.py", "models/test_gemma3.py", "engine/test_expert_parallel.py",
+                 "models/test_deepseek.py", "benchmarks/test_benchmarks.py", "models/test_moe.py",
+                 "models/test_granite_hybrid.py", "benchmarks/test_gpu_run.py", "engine/test_data_parallel.py")
 
 
 def pytest_collection_modifyitems(config, items):

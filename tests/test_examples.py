@@ -10,6 +10,7 @@ from tests.conftest import ROOT, tiny_model
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.usefixtures("warm_up")
 def test_the_rl_loop_matches_the_trainers_logprobs_and_compiles_nothing_across_its_updates():
     result = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "rl_loop.py"), "--model",
                              tiny_model("llama"), "--iterations", "10"],

@@ -15,7 +15,7 @@ from jaxllm.benchmarks.serve import random_requests
 from jaxllm.cli import main
 from tests.conftest import tiny_model
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("warm_up_every_engine")]
 ENGINE_FLAGS = ["--model", tiny_model("llama"), "--skip-tokenizer-init", "--max-model-len", "64",
                 "--no-enable-multiprocessing"]
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN, RATIO = 12, 16, 8, 0.5

@@ -12,6 +12,8 @@ import pytest
 from jaxllm.benchmarks import ENGINE_BENCHES, OTHER_BENCHES
 from jaxllm.cli import main
 
+pytestmark = pytest.mark.usefixtures("warm_up_every_engine")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUNNER = os.path.join(ROOT, "scripts", "gpu_run.sh")
 PARTS = ["smoke", "step", "tput", "tput1000", "tput2048", "qwen", "startup", "fp8", "prefix", "prefill", "serve",

@@ -18,8 +18,6 @@ from jaxllm.kernels.attention import BACKENDS
 from jaxllm.sampling_params import RequestOutputKind
 from tests.conftest import tiny_model
 
-pytestmark = pytest.mark.usefixtures("compile_when_first_used")
-
 PROMPT = {"prompt_token_ids": [5, 17, 42, 99, 3]}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 TINY_MAX_LEN = 512  # max_position_embeddings of the tiny llama

@@ -279,6 +279,7 @@ def test_bad_input_is_rejected_in_the_front_end_and_the_engine_serves_on(char_ll
         assert all(len(o.outputs[0].token_ids) == 3 for o in finished.values())
 
 
+@pytest.mark.usefixtures("warm_up")
 def test_no_compilation_after_warm_up_in_the_core_process_with_async_scheduling(char_llama):
     with LLM(**vars(engine_args(char_llama, enable_multiprocessing=True, async_scheduling=True)),
              show_progress=False) as llm:

@@ -11,8 +11,6 @@ from jaxllm.engine.async_llm import AsyncLLM
 from jaxllm.engine.dp_client import replica_env
 from tests.conftest import child_pids, host_devices_flags, tiny_model
 
-pytestmark = pytest.mark.usefixtures("compile_when_first_used")
-
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, skip_tokenizer_init=True,
               show_progress=False)
 PARAMS = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),

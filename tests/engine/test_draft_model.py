@@ -12,6 +12,8 @@ from jaxllm.config import EngineArgs
 from tests.conftest import tiny_model
 from tests.engine.test_speculative import check_200_requests_with_aborts, check_stops_are_the_same_with_drafts
 
+pytestmark = pytest.mark.usefixtures("warm_up_every_engine")
+
 # Gemma 3's hybrid cache (a window of 8 beside full attention): the draft's layers, sliding ones
 # too, read the target's full-attention group's block tables.
 ENGINE = dict(model=tiny_model("gemma3"), max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32,

@@ -20,6 +20,8 @@ from tests.conftest import tiny_model
 from tests.engine import eagle_heads
 from tests.engine.test_speculative import check_200_requests_with_aborts, check_stops_are_the_same_with_drafts
 
+pytestmark = pytest.mark.usefixtures("warm_up_every_engine")
+
 EAGLE3_LAYERS = [0, 2, 3]  # of the four-layer tiny Llama (vLLM's default needs 7 layers for three distinct ones)
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, block_size=16,
               num_gpu_blocks_override=16, enable_multiprocessing=False, show_progress=False)

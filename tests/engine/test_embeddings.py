@@ -15,7 +15,7 @@ from jaxllm import LLM, EngineArgs, PoolingParams, SamplingParams
 from tests.conftest import tiny_llama_with_tokenizer, tiny_model, write_char_tokenizer
 from tests.models.test_llama import golden_prompts
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("warm_up_every_engine")]
 
 ATOL = 1e-5
 MATRYOSHKA_DIMENSIONS = [16, 32]

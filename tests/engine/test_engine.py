@@ -7,6 +7,8 @@ import pytest
 from jaxllm import LLM, RequestOutputKind, SamplingParams, compilation
 from tests.conftest import tiny_model
 
+pytestmark = pytest.mark.usefixtures("warm_up_every_engine")
+
 MAX_MODEL_LEN = 128
 
 

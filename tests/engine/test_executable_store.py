@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import ROOT, tiny_model
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("warm_up_every_engine")]
 
 
 def start(store_dir, env=None, **overrides) -> dict:

@@ -42,6 +42,7 @@ def test_experts_split_as_a_dense_mlp_give_one_devices_tokens_and_logprobs(one_d
 
 
 @needs_8
+@pytest.mark.usefixtures("warm_up")
 def test_each_device_holds_its_whole_experts_and_nothing_compiles_after_warm_up():
     with LLM(tiny_model("mixtral"), tensor_parallel_size=4, enable_expert_parallel=True, **ENGINE) as llm:
         before = llm.llm_engine.get_stats()["num_compilations"]

@@ -11,7 +11,7 @@ from jaxllm import LLM, EngineArgs, SamplingParams
 from tests.conftest import tiny_model
 from tests.models.test_fp8 import ONE_PROMPT, teacher_forced
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("compile_when_first_used")]
+pytestmark = pytest.mark.timeout(600)
 
 
 def runner(llm):

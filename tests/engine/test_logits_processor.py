@@ -10,7 +10,7 @@ from jaxllm.sample.logits_processor import BatchUpdate, LogitsProcessor
 from tests.conftest import tiny_model
 from tests.engine.test_core_process import engine_args
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("warm_up_every_engine")]
 
 
 class ForceToken(LogitsProcessor):

@@ -12,7 +12,7 @@ from tests.conftest import tiny_model
 from tests.engine.test_core_process import engine_args
 from tests.models.test_llama import TOKEN_BUCKET, golden_prompts, load_fixture, make_step, run_prompt
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("warm_up_every_engine")]
 
 NUM_LOGPROBS = 5
 MAX_TOKENS = 4

@@ -12,8 +12,6 @@ from jaxllm import LLM, SamplingParams
 from tests.conftest import host_devices_flags
 from tests.engine.test_tensor_parallel import write_model
 
-pytestmark = pytest.mark.usefixtures("compile_when_first_used")
-
 ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, num_gpu_blocks_override=32,
               skip_tokenizer_init=True)
 PROMPTS = [{"prompt_token_ids": [5, 17, 99, 3, 250, 41, 8]}, {"prompt_token_ids": list(range(30, 52))}]

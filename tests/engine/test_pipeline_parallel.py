@@ -13,7 +13,8 @@ pytestmark = pytest.mark.timeout(900)
 from jaxllm import LLM, EngineArgs, LLMEngine, SamplingParams
 from jaxllm.sharding import PP_LAYER_PARTITION_ENV, layer_partition
 from jaxllm.device_facts import DeviceFacts
-from tests.conftest import child_pids, kill_core_and_expect_engine_dead, run_with_host_devices, tiny_model
+from tests.conftest import (child_pids, engines_warmed_up, kill_core_and_expect_engine_dead, run_with_host_devices,
+                            tiny_model)
 from tests.engine.test_tensor_parallel import assert_same_outputs, write_model
 
 needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices: the last test runs these with 8")
@@ -47,14 +48,18 @@ def four_layers(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_device(four_layers):
-    with LLM(four_layers, **ENGINE) as llm:
+    with engines_warmed_up():  # it runs inside the checks that nothing compiles
+        llm = LLM(four_layers, **ENGINE)
+    with llm:
         yield llm
 
 
 @pytest.fixture(scope="module")
 def pp4_tp2(four_layers):
     """Every device: 4 stages of one layer, each tensor parallel over 2 devices."""
-    with LLM(four_layers, pipeline_parallel_size=4, tensor_parallel_size=2, **ENGINE) as llm:
+    with engines_warmed_up():  # the steps in flight compile nothing
+        llm = LLM(four_layers, pipeline_parallel_size=4, tensor_parallel_size=2, **ENGINE)
+    with llm:
         yield llm
 
 
@@ -120,6 +125,7 @@ def test_steps_in_flight_hold_other_requests_and_lose_no_output(one_device, pp4_
 
 
 @needs_8
+@pytest.mark.usefixtures("warm_up")
 def test_dual_batch_overlap_gives_one_devices_outputs_and_compiles_nothing_after_warm_up(four_layers, one_device):
     """enable_dbo over 2 tensor-parallel devices, alone and in each of 2 pipeline stages, against one device
     running each step in one piece."""

@@ -20,6 +20,8 @@ from jaxllm.models.quant_config import resolve_quantization
 from jaxllm.sharding import make_mesh
 from tests.conftest import tiny_model
 
+pytestmark = pytest.mark.usefixtures("warm_up_every_engine")
+
 BLOCK = 16
 # A tight pool: 8 requests of up to ~140 tokens want ~70 blocks, so the run preempts.
 ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_gpu_blocks_override=24,

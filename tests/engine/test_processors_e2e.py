@@ -12,7 +12,7 @@ from tests.engine.test_core_process import engine_args
 from tests.models.test_llama import load_fixture, make_step, run_prompt
 from tests.sample.test_processors import reference
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("warm_up_every_engine")]
 
 PROMPTS = [[5, 17, 42, 99, 3], [200, 201, 202, 7, 7, 7, 9, 1, 4, 4, 30, 31]]
 MAX_TOKENS = 12

@@ -6,7 +6,7 @@ from jaxllm.engine.core import EngineCore
 from jaxllm.profiling import _union_ns, kernel_kind, latest_trace, summarize_trace
 from tests.conftest import tiny_model
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("warm_up_every_engine")]
 
 
 def test_union_counts_overlapping_intervals_once():

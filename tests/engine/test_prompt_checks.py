@@ -9,7 +9,7 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.sampling_params import StructuredOutputsParams
 from tests.conftest import tiny_model
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("compile_when_first_used")]
+pytestmark = pytest.mark.timeout(300)
 
 PROMPT = list(range(5, 25))
 VOCAB_SIZE = 256  # the tiny llama's

@@ -8,7 +8,7 @@ import pytest
 from jaxllm import SamplingParams
 from tests.engine.test_logprobs import golden, llm, log_softmax  # noqa: F401 (fixtures: the same engine shape)
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("warm_up_every_engine")]
 
 NUM_LOGPROBS = 3
 

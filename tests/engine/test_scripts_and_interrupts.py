@@ -15,7 +15,7 @@ from jaxllm import AsyncLLM, RequestOutputKind, SamplingParams
 from tests.conftest import ROOT, tiny_model
 from tests.engine.test_core_process import engine_args, wait_for_idle_core
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("warm_up_every_engine")]
 MAX_TOKENS = 480  # more than the tiny model makes before the abort
 
 

@@ -9,6 +9,8 @@ from jaxllm.config import EngineArgs, SpeculativeConfig
 from jaxllm.spec_decode.ngram import NgramProposer, propose_ngram
 from tests.conftest import tiny_model
 
+pytestmark = pytest.mark.usefixtures("warm_up_every_engine")
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 ENGINE = dict(model=tiny_model("llama"), skip_tokenizer_init=True, max_model_len=128, max_num_seqs=16,
               max_num_batched_tokens=64, num_gpu_blocks_override=80, block_size=16)

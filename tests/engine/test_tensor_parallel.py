@@ -14,8 +14,6 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.sharding import kv_cache_sharding, named_sharding
 from tests.conftest import run_with_host_devices, tiny_model
 
-pytestmark = pytest.mark.usefixtures("compile_when_first_used")
-
 needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices: the last test runs these with 8")
 ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, skip_tokenizer_init=True,
               show_progress=False, enable_multiprocessing=False)

@@ -14,7 +14,7 @@ import pytest
 
 from tests.entrypoints.conftest import API_KEY, MAX_MODEL_LEN, MODEL_NAME, StreamsInFlight, start_server
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("warm_up_every_engine")]
 
 MAX_BODY_BYTES = 12_000_000
 # A blocked event loop (tokenizing a 10 MB prompt on it) stalls /health for seconds; a busy

@@ -14,7 +14,7 @@ import pytest
 
 from tests.entrypoints.conftest import MODEL_NAME, start_server
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("warm_up_every_engine")]
 
 SHUTDOWN_TIMEOUT_S = 1.0
 ENGINE_STOP_S = 8.0  # the core's polite stop (it is killed after 5 s) and the interpreter's exit

@@ -11,6 +11,8 @@ from tests.conftest import tiny_model
 from tests.lora.adapters import (GOLDEN_ADAPTERS, MAX_LORA_RANK, assert_golden, golden_prompts, greedy, lora_request,
                                  write_adapter)
 
+pytestmark = pytest.mark.usefixtures("warm_up_every_engine")
+
 
 @pytest.fixture(scope="module")
 def llm():

@@ -9,8 +9,6 @@ from jaxllm import LLM
 from tests.conftest import run_with_host_devices, tiny_model
 from tests.lora.adapters import GOLDEN_ADAPTERS, assert_golden, golden_prompts, greedy, lora_request
 
-pytestmark = pytest.mark.usefixtures("compile_when_first_used")
-
 
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices: the last test runs it with 4")
 def test_adapters_over_four_devices_give_peft_tokens():

@@ -26,7 +26,7 @@ from jaxllm.models.llama import Linear, rope_cos_sin, rope_inv_freq
 from jaxllm.models.loader import abstract_params, checkpoint_params, iter_hf_weights
 from jaxllm.models.yarn import yarn_attention_factor
 from jaxllm.utils import cdiv
-from tests.conftest import run_with_host_devices, tiny_model
+from tests.conftest import engines_warmed_up, run_with_host_devices, tiny_model
 from tests.models.test_llama import assert_logits_match_hf, load_fixture
 from tests.models.test_moe import ENGINE, assert_greedy_is_hfs, fixture_hf_config
 
@@ -45,7 +45,9 @@ def build_with(form: str, make):
 
 @pytest.fixture(scope="module", params=PREFILL_FORMS)
 def v3_engine(request):
-    with build_with(request.param, lambda: LLM(tiny_model("deepseek_v3"), **TIGHT_ENGINE)) as llm:
+    with engines_warmed_up():  # nothing compiles after warm-up
+        llm = build_with(request.param, lambda: LLM(tiny_model("deepseek_v3"), **TIGHT_ENGINE))
+    with llm:
         assert runner(llm).weights.model().layers[0].self_attn.prefill == request.param
         yield llm
 
@@ -63,6 +65,7 @@ def test_logits_of_whole_and_chunked_prompts_match_hf_transformers(name, form):
 
 
 @pytest.mark.parametrize("form", PREFILL_FORMS)
+@pytest.mark.usefixtures("warm_up")
 def test_v2_greedy_tokens_and_logprobs_match_hf_transformers_and_nothing_compiles_after_warm_up(form):
     with build_with(form, lambda: LLM(tiny_model("deepseek_v2"), **ENGINE)) as llm:
         assert runner(llm).weights.model().layers[0].self_attn.prefill == form

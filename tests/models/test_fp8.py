@@ -18,7 +18,7 @@ from jaxllm.models.llama import Linear
 from tests.conftest import tiny_model
 from tests.engine.test_prefix_caching import plain_forward_logits
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("compile_when_first_used")]
+pytestmark = pytest.mark.timeout(600)
 
 
 def dequantize(kernel8, scale):

@@ -18,8 +18,6 @@ from jaxllm.sharding import make_mesh
 from jaxllm.tokenizer import generation_eos_ids
 from tests.models.test_llama import assert_logits_match_hf, load_fixture
 
-pytestmark = pytest.mark.usefixtures("compile_when_first_used")
-
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
 with open(os.path.join(FIXTURES, "gemma3_golden.json")) as f:
     GOLDEN = json.load(f)

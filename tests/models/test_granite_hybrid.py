@@ -29,6 +29,8 @@ from tests.models.state_checks import (ATOL, assert_chunked_prompt_logprobs_are_
                                        hf_prompt_logprobs, run_through_aborts_and_a_pause)
 from tests.models.test_moe import assert_greedy_is_hfs
 
+pytestmark = pytest.mark.usefixtures("warm_up_every_engine")
+
 MODEL = tiny_model("granite_hybrid")
 GOLDEN = np.load(os.path.join(MODEL, "golden.npz"))
 BLOCK_SIZE = 16

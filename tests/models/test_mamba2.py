@@ -22,6 +22,8 @@ from tests.models.state_checks import (ATOL, assert_chunked_prompt_logprobs_are_
                                        hf_prompt_logprobs, run_through_aborts_and_a_pause)
 from tests.models.test_moe import assert_greedy_is_hfs
 
+pytestmark = pytest.mark.usefixtures("warm_up_every_engine")
+
 MODEL = tiny_model("mamba2")
 GOLDEN = np.load(os.path.join(MODEL, "golden.npz"))
 # 3 state slots for up to 4 running requests: a request waits for a slot; the budget chunks prompts.

@@ -56,6 +56,7 @@ def assert_greedy_is_hfs(llm, name, logprobs_too=True):
 
 
 @pytest.mark.parametrize("name", MOE_MODELS)
+@pytest.mark.usefixtures("warm_up")
 def test_greedy_tokens_and_logprobs_match_hf_transformers_and_nothing_compiles_after_warm_up(name):
     with LLM(tiny_model(name), **ENGINE) as llm:
         before = llm.llm_engine.get_stats()["num_compilations"]

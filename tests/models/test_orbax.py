@@ -17,7 +17,7 @@ from jaxllm.models.orbax_checkpoint import PARAMS_DIR, restore_model, save_model
 from jaxllm.sharding import make_mesh, named_sharding
 from tests.conftest import run_with_host_devices, tiny_model
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("compile_when_first_used")]
+pytestmark = pytest.mark.timeout(300)
 
 
 def hf_model(name="llama", dtype=jnp.float32, tp=1):

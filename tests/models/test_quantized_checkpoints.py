@@ -40,7 +40,7 @@ from tests.conftest import run_with_host_devices, tiny_model
 from tests.engine.test_prefix_caching import plain_forward_logits
 from tests.models import quant_fixtures as qf
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("compile_when_first_used")]
+pytestmark = pytest.mark.timeout(600)
 
 ENGINE = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, skip_tokenizer_init=True,
               show_progress=False, enable_multiprocessing=False)
