@@ -257,12 +257,13 @@ class LLM:
                 for i, (prompt, p) in enumerate(zip(prompts, params)):
                     request_id = str(self._counter)
                     self._counter += 1
+                    ids.append(request_id)  # before it is added: an interrupt inside add_request takes it back too
                     try:
                         self.llm_engine.add_request(request_id, prompt, p, lora_requests and lora_requests[i])
                     except (ValueError, TypeError) as e:
+                        ids.pop()  # refused before it reached the engine
                         raise _prompt_error(i, e) from e
                     self._inboxes[request_id] = inbox
-                    ids.append(request_id)
             except BaseException:
                 self._take_back(ids)
                 raise
