@@ -270,7 +270,7 @@ def checkpoint_params(config: ModelArchConfig, params: dict, weights: Iterable[t
         yield path, _packed(config, path, [(n, parts[n]) for n in names], _fuse(params[path]))
     if kv_scales:
         logger.warning("the checkpoint's %d calibrated attention scales (k_scale, v_scale, ...) are not read: an "
-                       "8-bit KV cache (kv_cache_dtype='fp8') scales by 1, as vLLM does without them", kv_scales)
+                       "8-bit KV cache (kv_cache_dtype='fp8') scales by 1", kv_scales)
     missing = [name for path in params if path not in done for name in path_to_hf_names(path, config)
                if name not in arrived.get(path, {})]
     if missing:

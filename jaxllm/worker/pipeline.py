@@ -63,6 +63,9 @@ class Pipeline:
         self.stages = [_Stage(s, mesh, range(starts[s], starts[s + 1]), s == 0, s == n - 1)
                        for s, mesh in enumerate(meshes.meshes)]
         self.fns = [self._jit(stage, weights, attention_backend, invariant, num_sampled, dbo) for stage in self.stages]
+        # The last stage has none of host 0's devices (stages on hosts of their own): host 0 reads each step's
+        # outputs, so they move to the first stage's devices, which are its (to_first_stage).
+        self.output_elsewhere = all(d.process_index != 0 for d in self.stages[-1].mesh.devices.flat)
         self.params: list[list[jax.Array]] = []
         self.set_weights(weights)
 
@@ -87,23 +90,12 @@ class Pipeline:
                     params.append(own[value.dtype])
             self.params.append(params)
 
-    @property
-    def output_elsewhere(self) -> bool:
-        """Whether the last stage has none of host 0's devices (stages on hosts of their own): host 0
-        reads each step's outputs, so they move to the first stage's devices, which are its."""
-        return all(d.process_index != 0 for d in self.stages[-1].mesh.devices.flat)
-
     def to_first_stage(self, output: StepOutput) -> StepOutput:
         """A step's outputs moved from the last stage's devices to the first stage's (host 0's). Every host
         makes the same call in the same order: a transfer between hosts has a sender and a receiver."""
-        first = replicated(self.stages[0].mesh)
-        moved = jax.device_put((output.sampled, output.logprobs, output.prompt_logprobs, output.drafter_table,
-                                output.routed_experts, output.expert_counts,
-                                output.pooling and output.pooling.sums), first)
-        sampled, logprobs, prompt_logprobs, table, routed, counts, sums = moved
-        pooling = output.pooling and output.pooling._replace(sums=sums)
-        return dataclasses.replace(output, sampled=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                                   drafter_table=table, routed_experts=routed, expert_counts=counts, pooling=pooling)
+        fields, sums = jax.device_put((output.device_fields(), output.pooling and output.pooling.sums),
+                                      replicated(self.stages[0].mesh))
+        return dataclasses.replace(output, **fields, pooling=output.pooling and output.pooling._replace(sums=sums))
 
     @property
     def head_params(self) -> list[jax.Array]:

@@ -18,6 +18,9 @@ class Logprobs(NamedTuple):
     ranks: jax.Array      # [L] int32: the sampled token's rank (1 = most likely)
 
 
+_DEVICE_FIELDS = ("sampled", "logprobs", "prompt_logprobs", "drafter_table", "routed_experts", "expert_counts")
+
+
 @dataclasses.dataclass
 class StepOutput:
     """A dispatched step: its sampled ids (and logprobs, if a request asked) are on their way to the host."""
@@ -37,10 +40,13 @@ class StepOutput:
     routed_experts: jax.Array | None = None
     expert_counts: jax.Array | None = None
 
+    def device_fields(self) -> dict:
+        """The fields get_output reads from the device, by name (each an array, a pytree of them, or None;
+        the pooling's rows are its own outputs' to read)."""
+        return {name: getattr(self, name) for name in _DEVICE_FIELDS}
+
     def device_arrays(self) -> list[jax.Array]:
-        """The arrays get_output reads (but the pooling's, which its own outputs read)."""
-        arrays = [self.sampled, *(self.logprobs or ()), *(a for chunk in self.prompt_logprobs for a in chunk)]
-        return arrays + [a for a in (self.drafter_table, self.routed_experts, self.expert_counts) if a is not None]
+        return jax.tree.leaves(self.device_fields())
 
     @property
     def num_reqs(self) -> int:
