@@ -77,7 +77,8 @@ SPECULATIVE_METHODS = ("ngram", "draft_model", *EAGLE_METHODS)
 class SpeculativeConfig:
     """EngineArgs.speculative_config resolved (vLLM's keys): each decoding request's next
     `num_speculative_tokens` tokens are guessed and the model checks them all in one step."""
-    # "ngram": the tokens after the latest earlier copy of the text's last n-gram (spec_decode/ngram.py);
+    # "ngram": the tokens after the latest earlier copy of the text's last n-gram (spec_decode/ngram.py; under
+    # asynchronous scheduling worker/ngram_drafter.py, on the device);
     # "draft_model": a smaller model's greedy tokens (worker/draft_model.py);
     # "eagle", "eagle3": an EAGLE head's greedy tokens, from the target's hidden states (worker/eagle.py)
     method: str
@@ -140,6 +141,12 @@ class Config:
     def num_speculative_tokens(self) -> int:
         return 0 if self.speculative is None else self.speculative.num_speculative_tokens
 
+    @property
+    def drafts_on_device(self) -> bool:
+        """The runner makes the drafts, on the device: a draft model's and an EAGLE head's always, n-gram
+        drafts under asynchronous scheduling (the host makes them when it has each request's last token)."""
+        return self.speculative is not None and (self.speculative.method != "ngram" or self.scheduler.async_scheduling)
+
 
 @dataclasses.dataclass
 class EngineArgs:
@@ -185,8 +192,8 @@ class EngineArgs:
     # vLLM's: "auto" (the model's dtype), "bfloat16", "fp8" (= "fp8_e4m3") or "fp8_e5m2": K and V in 8 bits
     # (kernels/reference.py write_kv), read back in the attention kernels; twice the tokens per GB
     kv_cache_dtype: str = "auto"
-    # None: on, but off with n-gram speculative decoding, whose drafts the host makes from the tokens of the
-    # step before (a draft model's or an EAGLE head's are made on the device: they run asynchronously)
+    # None: on. With speculative decoding the drafts are then made on the device (n-gram ones too); off, n-gram
+    # drafts are made on the host, one step at a time
     async_scheduling: bool | None = None
     # Users' LogitsProcessor classes, or their "module:Class" names (jaxllm/sample/logits_processor.py)
     logits_processors: list[type | str] | None = None
@@ -258,12 +265,7 @@ class EngineArgs:
         _check(self.num_hosts == 1 or self.data_parallel_size == 1,
                "data_parallel_size > 1 over several hosts is not built: use num_hosts with tensor parallelism")
         speculative = None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
-        host_drafts = speculative is not None and speculative.method == "ngram"
         pooler_config = self._pooler_config(speculative)
-        _check(not (host_drafts and self.async_scheduling),
-               "async_scheduling does not run with speculative_config.method 'ngram' (its drafts are made on the "
-               "host from the tokens of the step before): leave async_scheduling unset or False, or draft with "
-               "'draft_model', 'eagle' or 'eagle3'")
         devices = devices or device_facts()
         num_devices = devices.local_device_count * self.num_hosts
         pp = "" if self.pipeline_parallel_size == 1 else f"pipeline_parallel_size={self.pipeline_parallel_size} x "
@@ -331,7 +333,7 @@ class EngineArgs:
             cache=CacheConfig(self.block_size, self.gpu_memory_utilization, self.num_gpu_blocks_override,
                               KV_CACHE_DTYPES[self.kv_cache_dtype] or dtype, prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, batched, max_len,
-                                      not host_drafts if self.async_scheduling is None else self.async_scheduling,
+                                      self.async_scheduling is not False,
                                       self.pipeline_parallel_size),
             parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.pipeline_parallel_size,
                                     partition, self.num_hosts, self.host_rank, self.coordinator_address),

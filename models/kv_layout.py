@@ -50,13 +50,15 @@ class KVCacheSpec:
     Attention's K and V ([block_size, kv_heads, head_dim] each), sharded over the KV heads; latent
     attention's one latent a token ([block_size, 1, kv_lora_rank + qk_rope_head_dim]), which every
     head reads: replicated; a Mamba layer's state slot (conv [conv_kernel - 1, conv_dim], SSM
-    [heads, head_dim, state_size]), replicated, in the model's dtype rather than the cache's."""
+    [heads, head_dim, state_size]), replicated, in the model's dtype rather than the cache's; an
+    n-gram drafter's token ids ([block_size] int32: worker/ngram_drafter.py), replicated."""
     shapes: tuple[tuple[int, ...], ...]
     kv_heads: bool = False     # the arrays shard over the KV heads (their dim 2); else replicated
     model_dtype: bool = False  # the arrays in the model's dtype (Mamba's states), not the KV cache's
+    dtype: str | None = None   # a dtype of their own (token ids' "int32"), whatever the cache's and the model's
 
     def arrays(self, num_blocks: int, cache_dtype, model_dtype) -> list[jax.ShapeDtypeStruct]:
-        dtype = model_dtype if self.model_dtype else cache_dtype
+        dtype = self.dtype or (model_dtype if self.model_dtype else cache_dtype)
         return [jax.ShapeDtypeStruct((num_blocks, *shape), dtype) for shape in self.shapes]
 
     def bytes_per_block(self, cache_dtype, model_dtype) -> int:

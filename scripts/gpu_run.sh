@@ -54,7 +54,8 @@
 #               --batch-invariant (a request alone and among 255 others, bit for bit)
 #   spec        bench step on the 8B shape at batch 1, 8 and 64 with 0, 1, 2, 4 and 7 draft tokens per
 #               request (the cost of verifying them); then bench spec, n-gram drafts end to end on
-#               the embedded SmolLM2 (SMOLLM2_GGUF=PATH: that .gguf file) at batch 1 and 16
+#               the embedded SmolLM2 (SMOLLM2_GGUF=PATH: that .gguf file) at batch 1 and 16, made on the
+#               device (asynchronous scheduling), then on the host (synchronous)
 #   draft       the draft model's tests on the GPU, then bench step on the 8B shape at batch 1, 8 and 64,
 #               without drafts and with a dummy Llama-3.2-1B drafting k = DRAFT_TOKENS (default "2 4")
 #   eagle       bench step on the 8B shape at batch 1, 8 and 64 without drafts, then with a random-weight
@@ -305,6 +306,8 @@ part_spec() {
     --gpu-memory-utilization 0.5 "${shape[@]}" --output-json "$D/step_drafts.json" 2>&1 | quiet 20
   step 150 "bench spec, SmolLM2" "${JAXLLM[@]}" bench spec ${SMOLLM2_GGUF:+--model "$SMOLLM2_GGUF"} --max-model-len 2048 \
     "${e2e[@]}" --output-json "$D/spec.json" 2>&1 | quiet 8
+  step 150 "bench spec, SmolLM2, host drafts" "${JAXLLM[@]}" bench spec ${SMOLLM2_GGUF:+--model "$SMOLLM2_GGUF"} \
+    --max-model-len 2048 --no-async-scheduling "${e2e[@]}" --output-json "$D/spec_host.json" 2>&1 | quiet 8
 }
 
 part_draft() {

@@ -3,7 +3,8 @@ in their input (repeat a piece of code: jaxllm's own sources, so nothing is down
 
 Per batch size B: B chat prompts, each asking to repeat a different piece of code, greedy,
 up to `output_len` tokens; output tokens per second with speculation off (the engine's
-defaults) and on (`--speculative-config`, default n-gram with 4 draft tokens), the mean
+defaults) and on (`--speculative-config`, default n-gram with 4 draft tokens: made on the device
+under asynchronous scheduling, the default, and on the host with `--no-async-scheduling`), the mean
 acceptance length (vLLM's: tokens per step of a request with drafts, the one after the
 drafts included) and how many requests gave the same tokens both ways (in bfloat16 on a
 GPU a batch of another shape may round a near tie the other way). Exits 1 when anything
@@ -53,7 +54,7 @@ def run_spec_bench(engine_args, sizes: list[int], output_len: int) -> dict:
     runs = {}
     compiles = 0
     for name, args in (("off", dataclasses.replace(engine_args, speculative_config=None)),
-                       ("on", dataclasses.replace(engine_args, speculative_config=spec, async_scheduling=None))):
+                       ("on", dataclasses.replace(engine_args, speculative_config=spec))):
         with LLM(**dataclasses.asdict(args)) as llm:
             llm.chat(grounded_prompts(1), SamplingParams(max_tokens=8), use_tqdm=False)  # first calls off the clock
             before = llm.llm_engine.get_stats()["num_compilations"]

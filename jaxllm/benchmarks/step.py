@@ -96,9 +96,9 @@ def run_step_bench(engine_args, batch_sizes: list[int], input_len: int, output_l
                    structured_requests: int = 0, draft_tokens: tuple[int, ...] = (0,)) -> dict:
     from jaxllm.engine.llm_engine import LLMEngine
 
-    if max(draft_tokens):  # the core in this process, to hand its scheduler each k's proposer
-        engine_args = dataclasses.replace(engine_args, enable_multiprocessing=False, speculative_config={
-            "method": "ngram", "num_speculative_tokens": max(draft_tokens)})
+    if max(draft_tokens):  # the core in this process, to hand its scheduler each k's proposer (a host one)
+        engine_args = dataclasses.replace(engine_args, enable_multiprocessing=False, async_scheduling=False,
+                                          speculative_config={"method": "ngram", "num_speculative_tokens": max(draft_tokens)})
     start = time.perf_counter()
     engine = LLMEngine.from_engine_args(engine_args)
     startup_s = time.perf_counter() - start

@@ -29,11 +29,11 @@ until a stop, and `num_computed_tokens` falls back to what was accepted: the KV 
 of rejected drafts are written again by the next step. Requests under the core's token
 masks get no drafts. A draft model's or EAGLE head's drafts come with the step's output (the
 runner makes them on the device), and its KV is written past the step's tokens: each request
-holds that many slots more.
+holds that many slots more. N-gram drafts are made here from the tokens of the step before under
+synchronous scheduling, and by the runner too under asynchronous scheduling.
 
-With those drafters scheduling stays asynchronous (n-gram drafts, made here from the tokens of
-the step before, need it synchronous: config.py). A step in flight with d drafts of a request
-counts 1 + d placeholders, as if the model took them all: the next step is scheduled from there,
+With drafts made by the runner scheduling stays asynchronous. A step in flight with d drafts of a
+request counts 1 + d placeholders, as if the model took them all: the next step is scheduled from there,
 its next token and drafts on the device (DRAFT_ON_DEVICE), its blocks held for that count, and
 the runner moves its positions back over the drafts the model rejected. When the step lands,
 `num_computed_tokens` falls back one step late; a request it ended drops the next step's tokens.
@@ -277,7 +277,8 @@ class Scheduler:
             if sched.draft_token_ids:
                 self._count_drafts(sched, request, len(token_ids) - 1)
             row, logprob_row = logprob_row, logprob_row + len(token_ids)
-            if runner_output.draft_token_ids is not None and self.proposer and not request.is_finished:
+            if (runner_output.draft_token_ids is not None and sched.samples and self.proposer
+                    and not request.is_finished):  # (a prefill chunk that does not sample has no drafts)
                 self.proposer.take(request.request_id, runner_output.draft_token_ids[i])
             error = failed.get(request.request_id)
             if error is None:

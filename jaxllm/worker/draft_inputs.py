@@ -5,6 +5,8 @@ step N's drafter left in its table, one row per request of step N (`drafter_tabl
 
     [the token it took last, its k drafts for after it, the number of its drafts the model rejected]
 
+(an n-gram drafter's -1 where it has no draft: such a draft is fed as token 0, a guess like any other)
+
 and moves the request's tokens back by that number: a request that had drafts [a b c] at
 positions 11-13 after its token at 10, took a and sampled x, so rejected 2, is packed for
 step N+1 at 14 (x) and 15-17 (its next drafts) and runs at 12 and 13-15. Its positions, its
@@ -40,7 +42,7 @@ def read_previous_step(batch: StepBatch, table: jax.Array, block_size: int) -> S
     words = table.reshape(-1)
     on_device = batch.prev_rows >= 0  # [T]
     at = jnp.maximum(batch.prev_rows, 0)
-    input_ids = jnp.where(on_device, words[at], batch.input_ids)
+    input_ids = jnp.where(on_device, jnp.maximum(words[at], 0), batch.input_ids)
     shift = jnp.where(on_device, words[at // width * width + width - 1], 0)  # [T]
     positions = batch.positions - shift
     md = batch.attention

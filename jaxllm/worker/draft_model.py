@@ -28,7 +28,7 @@ from flax import nnx
 
 from jaxllm.config import Config
 from jaxllm.kernels.attention import AttentionMetadata
-from jaxllm.models.kv_layout import model_kv_layout, model_kv_spec
+from jaxllm.models.kv_layout import KVCacheSpec, model_kv_layout, model_kv_spec, model_kv_specs
 from jaxllm.sample.sampler import COLUMN
 from jaxllm.sharding import replicated
 from jaxllm.worker import input_batch as batching, kv_heads
@@ -62,6 +62,11 @@ class DraftModel:
     def params(self, target: ModelWeights) -> list[jax.Array]:
         """The propose executable's params: the draft's own (`target`'s weights are the runner's)."""
         return self.weights.params
+
+    def kv_tensors(self, block_size: int) -> tuple[tuple[KVCacheSpec, ...], int]:
+        """The draft's KV tensors in the cache (KVCache's `draft`): their specs, and the blocks each holds
+        per block id (one per KV cache group of the draft)."""
+        return model_kv_specs(self.arch, block_size), len(self.kv_layout.groups)
 
     def reload(self) -> None:
         """The weights again from the checkpoint, after a sleep that freed them."""

@@ -4,8 +4,8 @@ themselves, per KV tensor the arrays its KVCacheSpec names (models/kv_layout.py)
 [num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim], replicated; or a Mamba2 model's
 state slots (conv [num_blocks, conv_kernel - 1, conv_dim], SSM [num_blocks, heads, head_dim,
 state_size]) in the model's dtype, one slot per running request. A block id means one block in
-one layer of each KV cache group (models/kv_layout.py), and in each of a draft model's KV
-tensors (worker/draft_model.py). A hybrid model's Mamba tensors hold num_state_slots state slots
+one layer of each KV cache group (models/kv_layout.py), and in each of a drafter's tensors: a draft
+model's KV (worker/draft_model.py), an n-gram drafter's token ids (worker/ngram_drafter.py). A hybrid model's Mamba tensors hold num_state_slots state slots
 (max_num_seqs: one per running request), apart from the blocks, which the budget left takes.
 
 Under pipeline parallelism each stage holds the arrays of the KV tensors its layers use, on its own
@@ -56,21 +56,21 @@ def _stage_tensors(layout: KVCacheLayout, meshes: StageMeshes) -> list[tuple[jax
 
 class KVCache:
     def __init__(self, config: Config, arch: ModelArchConfig, layout: KVCacheLayout, mesh: jax.sharding.Mesh,
-                 draft: tuple[ModelArchConfig, KVCacheLayout] | None = None, stage_meshes: StageMeshes | None = None):
-        """Sizes the cache from the memory left once the weights are on the devices. draft: a draft
-        model's architecture and layout, whose KV tensors (`draft_caches`) take the same block ids.
-        stage_meshes: under pipeline parallelism, the stages' (each holds its layers' KV tensors)."""
+                 draft: tuple[tuple[KVCacheSpec, ...], int] | None = None, stage_meshes: StageMeshes | None = None):
+        """Sizes the cache from the memory left once the weights are on the devices. draft: a drafter's
+        tensors (`draft_caches`), which take the same block ids: their specs, and the blocks each holds per
+        block id. stage_meshes: under pipeline parallelism, the stages' (each holds its layers' KV tensors)."""
         self.config, self.arch, self.layout, self.mesh = config, arch, layout, mesh
-        self._models = [(arch, layout)] + ([draft] if draft else [])
         self.block_size = config.cache.block_size
-        self._specs = [model_kv_specs(a, self.block_size) for a, _ in self._models]  # per model, per KV tensor
+        # Per model (the target, a drafter), per tensor
+        self._specs = [model_kv_specs(arch, self.block_size)] + ([draft[0]] if draft else [])
         self.stages, start = [], 0
         for stage_mesh, tensors in _stage_tensors(layout, stage_meshes) if stage_meshes else [
                 (mesh, tuple(range(layout.num_tensors)))]:
             self.stages.append(StageCaches(stage_mesh, tuple(tensors), start))
             start += len(tensors)
-        # Blocks per block id in each model's tensors: the draft's groups each take one (draft_model.py).
-        self._blocks_per_id = [1] + ([len(draft[1].groups)] if draft else [])
+        # Blocks per block id in each model's tensors: a draft model's groups each take one (draft_model.py).
+        self._blocks_per_id = [1] + ([draft[1]] if draft else [])
         self.num_state_slots = config.scheduler.max_num_seqs if layout.hybrid else 0
         self._state_tensors = layout.state_tensors()  # the target's tensors of num_state_slots rows
         self.num_blocks = self._num_blocks()

@@ -23,9 +23,10 @@ processors). It takes the run of drafts its samples agree with, and the sample a
 run (StepOutput.get_output). With drafts that are one guess each (n-gram), that is exact
 rejection sampling: a draft is kept with the probability the model gives it, and the token
 sampled where one is not is drawn from the model's distribution without it. A draft model
-(worker/draft_model.py) or an EAGLE head (worker/eagle.py) makes the next step's drafts on the
-device, in an executable of its own after the sampling, from the tokens each request took (and
-the head from the forward's hidden states).
+(worker/draft_model.py), an EAGLE head (worker/eagle.py) or, under asynchronous scheduling, n-gram
+lookup (worker/ngram_drafter.py) makes the next step's drafts on the device, in an executable of
+its own after the sampling, from the tokens each request took (and the head from the forward's
+hidden states).
 """
 import time
 from typing import NamedTuple
@@ -49,6 +50,7 @@ from jaxllm.worker.eagle import EagleProposer
 from jaxllm.worker.executables import DRAFT, FORWARD, POOL, ExecutableKey, Executables, compiler_options
 from jaxllm.worker.kv_cache import KVCache
 from jaxllm.worker.model_loader import load_weights
+from jaxllm.worker.ngram_drafter import NgramDrafter
 from jaxllm.worker.pipeline import Pipeline
 from jaxllm.worker.pooler import Pooler, StepPooling
 from jaxllm.worker.processor_state import ProcessorRows
@@ -108,9 +110,11 @@ class ModelRunner:
         self.layouts = layouts
         attn_fn = get_attention_fn(config.attention_backend, self.mesh, config.batch_invariant,
                                    latent=self.arch.mla is not None)
-        self.draft = None
+        self.draft = None  # a drafter on the device: a draft model, an EAGLE head, or n-gram lookup
         if config.speculative is not None and config.speculative.draft is not None:
             self.draft = (EagleProposer if eagle else DraftModel)(config, self.mesh, attn_fn, layouts)
+        elif config.drafts_on_device:
+            self.draft = NgramDrafter(config, self.mesh, layouts)
         # The target layers whose input states an EAGLE-3 head reads: the forward returns them too.
         self.aux_layers = config.speculative.draft.arch.aux_layer_ids if eagle else ()
         # With enable_lora, the adapters' device slots (jaxllm/lora/slots.py): the forward's `lora` argument.
@@ -119,7 +123,7 @@ class ModelRunner:
         self.startup_s = {"weights": time.perf_counter() - start}  # then "kv_cache", "compile" (warm_up)
         self.compile_split = ""  # what the compile phase spent its time on (warm_up)
         self.kv_cache = KVCache(config, self.arch, self.kv_layout, self.mesh,
-                                (self.draft.arch, self.draft.kv_layout) if self.draft else None, self.stage_meshes)
+                                self.draft.kv_tensors(self.block_size) if self.draft else None, self.stage_meshes)
         start = time.perf_counter()
         self.kv_cache.allocate()
         self.startup_s["kv_cache"] = time.perf_counter() - start
@@ -208,7 +212,7 @@ class ModelRunner:
         self._waiting = None
         if level == 2:
             self.weights.delete()
-            if self.draft:
+            if self.draft and self.draft.weights:
                 self.draft.weights.delete()
 
     def wake_up(self, tags: list[str]) -> None:
@@ -223,7 +227,7 @@ class ModelRunner:
                                         self.config.seed)
             if self.pipeline:
                 self.pipeline.set_weights(self.weights)
-        if "weights" in tags and self.draft and self.draft.weights.deleted:
+        if "weights" in tags and self.draft and self.draft.weights and self.draft.weights.deleted:
             self.draft.reload()
         if "kv_cache" in tags and self.kv_cache.caches is None:
             self.kv_cache.allocate()
@@ -242,7 +246,7 @@ class ModelRunner:
         self.weights.delete()
         if self.lora:
             self.lora.delete()
-        if self.draft:
+        if self.draft and self.draft.weights:
             self.draft.weights.delete()
         self.kv_cache.delete()
         self.processor_rows.delete()
@@ -412,7 +416,7 @@ class ModelRunner:
         if self.compile_split:
             startup += f" ({self.compile_split})"
         draft = ""
-        if self.draft:
+        if self.draft and self.draft.weights:
             draft = f" (the {self.config.speculative.method} drafter's too: {self.draft.model_config.path})"
         return (f"{self.kv_cache.describe(draft)}; token buckets {self.token_buckets}; "
                 f"attention backend {self.config.attention_backend}; start-up: {startup}")

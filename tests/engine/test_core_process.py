@@ -317,11 +317,14 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 
 def test_speculative_decoding_gives_the_same_outputs(char_llama, expected):
     """n-gram drafts change no token: greedy and seeded requests, stop strings and stop ids,
-    max_tokens, aborts and preemption under the small cache, through AsyncLLM and ZMQ."""
+    max_tokens, aborts and preemption under the small cache, through AsyncLLM and ZMQ (the drafts
+    made on the device, under asynchronous scheduling)."""
     args = engine_args(char_llama, speculative_config=NGRAM, enable_multiprocessing=True)
     got, stats = run_client("async_llm", args, expected[0])
     check_against(expected, got)
     assert stats["num_free_blocks"] == stats["num_blocks"]
     assert stats["num_preemptions"] > 0
-    assert stats["spec_decode_num_accepted_tokens"] > 50, stats  # the drafts did take tokens
+    # The drafts did take tokens (fewer than one step at a time: a request's drafts in flight count
+    # against its max_tokens, and the random model's text seldom repeats).
+    assert stats["spec_decode_num_accepted_tokens"] > 20, stats
     assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]  # and some were wrong

@@ -18,7 +18,9 @@ ENGINE = dict(model=tiny_model("llama"), skip_tokenizer_init=True, max_model_len
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(**ENGINE, speculative_config=NGRAM, enable_multiprocessing=False, show_progress=False) as llm:
+    """N-gram drafts made on the host (synchronous scheduling), whose proposer the tests replace."""
+    with LLM(**ENGINE, speculative_config=NGRAM, async_scheduling=False, enable_multiprocessing=False,
+             show_progress=False) as llm:
         yield llm
 
 
@@ -223,21 +225,18 @@ def test_a_bad_speculative_config_names_its_field(spec, message):
         EngineArgs(model=tiny_model("llama"), speculative_config=spec).create_config()
 
 
-def test_ngram_drafts_run_with_synchronous_scheduling_and_a_draft_models_with_asynchronous():
+def test_scheduling_is_asynchronous_with_every_method_unless_turned_off():
     def scheduling(spec, **kwargs):
         return EngineArgs(model=tiny_model("llama"), speculative_config=spec, **kwargs).create_config().scheduler
     draft_model = {"method": "draft_model", "model": tiny_model("llama"), "num_speculative_tokens": 2}
-    assert scheduling(None).async_scheduling and scheduling(draft_model).async_scheduling
-    assert not scheduling(NGRAM).async_scheduling
-    assert not scheduling(draft_model, async_scheduling=False).async_scheduling
-    with pytest.raises(ValueError, match="async_scheduling does not run with speculative_config.method 'ngram'"):
-        scheduling(NGRAM, async_scheduling=True)
+    assert all(scheduling(spec).async_scheduling for spec in (None, NGRAM, draft_model))
+    assert not any(scheduling(spec, async_scheduling=False).async_scheduling for spec in (NGRAM, draft_model))
 
 
 def test_a_request_under_token_masks_beside_drafted_requests_keeps_to_them(char_llama):
     """A request whose token masks the core makes each step (here multi-token bad words, as
     structured outputs) gets no drafts and never says a bad word, while the free requests of
-    its batch take drafts and give their tokens."""
+    its batch take drafts (made on the device) and give their tokens."""
     with LLM(char_llama, max_model_len=128, max_num_seqs=8, speculative_config=NGRAM, enable_multiprocessing=False,
              show_progress=False) as llm:
         prompts = ["abcabcabcabc", "xyzxyzxyz", "hello hello hello"]
@@ -254,15 +253,17 @@ def test_a_request_under_token_masks_beside_drafted_requests_keeps_to_them(char_
 
 def test_a_sliding_window_model_gives_the_same_greedy_tokens_with_drafts():
     """Gemma 3's hybrid cache (a window of 8 beside full attention): drafts move past the
-    window's edge and back when rejected, and the window's blocks are freed as it moves."""
+    window's edge and back when rejected, and the window's blocks are freed as it moves. The
+    drafts are made on the device, from the token ids kept on the full-attention group's blocks."""
     rng = np.random.default_rng(3)
     prompts = [{"prompt_token_ids": (rng.integers(3, 250, 5).tolist() * 10)[:int(n)]} for n in (9, 17, 30, 41)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     with LLM(tiny_model("gemma3"), skip_tokenizer_init=True, max_model_len=128, max_num_seqs=8, block_size=16,
              num_gpu_blocks_override=48, speculative_config=NGRAM, enable_multiprocessing=False,
              show_progress=False) as llm:
+        proposer = scheduler(llm).proposer
         want = generate(llm, prompts, params)
-        got = generate(llm, prompts, params, NgramProposer(llm.llm_engine.config.speculative))
+        got = generate(llm, prompts, params, proposer)
         stats_now = llm.llm_engine.get_stats()
     assert got == want
     assert stats_now["spec_decode_num_accepted_tokens"] > 0 and stats_now["num_free_blocks"] == stats_now["num_blocks"]
