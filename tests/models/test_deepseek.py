@@ -8,6 +8,7 @@ absorbed, expanded) run over both. With fewer than 2 devices, the tensor-paralle
 child with 2 forced host devices.
 """
 import copy
+import os
 
 import jax
 import jax.numpy as jnp
@@ -282,6 +283,20 @@ def test_v3_checkpoints_multi_token_prediction_layer_is_skipped_and_nothing_else
     else:
         with pytest.raises(ValueError, match="unexpected tensor 'model.layers.3.eh_proj.weight'"):
             list(checkpoint_params(config, params, weights))
+
+
+def test_ngram_drafts_on_the_device_keep_hfs_greedy_tokens_and_logprobs():
+    """The drafts' positions moved back on the device over the ones rejected, through the latent cache;
+    then a prompt that repeats, whose drafts the model takes."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    with LLM(tiny_model("deepseek_v3"), **TIGHT_ENGINE, speculative_config=spec) as llm:
+        assert_greedy_is_hfs(llm, "deepseek_v3")
+        stats = llm.llm_engine.get_stats()
+        assert llm.llm_engine.config.drafts_on_device and stats["spec_decode_num_drafts"] > 0
+        golden = np.load(os.path.join(tiny_model("deepseek_v3"), "golden.npz"))
+        repeated = {"prompt_token_ids": (golden["greedy_prompt"].tolist() + golden["greedy_tokens"].tolist()) * 2}
+        llm.generate([repeated], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
+        assert llm.llm_engine.get_stats()["spec_decode_num_accepted_tokens"] > stats["spec_decode_num_accepted_tokens"]
 
 
 @pytest.mark.parametrize("args, message", [
