@@ -1,5 +1,5 @@
 """N-gram drafts made on the device, under asynchronous scheduling (the default): they change no
-token a request gives (greedy or seeded, stops and lengths), the token ids kept beside the KV
+token a request gives (greedy or seeded, n > 1, logprobs, stops and lengths), the token ids kept beside the KV
 follow preemption and the prefix cache, and they cost no compilation and no KV block."""
 import numpy as np
 import pytest
@@ -52,6 +52,30 @@ def test_greedy_and_seeded_tokens_are_the_same_with_device_drafts(llm):
     assert all(len(w) == p.max_tokens for w, p in zip(want, params))  # max_tokens, never more
     stats = llm.llm_engine.get_stats()
     assert llm.llm_engine.engine_core.core.scheduler.num_preemptions > preemptions and stats["prefix_cache_hits"] > 0
+
+
+def test_parallel_samples_and_logprobs_are_the_same_with_device_drafts(llm):
+    """n = 2 (the samples share the prompt's blocks, so its token ids) with logprobs, and a penalty."""
+    rng = np.random.default_rng(2)
+    prompts = [{"prompt_token_ids": repeating(rng, 30)}, {"prompt_token_ids": repeating(rng, 17)}]
+    params = [SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=20, ignore_eos=True, logprobs=2,
+                             frequency_penalty=0.3),
+              SamplingParams(n=2, temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)]
+
+    def run(speculate):
+        sched = llm.llm_engine.engine_core.core.scheduler
+        proposer, sched.proposer = sched.proposer, (sched.proposer if speculate else None)
+        try:
+            return [c for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
+        finally:
+            sched.proposer = proposer
+    want, got = run(False), []
+    num_drafts, num_taken = drafts_taken(llm, lambda: got.extend(run(True)))
+    assert [c.token_ids for c in got] == [c.token_ids for c in want] and 0 < num_taken <= num_drafts
+    for wc, gc in zip(want, got):
+        for wl, gl in zip(wc.logprobs, gc.logprobs):
+            assert wl.keys() == gl.keys()
+            np.testing.assert_allclose([v.logprob for v in gl.values()], [v.logprob for v in wl.values()], atol=1e-4)
 
 
 def test_a_text_that_does_not_repeat_is_scheduled_without_drafts(llm):
