@@ -34,13 +34,27 @@ def scheduler(llm):
     return llm.llm_engine.engine_core.core.scheduler
 
 
-def generate(llm, prompts, params, speculate=True):
+def completions(llm, prompts, params, speculate=True):
+    """Every completion of the prompts, with the engine's drafts or (speculate=False) without."""
     sched = scheduler(llm)
     proposer, sched.proposer = sched.proposer, (sched.proposer if speculate else None)
     try:
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        return [c for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
     finally:
         sched.proposer = proposer
+
+
+def generate(llm, prompts, params, speculate=True):
+    return [c.token_ids for c in completions(llm, prompts, params, speculate)]
+
+
+def assert_same_completions(want, got) -> None:
+    """The same tokens, and logprobs within 1e-4."""
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    for wc, gc in zip(want, got):
+        for wl, gl in zip(wc.logprobs, gc.logprobs):
+            assert wl.keys() == gl.keys()
+            np.testing.assert_allclose([v.logprob for v in gl.values()], [v.logprob for v in wl.values()], atol=1e-4)
 
 
 def drafts_taken(llm, run) -> tuple[int, int]:
@@ -71,21 +85,10 @@ def test_penalties_bias_and_logprobs_are_the_same_with_a_draft_model(llm):
                              frequency_penalty=0.4, presence_penalty=0.2, logprobs=3),
               SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logit_bias={41: 2.0, 40: 1.5},
                              min_tokens=4, n=2, logprobs=2)]
-
-    def run(speculate):
-        sched = scheduler(llm)
-        proposer, sched.proposer = sched.proposer, (sched.proposer if speculate else None)
-        try:
-            return [c for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
-        finally:
-            sched.proposer = proposer
-    want, got = run(False), []
-    num_drafts, num_taken = drafts_taken(llm, lambda: got.extend(run(True)))
-    assert [c.token_ids for c in got] == [c.token_ids for c in want] and 0 < num_taken < num_drafts
-    for wc, gc in zip(want, got):
-        for wl, gl in zip(wc.logprobs, gc.logprobs):
-            assert wl.keys() == gl.keys()
-            np.testing.assert_allclose([v.logprob for v in gl.values()], [v.logprob for v in wl.values()], atol=1e-4)
+    want, got = completions(llm, prompts, params, speculate=False), []
+    num_drafts, num_taken = drafts_taken(llm, lambda: got.extend(completions(llm, prompts, params)))
+    assert_same_completions(want, got)
+    assert 0 < num_taken < num_drafts
 
 
 def test_stops_and_lengths_are_the_same_with_a_draft_model(llm):

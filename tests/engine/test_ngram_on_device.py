@@ -9,7 +9,7 @@ from jaxllm.config import EngineArgs
 from jaxllm.spec_decode.draft_model import RunnerDrafts
 from jaxllm.spec_decode.ngram import NgramProposer
 from tests.conftest import tiny_model
-from tests.engine.test_draft_model import drafts_taken, generate
+from tests.engine.test_draft_model import assert_same_completions, completions, drafts_taken, generate
 from tests.engine.test_speculative import NGRAM, check_200_requests_with_aborts, check_stops_are_the_same_with_drafts
 
 pytestmark = pytest.mark.usefixtures("warm_up_every_engine")
@@ -61,21 +61,10 @@ def test_parallel_samples_and_logprobs_are_the_same_with_device_drafts(llm):
     params = [SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=20, ignore_eos=True, logprobs=2,
                              frequency_penalty=0.3),
               SamplingParams(n=2, temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)]
-
-    def run(speculate):
-        sched = llm.llm_engine.engine_core.core.scheduler
-        proposer, sched.proposer = sched.proposer, (sched.proposer if speculate else None)
-        try:
-            return [c for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
-        finally:
-            sched.proposer = proposer
-    want, got = run(False), []
-    num_drafts, num_taken = drafts_taken(llm, lambda: got.extend(run(True)))
-    assert [c.token_ids for c in got] == [c.token_ids for c in want] and 0 < num_taken <= num_drafts
-    for wc, gc in zip(want, got):
-        for wl, gl in zip(wc.logprobs, gc.logprobs):
-            assert wl.keys() == gl.keys()
-            np.testing.assert_allclose([v.logprob for v in gl.values()], [v.logprob for v in wl.values()], atol=1e-4)
+    want, got = completions(llm, prompts, params, speculate=False), []
+    num_drafts, num_taken = drafts_taken(llm, lambda: got.extend(completions(llm, prompts, params)))
+    assert_same_completions(want, got)
+    assert 0 < num_taken <= num_drafts
 
 
 def test_a_text_that_does_not_repeat_is_scheduled_without_drafts(llm):
