@@ -144,8 +144,13 @@ def ragged_ssd(x, dt, A, B, C, initial_states, query_start_loc, num_seqs, chunk_
     real = jnp.arange(num_reqs) < jnp.reshape(num_seqs, ())
     query_lens = jnp.where(real, query_start_loc[1:] - query_start_loc[:-1], 0)
     chunk = min(chunk_size, num_tokens)
-    y, prefill_states = ssd_chunk_scan(x, dt, A, B, C, initial_states,
-                                       chunk_layout(query_lens, query_start_loc, num_tokens, chunk), terms)
+    # Only a step with a prefill request runs the chunk scan: over its bucket's most chunks, it costs a
+    # decode step many times the update's work (a cond runs one branch).
+    y, prefill_states = jax.lax.cond(
+        jnp.any(query_lens >= 2),
+        lambda: ssd_chunk_scan(x, dt, A, B, C, initial_states,
+                               chunk_layout(query_lens, query_start_loc, num_tokens, chunk), terms),
+        lambda: (jnp.zeros(x.shape, jnp.float32), initial_states))
     first = jnp.minimum(query_start_loc[:-1], num_tokens - 1)
     y_one, one_states = ssd_update(x[first], dt[first], A, B[first], C[first], initial_states)
     one = query_lens == 1

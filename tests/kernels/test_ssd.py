@@ -61,7 +61,7 @@ def run_ssd(x, dt, A, B, C, states, query_lens, chunk_size, terms=chunk_terms):
 
 @pytest.mark.parametrize("terms", [chunk_terms, PALLAS], ids=["reference", "pallas"])
 @pytest.mark.parametrize("query_lens, chunk_size", [
-    ([1], 4),                          # one decode
+    ([1], 4), ([1, 1, 1], 4),          # decodes alone: the chunk scan skipped
     ([4], 4), ([5], 4), ([9], 4),      # a prefill at, past and across chunk boundaries
     ([3, 1, 7, 1, 1, 6], 4),           # decodes between prefill chunks
     ([17, 2, 1], 8),                   # a long chunk, a two-token one, a decode
@@ -128,16 +128,19 @@ def test_the_models_chunk_terms_follow_jaxllm_ssd_kernel(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
-@pytest.mark.parametrize("chunk", [64, 128, 256])
+@pytest.mark.parametrize("chunk", [64, 128])
 def test_the_compiled_pallas_chunk_terms_equal_the_plain_jax_ones_at_mamba2s_shape(chunk):
-    """Mamba2-2.7B's heads (head_dim 64, state 128, one group), 4 chunks, through Triton."""
+    """Mamba2-2.7B's heads (head_dim 64, state 128, one group), 4 chunks, through Triton, against plain
+    JAX in full float32 (XLA's default f32 matmuls on an H100 are TF32: 0.3% off). A chunk of 256 asks
+    for 448 KiB of shared memory, past the 227 KiB a Hopper program has."""
     keys = jax.random.split(jax.random.key(2), 5)
     c, h, p, g, n = 4, 8, 64, 1, 128
     xc = jax.random.normal(keys[0], (c, chunk, h, p))
     dtc = jax.nn.softplus(jax.random.normal(keys[1], (c, chunk, h)) - 2.0)
     cum = jnp.cumsum(dtc * -jnp.exp(jax.random.normal(keys[2], (h,))), axis=1)
     bc, cc = jax.random.normal(keys[3], (c, chunk, g, n)), jax.random.normal(keys[4], (c, chunk, g, n))
-    want = jax.jit(chunk_terms)(xc, dtc, cum, bc, cc)
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(chunk_terms)(xc, dtc, cum, bc, cc)
     got = pallas_ssd.chunk_terms(xc, dtc, cum, bc, cc)
     for w, o in zip(want, got):
         np.testing.assert_allclose(o, w, rtol=2e-3, atol=2e-3)
