@@ -35,16 +35,21 @@ class ChunkLayout(NamedTuple):
     last: jax.Array      # [num_reqs] int32: each request's last chunk (of a prefill request)
 
 
+FEW_PARTIAL_CHUNKS = 2  # ragged_ssd's middle size: the prefill requests' partial chunks it takes
+
+
 def max_chunks(num_tokens: int, num_reqs: int, chunk_size: int) -> int:
     """The most chunks a batch holds: each prefill request (two tokens or more) adds at most one
     partial chunk to the full ones."""
     return cdiv(num_tokens, chunk_size) + min(num_reqs, num_tokens // 2)
 
 
-def chunk_layout(query_lens, query_start_loc, num_tokens: int, chunk_size: int) -> ChunkLayout:
-    """The chunks of the requests of query_lens [R] int32 (0 for padding) tokens two or more."""
+def chunk_layout(query_lens, query_start_loc, num_tokens: int, chunk_size: int,
+                 num_chunks: int | None = None) -> ChunkLayout:
+    """The chunks of the requests of query_lens [R] int32 (0 for padding) tokens two or more, in
+    num_chunks slots (default max_chunks; fewer only where the requests need no more)."""
     num_reqs = query_lens.shape[0]
-    num_chunks = max_chunks(num_tokens, num_reqs, chunk_size)
+    num_chunks = num_chunks or max_chunks(num_tokens, num_reqs, chunk_size)
     per_request = jnp.where(query_lens >= 2, (query_lens + chunk_size - 1) // chunk_size, 0)
     ends = jnp.cumsum(per_request)
     # per_request [2, 0, 1] -> ends [2, 2, 3]: chunks [0, 1, 2] are requests [0, 0, 2]
@@ -144,13 +149,20 @@ def ragged_ssd(x, dt, A, B, C, initial_states, query_start_loc, num_seqs, chunk_
     real = jnp.arange(num_reqs) < jnp.reshape(num_seqs, ())
     query_lens = jnp.where(real, query_start_loc[1:] - query_start_loc[:-1], 0)
     chunk = min(chunk_size, num_tokens)
-    # Only a step with a prefill request runs the chunk scan: over its bucket's most chunks, it costs a
-    # decode step many times the update's work (a cond runs one branch).
-    y, prefill_states = jax.lax.cond(
-        jnp.any(query_lens >= 2),
-        lambda: ssd_chunk_scan(x, dt, A, B, C, initial_states,
-                               chunk_layout(query_lens, query_start_loc, num_tokens, chunk), terms),
-        lambda: (jnp.zeros(x.shape, jnp.float32), initial_states))
+    # The chunk scan runs over as many chunk slots as it needs, of a few sizes: none without a prefill
+    # request (a decode step), the bucket's full chunks and a few partial ones (a step of a few prefill
+    # requests: the usual mix), or the bucket's most (every request a short prefill). Its work grows
+    # with its slots: the bucket's most cost a decode step many times the update's.
+    most = max_chunks(num_tokens, num_reqs, chunk)
+    sizes = sorted({min(most, cdiv(num_tokens, chunk) + FEW_PARTIAL_CHUNKS), most})
+    needed = jnp.sum(jnp.where(query_lens >= 2, (query_lens + chunk - 1) // chunk, 0))
+
+    def scan(num_chunks: int):
+        return lambda: ssd_chunk_scan(x, dt, A, B, C, initial_states,
+                                      chunk_layout(query_lens, query_start_loc, num_tokens, chunk, num_chunks), terms)
+    branches = [lambda: (jnp.zeros(x.shape, jnp.float32), initial_states)] + [scan(n) for n in sizes]
+    which = jnp.where(needed == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes, jnp.int32), needed))
+    y, prefill_states = jax.lax.switch(which, branches)  # (one branch runs)
     first = jnp.minimum(query_start_loc[:-1], num_tokens - 1)
     y_one, one_states = ssd_update(x[first], dt[first], A, B[first], C[first], initial_states)
     one = query_lens == 1

@@ -62,6 +62,7 @@ def run_ssd(x, dt, A, B, C, states, query_lens, chunk_size, terms=chunk_terms):
 @pytest.mark.parametrize("terms", [chunk_terms, PALLAS], ids=["reference", "pallas"])
 @pytest.mark.parametrize("query_lens, chunk_size", [
     ([1], 4), ([1, 1, 1], 4),          # decodes alone: the chunk scan skipped
+    ([2] * 7 + [1], 8),                # more short prefills than the scan's middle size of chunks takes
     ([4], 4), ([5], 4), ([9], 4),      # a prefill at, past and across chunk boundaries
     ([3, 1, 7, 1, 1, 6], 4),           # decodes between prefill chunks
     ([17, 2, 1], 8),                   # a long chunk, a two-token one, a decode
