@@ -145,7 +145,8 @@ class Config:
     def drafts_on_device(self) -> bool:
         """The runner makes the drafts, on the device: a draft model's and an EAGLE head's always, n-gram
         drafts under asynchronous scheduling (the host makes them when it has each request's last token)."""
-        return self.speculative is not None and (self.speculative.method != "ngram" or self.scheduler.async_scheduling)
+        spec = self.speculative
+        return spec is not None and (spec.method != "ngram" or self.scheduler.async_scheduling)
 
 
 @dataclasses.dataclass

@@ -158,8 +158,8 @@ def ragged_ssd(x, dt, A, B, C, initial_states, query_start_loc, num_seqs, chunk_
     needed = jnp.sum(jnp.where(query_lens >= 2, (query_lens + chunk - 1) // chunk, 0))
 
     def scan(num_chunks: int):
-        return lambda: ssd_chunk_scan(x, dt, A, B, C, initial_states,
-                                      chunk_layout(query_lens, query_start_loc, num_tokens, chunk, num_chunks), terms)
+        layout = functools.partial(chunk_layout, query_lens, query_start_loc, num_tokens, chunk, num_chunks)
+        return lambda: ssd_chunk_scan(x, dt, A, B, C, initial_states, layout(), terms)
     branches = [lambda: (jnp.zeros(x.shape, jnp.float32), initial_states)] + [scan(n) for n in sizes]
     which = jnp.where(needed == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes, jnp.int32), needed))
     y, prefill_states = jax.lax.switch(which, branches)  # (one branch runs)

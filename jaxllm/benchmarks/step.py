@@ -97,8 +97,9 @@ def run_step_bench(engine_args, batch_sizes: list[int], input_len: int, output_l
     from jaxllm.engine.llm_engine import LLMEngine
 
     if max(draft_tokens):  # the core in this process, to hand its scheduler each k's proposer (a host one)
+        spec = {"method": "ngram", "num_speculative_tokens": max(draft_tokens)}
         engine_args = dataclasses.replace(engine_args, enable_multiprocessing=False, async_scheduling=False,
-                                          speculative_config={"method": "ngram", "num_speculative_tokens": max(draft_tokens)})
+                                          speculative_config=spec)
     start = time.perf_counter()
     engine = LLMEngine.from_engine_args(engine_args)
     startup_s = time.perf_counter() - start

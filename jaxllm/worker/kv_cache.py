@@ -5,8 +5,9 @@ themselves, per KV tensor the arrays its KVCacheSpec names (models/kv_layout.py)
 state slots (conv [num_blocks, conv_kernel - 1, conv_dim], SSM [num_blocks, heads, head_dim,
 state_size]) in the model's dtype, one slot per running request. A block id means one block in
 one layer of each KV cache group (models/kv_layout.py), and in each of a drafter's tensors: a draft
-model's KV (worker/draft_model.py), an n-gram drafter's token ids (worker/ngram_drafter.py). A hybrid model's Mamba tensors hold num_state_slots state slots
-(max_num_seqs: one per running request), apart from the blocks, which the budget left takes.
+model's KV (worker/draft_model.py), an n-gram drafter's token ids (worker/ngram_drafter.py). A
+hybrid model's Mamba tensors hold num_state_slots state slots (max_num_seqs: one per running
+request), apart from the blocks, which the budget left takes.
 
 Under pipeline parallelism each stage holds the arrays of the KV tensors its layers use, on its own
 mesh: `caches` lists them stage by stage (StageCaches says where each stage's run), and a block id
