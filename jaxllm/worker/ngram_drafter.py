@@ -19,9 +19,9 @@ Per request that samples, in one executable per token bucket:
    k tokens after it; where those reach the request's last token, the run from the copy to the
    end again (the text repeats with that period: "x y x y" drafts "x y x"), and -1 without a copy.
 
-Those are propose_ngram's drafts, but that the host's stop at the text's end. Here the scheduler
-has placed the drafts before the table is made (as many as the request's last table held), and a
-draft slot left empty would be fed a dummy token, so a guess is better. A step reads and compares
+Those are propose_ngram's drafts, except that the host's stop at the text's end: here the
+scheduler has placed the drafts before the table is made (as many as the request's last table
+held), and a draft slot left empty would be fed a dummy token, so a guess is better. A step reads and compares
 every request row's max_model_len token ids a few times: at 256 rows of 2048 tokens, about 2 MB
 each time.
 """
