@@ -76,10 +76,16 @@ class KVCache:
         self._state_tensors = layout.state_tensors()  # the target's tensors of num_state_slots rows
         self.num_blocks = self._num_blocks()
         if self.num_blocks < self.blocks_per_request():
+            ssd = ""
+            if self._ssd_bytes():  # the scan's room grows with the step's tokens and requests, not its length
+                sc = config.scheduler
+                ssd = (f"; a Mamba layer's scan keeps {2 * self._ssd_bytes() / 2**30:.1f} GiB for a step of "
+                       f"max_num_batched_tokens={sc.max_num_batched_tokens} and max_num_seqs={sc.max_num_seqs}: "
+                       "lower those")
             raise ValueError(
                 f"the KV cache has {self.num_blocks} blocks, fewer than one request of max_model_len "
                 f"({config.model.max_model_len}) tokens takes ({self.blocks_per_request()}): raise "
-                "gpu_memory_utilization or num_gpu_blocks_override, or lower max_model_len")
+                f"gpu_memory_utilization or num_gpu_blocks_override, or lower max_model_len{ssd}")
         cache_dtype = jnp.dtype(config.cache.cache_dtype)
         if cache_dtype.itemsize == 1:  # as vLLM warns, for the same reason
             logger.warning("the %s KV cache stores K and V with scale 1.0 (a checkpoint's k_scale / v_scale are "

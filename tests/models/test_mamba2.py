@@ -137,3 +137,12 @@ def test_the_plain_logprobs_function_gives_hfs(llm):
     fn = jax.jit(llm.get_logprobs_fn())
     logprobs = np.asarray(fn(llm.get_params(), jnp.asarray(GOLDEN["prompt_33"], jnp.int32)))
     np.testing.assert_allclose(logprobs, hf_prompt_logprobs(GOLDEN, 33), atol=ATOL, rtol=0)
+
+
+def test_a_budget_too_small_for_the_scan_names_the_settings_that_size_it(monkeypatch):
+    """The SSD scan's room grows with the step's tokens and requests, not with max_model_len."""
+    from jaxllm.worker.kv_cache import KVCache
+    monkeypatch.setattr(KVCache, "_num_blocks", lambda self: 0)  # as on a card the scan's estimate fills
+    with pytest.raises(ValueError, match=r"the KV cache has 0 blocks.*a Mamba layer's scan keeps [0-9.]+ GiB for a "
+                                         r"step of max_num_batched_tokens=32 and max_num_seqs=4: lower those"):
+        LLM(tiny_model("mamba2"), **{**ENGINE, "num_gpu_blocks_override": None})
