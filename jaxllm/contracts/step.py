@@ -35,6 +35,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 # A draft that the step in flight makes on the device: the next step reads it there. Not -1, which
 # a row of sampling words holds for "no draft" (sample/sampler.py): the runner packs drafts as they are.
 DRAFT_ON_DEVICE = -2
+# In a drafter's table (ModelRunnerOutput.draft_token_ids): no draft here nor after (n-gram lookup found no copy).
+NO_DRAFT = -1
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

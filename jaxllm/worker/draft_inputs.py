@@ -5,7 +5,7 @@ step N's drafter left in its table, one row per request of step N (`drafter_tabl
 
     [the token it took last, its k drafts for after it, the number of its drafts the model rejected]
 
-(an n-gram drafter's -1 where it has no draft: such a draft is fed as token 0, a guess like any other)
+(an n-gram drafter's NO_DRAFT where it has none: such a draft is fed as token 0, a guess like any other)
 
 and moves the request's tokens back by that number: a request that had drafts [a b c] at
 positions 11-13 after its token at 10, took a and sampled x, so rejected 2, is packed for

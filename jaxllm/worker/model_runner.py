@@ -160,6 +160,11 @@ class ModelRunner:
         return self.pipeline.head_params if self.pipeline else self.weights.params
 
     @property
+    def draft_weights(self):
+        """A draft model's or EAGLE head's weights (ModelWeights); None without one (n-gram lookup has none)."""
+        return self.draft and self.draft.weights
+
+    @property
     def num_blocks(self) -> int:
         return self.kv_cache.num_blocks
 
@@ -212,8 +217,8 @@ class ModelRunner:
         self._waiting = None
         if level == 2:
             self.weights.delete()
-            if self.draft and self.draft.weights:
-                self.draft.weights.delete()
+            if self.draft_weights:
+                self.draft_weights.delete()
 
     def wake_up(self, tags: list[str]) -> None:
         """Make again what sleep freed: "weights" (from the checkpoint; an engine given its params
@@ -227,7 +232,7 @@ class ModelRunner:
                                         self.config.seed)
             if self.pipeline:
                 self.pipeline.set_weights(self.weights)
-        if "weights" in tags and self.draft and self.draft.weights and self.draft.weights.deleted:
+        if "weights" in tags and self.draft_weights and self.draft_weights.deleted:
             self.draft.reload()
         if "kv_cache" in tags and self.kv_cache.caches is None:
             self.kv_cache.allocate()
@@ -246,8 +251,8 @@ class ModelRunner:
         self.weights.delete()
         if self.lora:
             self.lora.delete()
-        if self.draft and self.draft.weights:
-            self.draft.weights.delete()
+        if self.draft_weights:
+            self.draft_weights.delete()
         self.kv_cache.delete()
         self.processor_rows.delete()
         self.sampling.delete()
@@ -416,7 +421,7 @@ class ModelRunner:
         if self.compile_split:
             startup += f" ({self.compile_split})"
         draft = ""
-        if self.draft and self.draft.weights:
+        if self.draft_weights:
             draft = f" (the {self.config.speculative.method} drafter's too: {self.draft.model_config.path})"
         return (f"{self.kv_cache.describe(draft)}; token buckets {self.token_buckets}; "
                 f"attention backend {self.config.attention_backend}; start-up: {startup}")

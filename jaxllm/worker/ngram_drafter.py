@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import Config
+from jaxllm.contracts.step import NO_DRAFT
 from jaxllm.models.kv_layout import KVCacheSpec
 from jaxllm.sample.sampler import COLUMN
 from jaxllm.sharding import replicated
@@ -37,7 +38,6 @@ from jaxllm.worker.draft_inputs import drafter_table
 from jaxllm.worker.draft_model import taken_rows
 
 _POSITION = COLUMN["position"]
-NO_DRAFT = -1
 
 
 class NgramDrafter:

@@ -112,7 +112,7 @@ def executable_store(runner) -> compilation.ExecutableStore | None:
     users' logits processors (their code is not in the key), over several hosts or pipeline stages."""
     if runner.processor_rows.users or runner.config.parallel.num_hosts > 1 or runner.pipeline:
         return None  # (a pipeline's stages run on other devices than the store's)
-    weights = [runner.weights] + ([runner.draft.weights] if runner.draft and runner.draft.weights else [])
+    weights = [runner.weights] + ([runner.draft_weights] if runner.draft_weights else [])
     params = [(w.treedef, [(p.shape, p.dtype, p.sharding) for p in w.params]) for w in weights]
     caches = [(k.shape, k.dtype, k.sharding) for k, *_ in runner.kv_cache.caches + (runner.kv_cache.draft_caches or [])]
     key = "\n".join(map(repr, (runner.config, params, caches,  # the buckets follow the config

@@ -6,8 +6,9 @@ import functools
 import jax
 import numpy as np
 
+from jaxllm.contracts.step import NO_DRAFT
 from jaxllm.spec_decode.ngram import propose_ngram
-from jaxllm.worker.ngram_drafter import NO_DRAFT, ngram_drafts
+from jaxllm.worker.ngram_drafter import ngram_drafts
 
 BLOCK_SIZE, BLOCKS_PER_SEQ = 4, 8
 
