@@ -5,7 +5,7 @@ module reads the file itself (`GGUFFile`: gguf.GGUFReader takes 50 s over Gemma'
 262,144-token vocabulary, this 1 s), dequantizes with `gguf.quants` (every
 type it implements: F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, the K-quants, IQ types) and
 renames tensors to transformers' names and layouts, so one loader path serves HF
-folders and GGUF files. The golden fixtures (tests/fixtures, scripts/make_fixtures.py)
+folders and GGUF files. The golden fixtures (tests/fixtures, scripts/make_gguf_fixtures.py)
 check the result against transformers' GGUF loader.
 """
 

@@ -1,6 +1,6 @@
 """The embedded SmolLM2-135M-Instruct end to end against HF transformers' greedy
 output on the same dequantized weights (tests/fixtures/smollm2_golden.json,
-made by scripts/make_fixtures.py)."""
+made by scripts/make_gguf_fixtures.py)."""
 import json
 import os
 

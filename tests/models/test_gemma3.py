@@ -1,6 +1,6 @@
 """Gemma 3 and Gemma 2 on CPU: logit parity of tiny random models with HF transformers,
 and the embedded Gemma-3-270M GGUF (config, weights, tokenizer, greedy generation)
-against transformers' goldens (scripts/make_fixtures.py)."""
+against transformers' goldens (scripts/make_fixtures.py, scripts/make_gguf_fixtures.py)."""
 import json
 import os
 import shutil

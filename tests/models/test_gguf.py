@@ -1,6 +1,6 @@
 """GGUF loading on CPU, without torch: config, weights and tokenizer of the embedded
 SmolLM2 GGUF, checked against transformers' GGUF loader through golden fixtures
-(scripts/make_fixtures.py) and against independent properties of the format.
+(scripts/make_gguf_fixtures.py) and against independent properties of the format.
 """
 
 import json
