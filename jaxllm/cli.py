@@ -86,15 +86,16 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     start = time.perf_counter()
     with user_errors():
         llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
-    print(f"engine ready in {time.perf_counter() - start:.1f} s: {llm.llm_engine.engine_core.description}")
-    prompts = ns.prompt or DEFAULT_PROMPTS
-    start = time.perf_counter()
-    with user_errors():
-        if ns.chat:
-            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
-        else:
-            outputs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
+    with llm:  # the engine stops here, not in the interpreter's teardown
+        print(f"engine ready in {time.perf_counter() - start:.1f} s: {llm.llm_engine.engine_core.description}")
+        prompts = ns.prompt or DEFAULT_PROMPTS
+        start = time.perf_counter()
+        with user_errors():
+            if ns.chat:
+                outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+            else:
+                outputs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
     for prompt, out in zip(prompts, outputs):
         c = out.outputs[0]
         print(f"\n--- {prompt!r}\n{c.text!r}\n({len(c.token_ids)} tokens, finish_reason={c.finish_reason})")

@@ -327,6 +327,12 @@ class EngineCore:
         jax.profiler.stop_trace()
 
     def shutdown(self) -> None:
+        """Wait for the steps still running (a device must not be freed under them), then free it."""
+        for _, step in self.batch_queue:
+            try:
+                jax.block_until_ready(step.device_arrays())
+            except Exception:  # a failed step has nothing left running
+                logger.debug("a step in flight failed at shutdown", exc_info=True)
         self.batch_queue.clear()
         self.executor.shutdown()
 
