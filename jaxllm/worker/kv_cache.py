@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxllm import distributed
 from jaxllm.config import Config
-from jaxllm.kernels.ssd import max_chunks
+from jaxllm.kernels.ssd import scan_bytes
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.kv_layout import KVCacheLayout, KVCacheSpec, model_kv_specs
 from jaxllm.sample.processors import ProcessorState
@@ -198,16 +198,12 @@ class KVCache:
         return 2 * (tokens * per_token + logits + self._ssd_bytes()) + (256 << 20)
 
     def _ssd_bytes(self) -> int:
-        """A Mamba layer's SSD scan at the largest bucket (kernels/ssd.py), in fp32: a few [chunks, Q, Q,
-        heads] products and [chunks, heads, head_dim, state_size] states, and the requests' states."""
+        """A Mamba layer's SSD scan at the largest bucket (kernels/ssd.py)."""
         m, sc = self.arch.mamba, self.config.scheduler
         if m is None:
             return 0
-        tokens, reqs = sc.max_num_batched_tokens, min(sc.max_num_seqs, sc.max_num_batched_tokens)
-        q = min(m.chunk_size, tokens)
-        chunks = max_chunks(tokens, reqs, q)
-        state = m.num_heads * m.head_dim * m.state_size
-        return 4 * 4 * (chunks * q * q * m.num_heads + (chunks + reqs) * state)
+        reqs = min(sc.max_num_seqs, sc.max_num_batched_tokens)
+        return scan_bytes(sc.max_num_batched_tokens, reqs, m.chunk_size, m.num_heads, m.head_dim, m.state_size)
 
     def _processor_state_bytes(self) -> int:
         return ProcessorState.nbytes(self.config.scheduler.max_num_seqs, self.config.model.arch.vocab_size)

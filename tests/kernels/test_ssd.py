@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxllm.kernels import pallas_ssd
-from jaxllm.kernels.ssd import chunk_layout, chunk_terms, chunk_terms_fn, max_chunks, ragged_ssd
+from jaxllm.kernels.ssd import chunk_layout, chunk_terms, chunk_terms_fn, max_chunks, ragged_ssd, scan_bytes
 
 H, P, G, N = 4, 3, 2, 5  # heads, head_dim, groups, state_size
 
@@ -62,7 +62,8 @@ def run_ssd(x, dt, A, B, C, states, query_lens, chunk_size, terms=chunk_terms):
 @pytest.mark.parametrize("terms", [chunk_terms, PALLAS], ids=["reference", "pallas"])
 @pytest.mark.parametrize("query_lens, chunk_size", [
     ([1], 4), ([1, 1, 1], 4),          # decodes alone: the chunk scan skipped
-    ([2] * 7 + [1], 8),                # more short prefills than the scan's middle size of chunks takes
+    ([2] * 7 + [1], 8),                # more short prefills than the scan's usual size of chunks takes:
+    ([2] * 5 + [3], 16),               # the most slots, made in groups of the usual size (the last padded)
     ([4], 4), ([5], 4), ([9], 4),      # a prefill at, past and across chunk boundaries
     ([3, 1, 7, 1, 1, 6], 4),           # decodes between prefill chunks
     ([17, 2, 1], 8),                   # a long chunk, a two-token one, a decode
@@ -92,6 +93,24 @@ def test_a_prefill_split_into_chunks_continues_from_each_chunks_state():
         np.testing.assert_allclose(y[:n], want_y[part], rtol=2e-4, atol=2e-4)
         start += n
     np.testing.assert_allclose(state, want_final, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("num_tokens, num_reqs, heads, head_dim, state_size, chunk_size", [
+    (256, 32, 8, 16, 16, 16), (1024, 64, 16, 32, 64, 64),
+    (512, 128, 80, 64, 128, 256),  # Mamba2-2.7B's SSM: many short prefills, in groups
+])
+def test_the_budgets_scan_bound_holds_what_xla_keeps_for_the_scan(num_tokens, num_reqs, heads, head_dim, state_size,
+                                                                   chunk_size):
+    """The KV cache's budget reserves scan_bytes for a Mamba layer: it must cover the compiled scan's
+    temporaries (XLA's memory analysis) without reserving much more."""
+    f32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
+    args = (f32((num_tokens, heads, head_dim)), f32((num_tokens, heads)), f32((heads,)),
+            f32((num_tokens, 1, state_size)), f32((num_tokens, 1, state_size)),
+            f32((num_reqs, heads, head_dim, state_size)), jax.ShapeDtypeStruct((num_reqs + 1,), jnp.int32),
+            jax.ShapeDtypeStruct((1,), jnp.int32))
+    scan = jax.jit(functools.partial(ragged_ssd, chunk_size=chunk_size)).lower(*args).compile()
+    kept = scan.memory_analysis().temp_size_in_bytes
+    assert kept <= scan_bytes(num_tokens, num_reqs, chunk_size, heads, head_dim, state_size) <= 1.5 * kept
 
 
 def test_chunk_layout_covers_each_prefill_token_once_and_no_decode():

@@ -146,3 +146,23 @@ def test_a_budget_too_small_for_the_scan_names_the_settings_that_size_it(monkeyp
     with pytest.raises(ValueError, match=r"the KV cache has 0 blocks.*a Mamba layer's scan keeps [0-9.]+ GiB for a "
                                          r"step of max_num_batched_tokens=32 and max_num_seqs=4: lower those"):
         LLM(tiny_model("mamba2"), **{**ENGINE, "num_gpu_blocks_override": None})
+
+
+def test_mamba2_2_7b_at_the_gpu_defaults_keeps_a_state_slot_per_request_on_an_80_gb_card(monkeypatch):
+    """The budget's reserve for the SSD scan (kernels/ssd.py scan_bytes) leaves room for the states of
+    max_num_seqs requests beside the 2.7B weights, at 8192 batched tokens and 256 requests."""
+    from jaxllm.models.kv_layout import model_kv_layout
+    from jaxllm.worker import kv_cache
+
+    class Card:  # an H100 80GB, the weights on it
+        process_index = 0
+
+        def memory_stats(self):
+            return {"bytes_limit": int(79.2 * 2**30), "bytes_in_use": int(2.7e9 * 2)}
+
+    config = EngineArgs(model="mamba2-2.7b", load_format="dummy", max_num_batched_tokens=8192,
+                        max_num_seqs=256).create_config()
+    monkeypatch.setattr(kv_cache.jax, "local_devices", lambda: [Card()])
+    arch = config.model.arch
+    cache = kv_cache.KVCache(config, arch, model_kv_layout(arch), make_mesh())
+    assert cache.num_blocks == 256
