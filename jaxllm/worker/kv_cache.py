@@ -72,6 +72,8 @@ class KVCache:
             start += len(tensors)
         # Blocks per block id in each model's tensors: a draft model's groups each take one (draft_model.py).
         self._blocks_per_id = [1] + ([draft[1]] if draft else [])
+        # The bytes the budget left for a step's temporaries, where it was sized from the device's memory
+        self.step_reserve: int | None = None
         self.num_state_slots = config.scheduler.max_num_seqs if layout.hybrid else 0
         self._state_tensors = layout.state_tensors()  # the target's tensors of num_state_slots rows
         self.num_blocks = self._num_blocks()
@@ -157,8 +159,9 @@ class KVCache:
         if not stats:  # a host that holds no stage: the others size the cache
             num_blocks = np.iinfo(np.int32).max
         elif any("bytes_limit" in s for s in stats.values()):
+            self.step_reserve = self._activation_bytes()
             num_blocks = min(
-                int((s["bytes_limit"] * cache.gpu_memory_utilization - s["bytes_in_use"] - self._activation_bytes()
+                int((s["bytes_limit"] * cache.gpu_memory_utilization - s["bytes_in_use"] - self.step_reserve
                      - self._processor_state_bytes() - self.state_bytes) // self._stage_bytes_per_block(i))
                 for i, s in stats.items())
         else:

@@ -3,6 +3,7 @@ store) and run once, so that serving never compiles. What each executable is low
 lives here; executables.py keeps and compiles them.
 """
 import itertools
+import logging
 import os
 import time
 
@@ -14,6 +15,8 @@ from jaxllm import compilation, distributed
 from jaxllm.sample.sampler import SampleMode
 from jaxllm.worker import input_batch as batching
 from jaxllm.worker.executables import DRAFT, FORWARD, LOGPROBS, POOL, PROMPT_LOGPROBS, SAMPLER, STAGE, ExecutableKey
+
+logger = logging.getLogger(__name__)
 
 
 def run_warm_up(runner, show_progress: bool = True) -> None:
@@ -33,6 +36,9 @@ def run_warm_up(runner, show_progress: bool = True) -> None:
                         runner.pooler is not None, num_stages)
     split = runner.executables.build(keys, lambda key, info: lower(runner, key, info), show_progress)
     compiled_s = time.perf_counter() - start
+    if runner.kv_cache.step_reserve is not None and (warning := outgrown_reserve(runner.executables.compiled,
+                                                                                 runner.kv_cache.step_reserve)):
+        logger.warning(warning)
     distributed.barrier("jaxllm-compiled")  # other hosts may compile for longer
     runner.processor_rows.write([], {})
     row_buckets = set()
@@ -54,6 +60,26 @@ def run_warm_up(runner, show_progress: bool = True) -> None:
                     jax.block_until_ready(runner.dispatch(token_bucket, buffer, mode, processed))
     runner.startup_s["compile"] = time.perf_counter() - start
     runner.compile_split = f"{split}, first runs {runner.startup_s['compile'] - compiled_s:.1f} s"
+
+
+def outgrown_reserve(compiled: dict[ExecutableKey, jax.stages.Compiled], reserve: int) -> str | None:
+    """A warning where an executable's temporaries (XLA's memory analysis) take more than the `reserve`
+    bytes the KV cache's budget left for a step (a formula: worker/kv_cache.py): its first run may then
+    not find the memory."""
+    temp = {key: b for key, c in compiled.items() if (b := _temp_bytes(c)) is not None}
+    if not temp or max(temp.values()) <= reserve:
+        return None
+    widest = max(temp, key=temp.get)
+    return (f"the {widest} executable keeps {temp[widest] / 2**30:.2f} GiB of temporaries, more than the "
+            f"{reserve / 2**30:.2f} GiB the KV cache's budget left for a step: it may run out of memory; "
+            "lower max_num_batched_tokens, max_num_seqs or gpu_memory_utilization")
+
+
+def _temp_bytes(compiled: jax.stages.Compiled) -> int | None:
+    try:
+        return compiled.memory_analysis().temp_size_in_bytes
+    except Exception:  # a backend without the analysis: nothing to check
+        return None
 
 
 def warm_up_keys(token_buckets: list[int], layouts: dict, logprob_buckets: list[int],
