@@ -290,7 +290,8 @@ class EngineArgs:
                f"and the checkpoint is quantized ({quantization and quantization.method!r})")
         # KV heads fewer than the devices are replicated (worker/kv_heads.py): TP must divide the q
         # heads, and the KV heads must divide TP or TP them.
-        _check(arch.num_heads % tp == 0 and (arch.num_kv_heads % tp == 0 or tp % arch.num_kv_heads == 0),
+        attention = arch.mamba is None or len(arch.mamba.layers) < arch.num_layers
+        _check(not attention or arch.num_heads % tp == 0 and (arch.num_kv_heads % tp == 0 or tp % arch.num_kv_heads == 0),
                f"tensor_parallel_size={tp} must divide the model's attention heads ({arch.num_heads}), "
                f"and divide or be a multiple of its KV heads ({arch.num_kv_heads})")
         dense_mlp = arch.moe is None or len(arch.moe.sparse_layers) < arch.num_layers
@@ -400,8 +401,10 @@ class EngineArgs:
         request's state slot holds its whole prefix, not blocks another request can share)."""
         if arch.mamba is None:
             return self.enable_prefix_caching
-        for ok, what in ((self.tensor_parallel_size == 1, f"tensor_parallel_size={self.tensor_parallel_size}"),
-                         (speculative is None, "speculative_config"), (quantization is None, "quantization"),
+        tp = self.tensor_parallel_size
+        _check(arch.mamba.num_heads % tp == 0, f"tensor_parallel_size={tp} must divide the model's Mamba heads "
+               f"({arch.mamba.num_heads}): each device runs whole heads")
+        for ok, what in ((speculative is None, "speculative_config"), (quantization is None, "quantization"),
                          (not self.batch_invariant, "batch_invariant")):
             _check(ok, f"a {arch.architecture} model does not run with {what} yet")
         if self.enable_prefix_caching:

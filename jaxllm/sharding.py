@@ -25,6 +25,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
     ("kv_heads", "model"),  # the KV cache's heads
     ("mlp", "model"),       # intermediate: gate_up out ([2, intermediate]), down in
     ("expert", "model"),    # a MoE layer's stacked experts under expert parallelism (models/moe.py)
+    ("ssm_heads", "model"), # a Mamba layer's heads, or its channels in whole heads (models/mamba2.py)
     ("norm", None),         # RMSNorm scales
 )
 _RULES = dict(LOGICAL_AXIS_RULES)
@@ -118,7 +119,12 @@ def named_sharding(mesh: Mesh, logical_axes: tuple[str | None, ...]) -> NamedSha
 
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
     """[num_blocks, block_size, num_kv_heads, head_dim] caches shard over KV heads."""
-    return NamedSharding(mesh, PartitionSpec(None, None, _RULES["kv_heads"], None))
+    return split_over_model(mesh, 4, 2)
+
+
+def split_over_model(mesh: Mesh, ndim: int, axis: int) -> NamedSharding:
+    """An array of `ndim` axes whose `axis` splits over the mesh's "model" axis (tensor parallelism)."""
+    return NamedSharding(mesh, PartitionSpec(*("model" if a == axis else None for a in range(ndim))))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

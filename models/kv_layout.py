@@ -12,7 +12,7 @@ fall out of its window, and another group (or request) takes them.
 
 A group of Mamba layers (vLLM's MambaSpec) holds one block per request, whatever its length: its
 state slot, which indexes each layer's fixed-size states (models/mamba_config.py) instead of K/V.
-    Mamba2: one group of every layer, one state tensor pair (conv, SSM) per layer.
+    Mamba2: one group of every layer, one state tensor (conv x, conv B and C, SSM) per layer.
 
 A hybrid model (Granite 4.0-H: attention and Mamba layers) has its attention layers' groups as
 above, then one Mamba group whose layers' states are KV tensors of their own, after the attention
@@ -33,7 +33,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxllm.sharding import kv_cache_sharding, replicated
+from jaxllm.sharding import replicated, split_over_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,13 +47,16 @@ class KVCacheGroup:
 @dataclasses.dataclass(frozen=True)
 class KVCacheSpec:
     """What one KV tensor holds per block id: an array [num_blocks, *shape] for each of `shapes`.
-    Attention's K and V ([block_size, kv_heads, head_dim] each), sharded over the KV heads; latent
+    Attention's K and V ([block_size, kv_heads, head_dim] each), split over the KV heads; latent
     attention's one latent a token ([block_size, 1, kv_lora_rank + qk_rope_head_dim]), which every
-    head reads: replicated; a Mamba layer's state slot (conv [conv_kernel - 1, conv_dim], SSM
-    [heads, head_dim, state_size]), replicated, in the model's dtype rather than the cache's; an
-    n-gram drafter's token ids ([block_size] int32: worker/ngram_drafter.py), replicated."""
+    head reads: replicated; a Mamba layer's state slot (models/mamba_config.py state_shapes: the conv's
+    x inputs and SSM state split over the heads, its B and C inputs replicated), in the model's dtype
+    rather than the cache's; an n-gram drafter's token ids ([block_size] int32:
+    worker/ngram_drafter.py), replicated."""
     shapes: tuple[tuple[int, ...], ...]
-    kv_heads: bool = False     # the arrays shard over the KV heads (their dim 2); else replicated
+    # Per array, its axis (of [num_blocks, *shape]) split over the mesh's "model" axis, or None
+    # (replicated); () replicates every array.
+    split_axes: tuple[int | None, ...] = ()
     model_dtype: bool = False  # the arrays in the model's dtype (Mamba's states), not the KV cache's
     dtype: str | None = None   # a dtype of their own (token ids' "int32"), whatever the cache's and the model's
 
@@ -61,13 +64,17 @@ class KVCacheSpec:
         dtype = self.dtype or (model_dtype if self.model_dtype else cache_dtype)
         return [jax.ShapeDtypeStruct((num_blocks, *shape), dtype) for shape in self.shapes]
 
-    def bytes_per_block(self, cache_dtype, model_dtype) -> int:
-        return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in self.arrays(1, cache_dtype, model_dtype))
+    def bytes_per_block(self, cache_dtype, model_dtype, model_devices: int = 1) -> int:
+        """A block id's bytes: in all, or on each of `model_devices` devices of the mesh's "model" axis."""
+        split = self.split_axes or (None,) * len(self.shapes)
+        return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize // (1 if axis is None else model_devices)
+                   for a, axis in zip(self.arrays(1, cache_dtype, model_dtype), split))
 
     def shardings(self, mesh) -> tuple:
         """The arrays' NamedShardings on `mesh`."""
-        sharding = kv_cache_sharding(mesh) if self.kv_heads else replicated(mesh)
-        return (sharding,) * len(self.shapes)
+        split = self.split_axes or (None,) * len(self.shapes)
+        return tuple(replicated(mesh) if axis is None else split_over_model(mesh, len(shape) + 1, axis)
+                     for shape, axis in zip(self.shapes, split))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,11 +109,15 @@ def model_kv_spec(config, block_size: int) -> KVCacheSpec:
         return _state_spec(config)
     if config.mla is not None:
         return KVCacheSpec(((block_size, 1, config.mla.latent_dim),))
-    return KVCacheSpec(((block_size, config.num_kv_heads, config.head_dim),) * 2, kv_heads=True)
+    return _attention_spec(config, block_size)
+
+
+def _attention_spec(config, block_size: int) -> KVCacheSpec:
+    return KVCacheSpec(((block_size, config.num_kv_heads, config.head_dim),) * 2, split_axes=(2, 2))
 
 
 def _state_spec(config) -> KVCacheSpec:
-    return KVCacheSpec((config.mamba.conv_state_shape, config.mamba.ssm_state_shape), model_dtype=True)
+    return KVCacheSpec(config.mamba.state_shapes, split_axes=(2, None, 1), model_dtype=True)
 
 
 def model_kv_specs(config, block_size: int) -> tuple[KVCacheSpec, ...]:
@@ -115,7 +126,7 @@ def model_kv_specs(config, block_size: int) -> tuple[KVCacheSpec, ...]:
     layout = model_kv_layout(config)
     if not layout.hybrid:
         return (model_kv_spec(config, block_size),) * layout.num_tensors
-    attention = KVCacheSpec(((block_size, config.num_kv_heads, config.head_dim),) * 2, kv_heads=True)
+    attention = _attention_spec(config, block_size)
     states = layout.state_tensors()
     return tuple(_state_spec(config) if t in states else attention for t in range(layout.num_tensors))
 

@@ -35,8 +35,8 @@ from jaxllm.models.mamba2 import Mamba2ForCausalLM
 from jaxllm.models.moe import Experts, MoeForCausalLM
 from jaxllm.models.quant_checkpoint import quantized_weights
 from jaxllm.models.quant_config import FP8_BLOCK, INT4, QuantConfig
-from jaxllm.models.tensor_sources import (ExpertsSource, GateUpSource, Index, QKVSource, SharedSource,
-                                          StackedGateUpSource, TensorSource)
+from jaxllm.models.tensor_sources import (ExpertsSource, GateUpSource, Index, MambaHeadsSource, QKVSource,
+                                          RowsSource, SharedSource, StackedGateUpSource, TensorSource)
 from jaxllm.sharding import StageMeshes, named_sharding
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,8 @@ _HF_RENAMES = {
 }
 # Granite 4.0-H's MLPs as HF stacks them: one tensor per projection, gate's rows then up's in input_linear.
 _GRANITE_LINEARS = {"gate_up_proj": "input_linear", "down_proj": "output_linear"}
+# A Mamba mixer's params read from rows of one HF tensor (models/mamba2.py): the tensor's module.
+MAMBA_PARTS = {"zxdt_proj": "in_proj", "bc_proj": "in_proj", "conv_x": "conv1d", "conv_bc": "conv1d"}
 
 
 def abstract_params(config: ModelArchConfig, dtype, quantization: QuantConfig | None = None,
@@ -255,19 +257,19 @@ def checkpoint_params(config: ModelArchConfig, params: dict, weights: Iterable[t
         if name not in tensors:
             raise ValueError(f"unexpected tensor {name!r} in checkpoint: the {config.architecture} "
                              f"model has no param {'.'.join(map(str, hf_name_to_path(name)))}")
-        path, expected = tensors[name]
-        parts = arrived.setdefault(path, {})
-        if name in parts or path in done:
-            raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
-        if tuple(source.shape) != expected:
-            raise ValueError(f"tensor {name!r} has shape {tuple(source.shape)}, expected {expected}")
-        parts[name] = source
-        names = path_to_hf_names(path, config)
-        if len(parts) < len(names):
-            continue  # a fused param waits for its other parts
-        del arrived[path]
-        done.add(path)
-        yield path, _packed(config, path, [(n, parts[n]) for n in names], _fuse(params[path]))
+        for path, expected in tensors[name]:  # its param (a Mamba mixer's in_proj and conv1d: two)
+            parts = arrived.setdefault(path, {})
+            if name in parts or path in done:
+                raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
+            if tuple(source.shape) != expected:
+                raise ValueError(f"tensor {name!r} has shape {tuple(source.shape)}, expected {expected}")
+            parts[name] = source
+            names = path_to_hf_names(path, config)
+            if len(parts) < len(names):
+                continue  # a fused param waits for its other parts
+            del arrived[path]
+            done.add(path)
+            yield path, _packed(config, path, [(n, parts[n]) for n in names], _fuse(params[path]))
     if kv_scales:
         logger.warning("the checkpoint's %d calibrated attention scales (k_scale, v_scale, ...) are not read: an "
                        "8-bit KV cache (kv_cache_dtype='fp8') scales by 1", kv_scales)
@@ -342,14 +344,15 @@ def _fuse(var) -> str:
     return _metadata(var).get("fuse", "rows")
 
 
-def hf_tensors(config: ModelArchConfig, params: dict) -> dict[str, tuple[ParamPath, tuple[int, ...]]]:
-    """Every HF tensor the params are read from: name -> (its param's path, its shape in HF
-    layout, e.g. a kernel's reversed). params: path -> the model's abstract param."""
+def hf_tensors(config: ModelArchConfig, params: dict) -> dict[str, list[tuple[ParamPath, tuple[int, ...]]]]:
+    """Every HF tensor the params are read from: name -> [(its param's path, its shape in HF layout,
+    e.g. a kernel's reversed)], one param but for a Mamba mixer's in_proj and conv1d (two each).
+    params: path -> the model's abstract param."""
     tensors = {}
     for path, var in params.items():
         hf_shape = tuple(var.shape[i] for i in np.argsort(hf_axes(path, var)))
         for name, shape in zip(path_to_hf_names(path, config), _part_shapes(config, path, hf_shape, _fuse(var))):
-            tensors[name] = (path, shape)
+            tensors.setdefault(name, []).append((path, shape))
     return tensors
 
 
@@ -358,6 +361,11 @@ def _part_shapes(config: ModelArchConfig, path: ParamPath, hf_shape: tuple[int, 
     """The HF-layout shapes of the tensors a param of this HF-layout shape is read from."""
     if fuse != "rows":
         return [hf_shape] * len(path_to_hf_names(path, config))
+    if _mamba_part(config, path):  # the whole tensor its rows are read from: [rows, *rest]
+        m = config.mamba
+        rows = (2 * m.intermediate_size + 2 * m.group_dim + m.num_heads if MAMBA_PARTS[path[-2]] == "in_proj"
+                else m.conv_dim)
+        return [(rows, *hf_shape[2:])] if path[-2] == "zxdt_proj" else [(rows, *hf_shape[1:])]
     granite = _granite_linear(config, path)
     if granite:  # input_linear: [..., I, 2, H] from one [..., 2I, H]
         return [(*hf_shape[:-3], 2 * hf_shape[-3], hf_shape[-1])] if granite == "input_linear" else [hf_shape]
@@ -379,6 +387,11 @@ def _packed(config: ModelArchConfig, path: ParamPath, parts: list[tuple[str, Ten
     sources = [source for _, source in parts]
     if fuse != "rows" and len(parts) > 1:
         return SharedSource(parts, fuse)
+    if _mamba_part(config, path):
+        m = config.mamba
+        if path[-2] == "zxdt_proj":
+            return MambaHeadsSource(sources[0], m.num_heads, m.head_dim, 2 * m.group_dim)
+        return RowsSource(sources[0], *mamba_rows(m, path[-2]))
     granite = _granite_linear(config, path)
     if granite:
         return StackedGateUpSource(sources[0]) if granite == "input_linear" else sources[0]
@@ -413,6 +426,8 @@ def path_to_hf_names(path: ParamPath, config: ModelArchConfig) -> list[str]:
     granite = _granite_linear(config, path)
     if granite:  # block_sparse_moe.experts.gate_up_proj -> block_sparse_moe.input_linear.weight, and so
         return [_hf_name((*module[:-1], granite, "kernel"))]  # shared_mlp.gate_up_proj.kernel
+    if _mamba_part(config, path):  # mixer.zxdt_proj.kernel -> mixer.in_proj.weight, and so on
+        return [_renamed(_hf_name((*module[:-1], MAMBA_PARTS[module[-1]], leaf)), config.architecture)]
     if module and module[-1] == "experts":
         parts = FUSED_PROJECTIONS.get(leaf, (leaf,))
         names = [_hf_name((*module, e, part, "kernel")) for e in range(config.moe.num_experts) for part in parts]
@@ -433,6 +448,18 @@ def _granite_linear(config: ModelArchConfig, path: ParamPath) -> str | None:
     if path[-1] == "kernel" and path[-3:-2] == ("shared_mlp",):
         return _GRANITE_LINEARS.get(path[-2])
     return None
+
+
+def mamba_rows(mamba, part: str) -> tuple[int, int]:
+    """The rows of its HF tensor a Mamba mixer's bc_proj, conv_x or conv_bc is read from."""
+    inner = mamba.intermediate_size
+    return {"bc_proj": (2 * inner, 2 * inner + 2 * mamba.group_dim), "conv_x": (0, inner),
+            "conv_bc": (inner, mamba.conv_dim)}[part]
+
+
+def _mamba_part(config: ModelArchConfig, path: ParamPath) -> bool:
+    """A Mamba mixer's param read from rows of HF's in_proj or conv1d (MAMBA_PARTS)."""
+    return config.mamba is not None and len(path) >= 2 and path[-2] in MAMBA_PARTS
 
 
 def _renamed(name: str, architecture: str) -> str:

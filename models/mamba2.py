@@ -7,8 +7,8 @@ attention and MLP.
             y = SSM(x, dt = clip(softplus(dt + dt_bias)), A = -exp(A_log), B, C) + D x
             out_proj(rmsnorm(y * silu(z)) * weight)
 
-Each request has two states per layer, in its state slot (the Mamba KV cache group's one block,
-models/kv_layout.py): the conv's last conv_kernel - 1 inputs and the SSM state. A step's tokens
+Each request has its states per layer in its state slot (the Mamba KV cache group's one block,
+models/kv_layout.py): the conv's last conv_kernel - 1 inputs (of x, and of B and C) and the SSM state. A step's tokens
 read them where the request has computed tokens before (a later prefill chunk, a decode) and
 leave them after its last token; a request's first step starts from zeros, whatever the slot held.
 The residual stream is fp32 with `residual_in_fp32` (HF's default). The gated RMSNorm normalizes
@@ -87,53 +87,69 @@ def _inputs(xbc, conv_state, requests: Requests, req, rel):
 
 
 class Conv1d(nnx.Module):
-    """A depthwise conv's params in HF's layout: weight [channels, 1, kernel], bias [channels]."""
+    """A depthwise conv's params in HF's layout: weight [channels, 1, kernel], bias [channels]; its
+    channels split over devices along `axis` (a logical axis name, or None: replicated)."""
 
-    def __init__(self, channels: int, kernel: int, bias: bool, *, dtype, rngs):
-        self.weight = _param(rngs, (channels, 1, kernel), (None, None, None), dtype)
-        self.bias = _param(rngs, (channels,), (None,), dtype) if bias else None
+    def __init__(self, channels: int, kernel: int, bias: bool, axis: str | None, *, dtype, rngs):
+        self.weight = _param(rngs, (channels, 1, kernel), (axis, None, None), dtype)
+        self.bias = _param(rngs, (channels,), (axis,), dtype) if bias else None
+
+    def __call__(self, x, conv_state, requests: Requests):
+        return causal_conv(x, conv_state, self.weight[...], None if self.bias is None else self.bias[...], requests)
 
 
 class Mamba2Mixer(nnx.Module):
+    """HF's in_proj and conv1d are held in parts (models/loader.py reads each from its rows of HF's
+    tensor), so that under tensor parallelism each device holds whole heads and runs them alone:
+    zxdt_proj [hidden, heads, 2 * head_dim + 1] (per head its z, x and dt rows) and conv_x (x's
+    channels) split over the heads, bc_proj and conv_bc (B and C of every group) on every device.
+    The gated norm's mean over the whole width and out_proj's sum are the collectives."""
+
     def __init__(self, config: ModelArchConfig, *, dtype, rngs):
         m = config.mamba
         self.mamba = m
-        self.in_proj = Linear(config.hidden_size, m.intermediate_size + m.conv_dim + m.num_heads, ("embed", None),
-                              bias=m.use_bias, dtype=dtype, rngs=rngs)
-        self.conv1d = Conv1d(m.conv_dim, m.conv_kernel, m.use_conv_bias, dtype=dtype, rngs=rngs)
-        self.dt_bias = _param(rngs, (m.num_heads,), (None,), dtype)
-        self.A_log = _param(rngs, (m.num_heads,), (None,), dtype)
-        self.D = _param(rngs, (m.num_heads,), (None,), dtype)
+        self.zxdt_proj = Linear(config.hidden_size, (m.num_heads, 2 * m.head_dim + 1), ("embed", "ssm_heads", None),
+                                bias=m.use_bias, dtype=dtype, rngs=rngs)
+        kernel = self.zxdt_proj.kernel
+        self.zxdt_proj.kernel = nnx.Param(kernel[...], **{**kernel.get_metadata(), "hf_axes": (2, 0, 1)})
+        self.bc_proj = Linear(config.hidden_size, 2 * m.group_dim, ("embed", None), bias=m.use_bias,
+                              dtype=dtype, rngs=rngs)
+        self.conv_x = Conv1d(m.intermediate_size, m.conv_kernel, m.use_conv_bias, "ssm_heads", dtype=dtype, rngs=rngs)
+        self.conv_bc = Conv1d(2 * m.group_dim, m.conv_kernel, m.use_conv_bias, None, dtype=dtype, rngs=rngs)
+        self.dt_bias = _param(rngs, (m.num_heads,), ("ssm_heads",), dtype)
+        self.A_log = _param(rngs, (m.num_heads,), ("ssm_heads",), dtype)
+        self.D = _param(rngs, (m.num_heads,), ("ssm_heads",), dtype)
         self.norm = RMSNorm(m.intermediate_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.out_proj = Linear(m.intermediate_size, config.hidden_size, (None, "embed"), bias=m.use_bias,
+        self.out_proj = Linear(m.intermediate_size, config.hidden_size, ("ssm_heads", "embed"), bias=m.use_bias,
                                dtype=dtype, rngs=rngs)
 
     def __call__(self, x, state, md: AttentionMetadata):
-        """x [T, hidden]; state (conv [S, K - 1, conv_dim], ssm [S, heads, head_dim, state_size]), S
-        state slots; md: the layer's group's metadata. Returns ([T, hidden], the updated state)."""
+        """x [T, hidden]; state (conv x [S, K - 1, intermediate], conv B and C [S, K - 1, 2 * groups *
+        state_size], ssm [S, heads, head_dim, state_size]), S state slots; md: the layer's group's
+        metadata. Returns ([T, hidden], the updated state)."""
         m, num_tokens = self.mamba, x.shape[0]
-        conv_state, ssm_state = state
+        conv_x, conv_bc, ssm_state = state
         requests = Requests.of(md, ssm_state.shape[0])
-        z, xbc, dt = jnp.split(self.in_proj(x), [m.intermediate_size, m.intermediate_size + m.conv_dim], axis=-1)
-        xbc, conv_state = causal_conv(xbc, conv_state, self.conv1d.weight[...],
-                                      None if self.conv1d.bias is None else self.conv1d.bias[...], requests)
-        xbc = jax.nn.silu(xbc).astype(x.dtype)
-        group_dim = m.n_groups * m.state_size
-        xs, B, C = jnp.split(xbc.astype(jnp.float32), [m.intermediate_size, m.intermediate_size + group_dim], axis=-1)
+        zxdt = self.zxdt_proj(x)                                            # [T, heads, 2 * head_dim + 1]
+        z, xs, dt = zxdt[..., :m.head_dim], zxdt[..., m.head_dim:-1], zxdt[..., -1]
+        xs, conv_x = self.conv_x(xs.reshape(num_tokens, m.intermediate_size), conv_x, requests)
+        bc, conv_bc = self.conv_bc(self.bc_proj(x), conv_bc, requests)
+        # silu in the model's dtype, as HF applies it to the conv's output
+        xs = jax.nn.silu(xs).astype(x.dtype).astype(jnp.float32).reshape(num_tokens, m.num_heads, m.head_dim)
+        B, C = jnp.split(jax.nn.silu(bc).astype(x.dtype).astype(jnp.float32), 2, axis=-1)
         dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)),
                       *m.time_step_limit)
         initial = jnp.where(requests.has_state[:, None, None, None],
                             ssm_state[requests.slots].astype(jnp.float32), 0.0)
-        xs = xs.reshape(num_tokens, m.num_heads, m.head_dim)
         y, states = ragged_ssd(xs, dt, -jnp.exp(self.A_log[...].astype(jnp.float32)),
                                B.reshape(num_tokens, m.n_groups, m.state_size),
                                C.reshape(num_tokens, m.n_groups, m.state_size), initial,
                                requests.query_start_loc, requests.num_seqs, m.chunk_size, chunk_terms_fn())
         y = y + self.D[...].astype(jnp.float32)[:, None] * xs
         ssm_state = ssm_state.at[requests.write_slots].set(states.astype(ssm_state.dtype), mode="drop")
-        gated = y.reshape(num_tokens, m.intermediate_size) * jax.nn.silu(z.astype(jnp.float32))
+        gated = y.reshape(num_tokens, m.intermediate_size) * jax.nn.silu(z.reshape(num_tokens, -1).astype(jnp.float32))
         y = (self.norm.weight[...] * rms_normalize(gated, self.norm.eps)).astype(x.dtype)
-        return self.out_proj(y), (conv_state, ssm_state)
+        return self.out_proj(y), (conv_x, conv_bc, ssm_state)
 
 
 class Mamba2DecoderLayer(nnx.Module):
@@ -160,5 +176,5 @@ class Mamba2Norm(RMSNorm):
 
 class Mamba2ForCausalLM(LlamaForCausalLM):
     """Llama's model of Mamba2 layers: the states take the KV caches' place (kv_caches holds a
-    (conv, ssm) pair per layer), positions are unused."""
+    (conv x, conv B and C, SSM) per layer), positions are unused."""
     decoder_layer, final_norm = Mamba2DecoderLayer, Mamba2Norm

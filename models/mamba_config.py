@@ -53,16 +53,20 @@ class MambaConfig:
     @property
     def conv_dim(self) -> int:
         """The convolved channels: x, then B and C of every group."""
-        return self.intermediate_size + 2 * self.n_groups * self.state_size
+        return self.intermediate_size + 2 * self.group_dim
 
     @property
-    def conv_state_shape(self) -> tuple[int, int]:
-        """A request's convolution state in one layer: its last conv_kernel - 1 inputs, oldest first."""
-        return self.conv_kernel - 1, self.conv_dim
+    def group_dim(self) -> int:
+        """B's (or C's) channels: state_size per group."""
+        return self.n_groups * self.state_size
 
     @property
-    def ssm_state_shape(self) -> tuple[int, int, int]:
-        return self.num_heads, self.head_dim, self.state_size
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """A request's states in one layer: its convolution's last conv_kernel - 1 inputs, oldest first,
+        of x (in heads' order: they split over devices with the heads) and of B and C (every device
+        convolves them all), and its SSM state."""
+        k = self.conv_kernel - 1
+        return (k, self.intermediate_size), (k, 2 * self.group_dim), (self.num_heads, self.head_dim, self.state_size)
 
 
 def read_keys(d: dict, keys: dict, positive: tuple[str, ...], model: str) -> dict:

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.models.config import ModelArchConfig
-from jaxllm.models.loader import ParamPath, checkpoint_params, hf_axes, hf_tensors, path_to_hf_names
+from jaxllm.models.loader import (MAMBA_PARTS, ParamPath, checkpoint_params, hf_axes, hf_tensors, mamba_rows,
+                                  path_to_hf_names)
 from jaxllm.sharding import replicated
 
 ENGINE, HF = "engine", "hf"
@@ -65,7 +66,8 @@ def check(params: Mapping, abstract: dict, arch: ModelArchConfig, mesh: jax.shar
     else:
         given = dict(params)
         dtypes = {path: var.dtype for path, var in abstract.items()}
-        expected = {name: (shape, dtypes[path]) for name, (path, shape) in hf_tensors(arch, _hf_abstract(abstract, arch)).items()}
+        expected = {name: (shape, dtypes[path]) for name, [(path, shape), *_] in
+                    hf_tensors(arch, _hf_abstract(abstract, arch)).items()}
         if arch.tie_word_embeddings:
             given.pop("lm_head.weight", None)
         names = {name: name for name in set(given) | set(expected)}
@@ -117,25 +119,32 @@ def place(params: Mapping, layout: str, abstract: dict, shardings: dict, arch: M
                                                          if name != "lm_head.weight" or not arch.tie_word_embeddings)):
         parts = [jax.device_put(params[name], replicated(shardings[path].mesh))
                  for name in path_to_hf_names(path, arch)]
-        pack = _packer(_packing(path), hf_axes(path, abstract[path]), arch.num_kv_heads, arch.head_dim, repeat,
+        pack = _packer(_packing(path, arch), hf_axes(path, abstract[path]), arch.num_kv_heads, arch.head_dim, repeat,
                        abstract[path].dtype, shardings[path])
         yield path, pack(*parts)
 
 
-def _packing(path: ParamPath) -> str | None:
+def _packing(path: ParamPath, arch: ModelArchConfig) -> str | tuple | None:
     """How a param is packed from its HF tensors: "qkv_proj", "gate_up_proj", a MoE layer's stacked
-    "experts.gate_up_proj" or "experts.down_proj", or None (it is one tensor)."""
+    "experts.gate_up_proj" or "experts.down_proj", a Mamba mixer's ("zxdt_proj", heads, head_dim, B and
+    C's rows) or ("rows", start, stop) of its HF tensor (models/tensor_sources.py MambaHeadsSource,
+    RowsSource), or None (it is one tensor)."""
     if path[-2] == "experts":
         return f"experts.{path[-1]}"
+    if arch.mamba is not None and path[-2] in MAMBA_PARTS:
+        m = arch.mamba
+        return ("zxdt_proj", m.num_heads, m.head_dim, 2 * m.group_dim) if path[-2] == "zxdt_proj" else (
+            "rows", *mamba_rows(m, path[-2]))
     return path[-2] if path[-2] in ("qkv_proj", "gate_up_proj") else None
 
 
 @functools.lru_cache(maxsize=None)
-def _packer(fused: str | None, axes: tuple[int, ...], num_kv_heads: int, head_dim: int, repeat: int, dtype,
+def _packer(fused: str | tuple | None, axes: tuple[int, ...], num_kv_heads: int, head_dim: int, repeat: int, dtype,
             sharding):
-    """The jitted HF-to-engine packing of one param kind (models/tensor_sources.py: QKVSource, GateUpSource and
-    ExpertsSource's, in jnp), then its transposition by `axes` (loader.hf_axes), straight into its
-    sharding; one per kind and shape, so an update compiles nothing new."""
+    """The jitted HF-to-engine packing of one param kind (models/tensor_sources.py: QKVSource's,
+    GateUpSource's, ExpertsSource's and a Mamba mixer's, in jnp: _packing), then its transposition by
+    `axes` (loader.hf_axes), straight into its sharding; one per kind and shape, so an update compiles
+    nothing new."""
     def pack(*parts):
         if fused == "experts.gate_up_proj":  # expert e's gate and up: parts 2e and 2e + 1
             x = jnp.stack([jnp.stack(pair, axis=1) for pair in zip(parts[::2], parts[1::2])])
@@ -149,6 +158,13 @@ def _packer(fused: str | None, axes: tuple[int, ...], num_kv_heads: int, head_di
             x = jnp.concatenate(pieces, axis=1).reshape(-1, *q.shape[1:])
         elif fused == "gate_up_proj":
             x = jnp.stack(parts, axis=1)
+        elif isinstance(fused, tuple) and fused[0] == "rows":
+            x = parts[0][fused[1]:fused[2]]
+        elif isinstance(fused, tuple):  # per head its z rows, its x rows, its dt row
+            (w,), (_, heads, dim, bc_rows) = parts, fused
+            inner = heads * dim
+            z, x = (w[s:s + inner].reshape(heads, dim, *w.shape[1:]) for s in (0, inner))
+            x = jnp.concatenate([z, x, w[2 * inner + bc_rows:][:, None]], axis=1)
         else:
             (x,) = parts
         return jnp.transpose(x, axes).astype(dtype)

@@ -104,3 +104,37 @@ class ExpertsSource:
     def __getitem__(self, index: Index) -> np.ndarray:
         which, rest = index[0], tuple(index[1:])
         return np.stack([np.asarray(expert[rest]) for expert in self.experts[which]])
+
+
+class RowsSource:
+    """Rows start .. stop of a tensor (a Mamba mixer's B and C rows of in_proj, its x or B and C channels
+    of conv1d): a read reads just its piece of those rows."""
+
+    def __init__(self, whole: TensorSource, start: int, stop: int):
+        self.whole, self.start = whole, start
+        self.shape = (stop - start, *whole.shape[1:])
+
+    def __getitem__(self, index: Index) -> np.ndarray:
+        begin, end, _ = index[0].indices(self.shape[0])
+        return np.asarray(self.whole[(slice(self.start + begin, self.start + end), *index[1:])])
+
+
+class MambaHeadsSource:
+    """A Mamba mixer's zxdt_proj in HF layout, [heads, 2 * head_dim + 1, ...] from in_proj's rows [z (heads
+    * head_dim), x (the same), B and C (bc_rows), dt (heads)]: per head its z rows, its x rows, its dt row.
+    A read of some heads reads just those heads' rows of each part."""
+
+    def __init__(self, in_proj: TensorSource, num_heads: int, head_dim: int, bc_rows: int):
+        self.in_proj, self.num_heads, self.head_dim = in_proj, num_heads, head_dim
+        inner = num_heads * head_dim
+        self.starts = (0, inner, 2 * inner + bc_rows)  # z's, x's and dt's first rows
+        self.shape = (num_heads, 2 * head_dim + 1, *in_proj.shape[1:])
+
+    def __getitem__(self, index: Index) -> np.ndarray:
+        heads, parts, *rest = index
+        first, last, _ = heads.indices(self.num_heads)
+        p = self.head_dim
+        z, x = (np.asarray(self.in_proj[(slice(s + first * p, s + last * p), *rest)]) for s in self.starts[:2])
+        dt = np.asarray(self.in_proj[(slice(self.starts[2] + first, self.starts[2] + last), *rest)])
+        per_head = [a.reshape(last - first, p, *a.shape[1:]) for a in (z, x)] + [dt[:, None]]
+        return np.concatenate(per_head, axis=1)[:, parts]

@@ -144,7 +144,7 @@ def model_sizes(config: str, dtype_bytes: int) -> dict:
         kv_per_layer, flops_per_layer = mla.latent_dim, 2 * arch.num_heads * (mla.latent_dim + mla.kv_lora_rank)
     else:
         kv_per_layer, flops_per_layer = 2 * arch.num_kv_heads * arch.head_dim, 4 * arch.num_heads * arch.head_dim
-    state = mamba and math.prod(mamba.conv_state_shape) + math.prod(mamba.ssm_state_shape)
+    state = mamba and sum(map(math.prod, mamba.state_shapes))
     return {"dense_weight_bytes": counts["dense"] * dtype_bytes, "expert_weight_bytes": counts["experts"] * dtype_bytes,
             "expert_share_per_token": expert_share,
             "matmul_params": counts["matmul"] + expert_share * counts["experts"],  # a token's

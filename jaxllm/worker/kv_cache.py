@@ -2,8 +2,10 @@
 themselves, per KV tensor the arrays its KVCacheSpec names (models/kv_layout.py): (K, V)
 [num_blocks, block_size, kv_heads, head_dim], sharded over KV heads; latent attention's (latent,)
 [num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim], replicated; or a Mamba2 model's
-state slots (conv [num_blocks, conv_kernel - 1, conv_dim], SSM [num_blocks, heads, head_dim,
-state_size]) in the model's dtype, one slot per running request. A block id means one block in
+state slots (conv x [num_blocks, conv_kernel - 1, heads * head_dim] and SSM [num_blocks, heads,
+head_dim, state_size], sharded over the heads; conv B and C [num_blocks, conv_kernel - 1, 2 * groups
+* state_size], replicated) in the model's dtype, one slot per running request. The budget counts
+a device's share of each array. A block id means one block in
 one layer of each KV cache group (models/kv_layout.py), and in each of a drafter's tensors: a draft
 model's KV (worker/draft_model.py), an n-gram drafter's token ids (worker/ngram_drafter.py). A
 hybrid model's Mamba tensors hold num_state_slots state slots (max_num_seqs: one per running
@@ -125,20 +127,31 @@ class KVCache:
         pipeline parallelism in each stage's copy of a tensor its layers share."""
         return sum(self._stage_bytes_per_block(s) for s in range(len(self.stages)))
 
-    def _stage_bytes_per_block(self, stage: int) -> int:
+    def _stage_bytes_per_block(self, stage: int, per_device: bool = False) -> int:
         """What one block id takes on pipeline stage `stage` (a draft's tensors are the only stage's; a
-        hybrid model's state tensors are not blocks)."""
-        dtypes = self.config.cache.cache_dtype, self.config.model.dtype
+        hybrid model's state tensors are not blocks): in all, or on each of the stage's devices (the
+        arrays split over tensor parallelism's devices take a share each)."""
+        dtypes = self._dtypes(stage, per_device)
         target = sum(self._specs[0][t].bytes_per_block(*dtypes) for t in self.stages[stage].tensors
                      if t not in self._state_tensors)
         return target + sum(blocks * spec.bytes_per_block(*dtypes) for specs, blocks
                             in zip(self._specs[1:], self._blocks_per_id[1:]) for spec in specs)
 
+    def _state_bytes(self, stage: int = 0, per_device: bool = False) -> int:
+        """A hybrid model's state slots (0 for any other model): in all, or on each of its devices."""
+        dtypes = self._dtypes(stage, per_device)
+        return self.num_state_slots * sum(self._specs[0][t].bytes_per_block(*dtypes) for t in self._state_tensors
+                                          if t in self.stages[stage].tensors)
+
+    def _dtypes(self, stage: int, per_device: bool) -> tuple:
+        """KVCacheSpec.bytes_per_block's arguments: the dtypes, and the devices a split array is split over."""
+        devices = self.stages[stage].mesh.shape["model"] if per_device else 1
+        return self.config.cache.cache_dtype, self.config.model.dtype, devices
+
     @property
     def state_bytes(self) -> int:
-        """A hybrid model's state slots (0 for any other model)."""
-        dtypes = self.config.cache.cache_dtype, self.config.model.dtype
-        return self.num_state_slots * sum(self._specs[0][t].bytes_per_block(*dtypes) for t in self._state_tensors)
+        """A hybrid model's state slots, in all."""
+        return sum(self._state_bytes(s) for s in range(len(self.stages)))
 
     @property
     def num_tokens(self) -> int:
@@ -162,7 +175,8 @@ class KVCache:
             self.step_reserve = self._activation_bytes()
             num_blocks = min(
                 int((s["bytes_limit"] * cache.gpu_memory_utilization - s["bytes_in_use"] - self.step_reserve
-                     - self._processor_state_bytes() - self.state_bytes) // self._stage_bytes_per_block(i))
+                     - self._processor_state_bytes() - self._state_bytes(i, per_device=True))
+                    // self._stage_bytes_per_block(i, per_device=True))
                 for i, s in stats.items())
         else:
             budget = min(_CPU_KV_CACHE_BYTES,

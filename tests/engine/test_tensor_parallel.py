@@ -117,6 +117,49 @@ def test_every_array_is_placed_by_the_rules_and_no_device_holds_a_sharded_weight
 
 
 @needs_8
+def test_mamba_models_under_tensor_parallelism_give_one_devices_tokens_and_logprobs():
+    """Mamba2 (8 heads in 2 groups) over 2 and 8 devices, and Granite 4.0-H (Mamba2, attention and
+    experts) over 2: each device runs whole heads, its share of the states on it."""
+    for name, tps in (("mamba2", (2, 8)), ("granite_hybrid", (2,))):
+        want = run(tiny_model(name), 1)
+        for tp in tps:
+            with LLM(tiny_model(name), tensor_parallel_size=tp, **ENGINE) as llm:
+                assert_same_outputs(outputs(llm), want, f"{name}, tp={tp}")
+                conv_x, conv_bc, ssm = llm.llm_engine.engine_core.core.executor.runner.kv_caches[-1]
+                assert {s.data.shape[2] for s in conv_x.addressable_shards} == {64 // tp}  # x's channels
+                assert {s.data.shape for s in conv_bc.addressable_shards} == {conv_bc.shape}  # B and C: whole
+                assert {s.data.shape[1] for s in ssm.addressable_shards} == {8 // tp}  # heads
+
+
+@needs_8
+def test_the_memory_budget_counts_a_devices_share_of_the_split_caches(monkeypatch):
+    """Sized from a device's free memory, the cache of 2 devices holds twice the blocks of one: each
+    holds half of every block's KV heads."""
+    from jaxllm.config import EngineArgs
+    from jaxllm.models.kv_layout import model_kv_layout
+    from jaxllm.sharding import make_mesh
+    from jaxllm.worker import kv_cache
+
+    class Card:
+        process_index = 0
+
+        def memory_stats(self):
+            return {"bytes_limit": 2**30, "bytes_in_use": 0}
+
+    monkeypatch.setattr(kv_cache.jax, "local_devices", lambda: [Card()])
+    blocks = {}
+    for tp in (1, 2):
+        config = EngineArgs(model=tiny_model("llama"), tensor_parallel_size=tp, max_model_len=64,
+                            max_num_seqs=4).create_config()
+        arch = config.model.arch
+        cache = kv_cache.KVCache(config, arch, model_kv_layout(arch), make_mesh(tp))
+        free = 2**30 * config.cache.gpu_memory_utilization - cache.step_reserve - cache._processor_state_bytes()
+        blocks[tp] = cache.num_blocks
+        assert blocks[tp] == int(free // (cache.bytes_per_block // tp))
+    assert blocks[2] >= 2 * blocks[1] - 1
+
+
+@needs_8
 def test_heads_that_do_not_split_over_the_devices_are_a_clear_error():
     from jaxllm.config import EngineArgs
     with pytest.raises(ValueError, match="tensor_parallel_size=8 must divide the model's attention heads"):
@@ -139,8 +182,21 @@ def test_an_mlp_or_a_vocabulary_that_does_not_split_over_the_devices_is_a_clear_
         EngineArgs(model=model, tensor_parallel_size=4).create_config(four)
 
 
+def test_mamba_heads_that_do_not_split_over_the_devices_are_a_clear_error(tmp_path):
+    from jaxllm.config import EngineArgs
+    from jaxllm.device_facts import DeviceFacts
+    with open(os.path.join(tiny_model("mamba2"), "config.json")) as f:
+        config = json.load(f)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({**config, "num_heads": 6, "hidden_size": 24}, f)  # in 2 groups, 6 * 8 = 2 * 24
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 must divide the model's Mamba heads \(6\)"):
+        EngineArgs(model=str(tmp_path), load_format="dummy", tensor_parallel_size=4).create_config(
+            DeviceFacts("cpu", 4, "reference"))
+
+
 def test_tensor_parallel_over_eight_forced_devices():
     """The tests above, in a child process with 8 forced host devices."""
     if jax.device_count() >= 8:
         pytest.skip("this process has the devices: the tests above run here")
-    run_with_host_devices(__file__, "not eight_forced and not vocabulary", 8, "4 passed", timeout_s=900)
+    run_with_host_devices(__file__, "not eight_forced and not vocabulary and not mamba_heads", 8, "6 passed",
+                          timeout_s=900)

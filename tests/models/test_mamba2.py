@@ -50,8 +50,7 @@ def make_model_step():
         return m.compute_logits(hidden), states
 
     m = config.mamba
-    return step, lambda: [(jnp.zeros((4, *m.conv_state_shape)), jnp.zeros((4, *m.ssm_state_shape)))
-                          for _ in range(config.num_layers)]
+    return step, lambda: [tuple(jnp.zeros((4, *shape)) for shape in m.state_shapes) for _ in range(config.num_layers)]
 
 
 @pytest.fixture(scope="module")
