@@ -171,7 +171,7 @@ def random_hf_tensors(config: ModelArchConfig, seed=0):
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(seed)
     return [(name, rng.normal(0, 0.02, shape).astype(np.float32))
-            for name, (_, shape) in hf_tensors(config, dict(nnx.to_flat_state(nnx.state(abstract)))).items()]
+            for name, [(_, shape), *_] in hf_tensors(config, dict(nnx.to_flat_state(nnx.state(abstract)))).items()]
 
 
 def unpacked_hf_tensors(config: ModelArchConfig, model) -> dict[str, np.ndarray]:
