@@ -404,7 +404,9 @@ class EngineArgs:
         tp = self.tensor_parallel_size
         _check(arch.mamba.num_heads % tp == 0, f"tensor_parallel_size={tp} must divide the model's Mamba heads "
                f"({arch.mamba.num_heads}): each device runs whole heads")
-        for ok, what in ((speculative is None, "speculative_config"), (quantization is None, "quantization"),
+        checkpoint = quantization is not None and quantization.from_checkpoint
+        for ok, what in ((speculative is None, "speculative_config"),
+                         (not checkpoint, f"a quantized checkpoint ({quantization and quantization.method})"),
                          (not self.batch_invariant, "batch_invariant")):
             _check(ok, f"a {arch.architecture} model does not run with {what} yet")
         if self.enable_prefix_caching:

@@ -91,6 +91,8 @@ def test_fp8_under_tensor_parallelism_gives_one_devices_tokens_and_logprobs(eigh
     """quantization="fp8" over 8 devices (KV heads repeated): each device quantizes its own
     shard of the activations with the token's global max, so the products are one device's."""
     assert_same_outputs(run(eight_heads, 8, quantization="fp8"), run(eight_heads, 1, quantization="fp8"), "fp8")
+    mamba2 = tiny_model("mamba2")
+    assert_same_outputs(run(mamba2, 2, quantization="fp8"), run(mamba2, 1, quantization="fp8"), "mamba2, fp8")
 
 
 @needs_8
