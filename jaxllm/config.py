@@ -423,8 +423,6 @@ class EngineArgs:
             return ()
         for ok, what in ((self.data_parallel_size == 1, f"data_parallel_size={self.data_parallel_size}"),
                          (speculative is None, "speculative_config"), (quantization is None, "quantization"),
-                         (arch.moe is None, f"a mixture-of-experts model ({arch.architecture})"),
-                         (arch.mamba is None, f"a Mamba model ({arch.architecture})"),
                          (not self.enable_lora, "enable_lora")):
             _check(ok, f"pipeline_parallel_size={pp} does not run with {what} yet")
         return layer_partition(arch.num_layers, pp)

@@ -64,6 +64,11 @@ class StageMeshes:
         return self.meshes[0] if path[0] == "embed_tokens" else self.meshes[-1]
 
 
+def layer_mesh(mesh: "Mesh | StageMeshes | None", layer: int) -> Mesh | None:
+    """The mesh a decoder layer's per-device kernels run on: under pipeline parallelism its stage's."""
+    return mesh.meshes[mesh.layer_stage[layer]] if isinstance(mesh, StageMeshes) else mesh
+
+
 PP_LAYER_PARTITION_ENV = "JAXLLM_PP_LAYER_PARTITION"
 
 

@@ -42,6 +42,7 @@ from jaxllm.kernels.mla_prefill import merge_attention, step_attention_fn
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.llama import MLP, DecoderLayer, Linear, RMSNorm, apply_rope, dot
 from jaxllm.models.moe import Experts, MoeForCausalLM, Router, record_routing, route
+from jaxllm.sharding import layer_mesh
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's (DeepSeek's and HF's default, not rms_norm_eps)
 PREFILL_FORMS = ("absorbed", "expanded")
@@ -153,6 +154,6 @@ class DeepseekForCausalLM(MoeForCausalLM):
     def decoder_layer(self, config: ModelArchConfig, layer: int, *, dtype, rngs) -> DecoderLayer:
         mlp = None
         if layer in config.moe.sparse_layers:
-            mlp = DeepseekMoeBlock(config, dtype=dtype, rngs=rngs, mesh=self.mesh)
+            mlp = DeepseekMoeBlock(config, dtype=dtype, rngs=rngs, mesh=layer_mesh(self.mesh, layer))
         return DecoderLayer(config, layer, dtype=dtype, rngs=rngs, mlp=mlp,
-                            attention=MLAttention(config, dtype=dtype, rngs=rngs, mesh=self.mesh))
+                            attention=MLAttention(config, dtype=dtype, rngs=rngs, mesh=layer_mesh(self.mesh, layer)))

@@ -61,10 +61,12 @@ MAMBA_PARTS = {"zxdt_proj": "in_proj", "bc_proj": "in_proj", "conv_x": "conv1d",
 
 
 def abstract_params(config: ModelArchConfig, dtype, quantization: QuantConfig | None = None,
-                    mesh: jax.sharding.Mesh | None = None) -> tuple[nnx.GraphDef, dict[ParamPath, nnx.Variable]]:
+                    mesh: jax.sharding.Mesh | StageMeshes | None = None
+                    ) -> tuple[nnx.GraphDef, dict[ParamPath, nnx.Variable]]:
     """The model's graphdef and its params without arrays: path -> Variable (shape, dtype, and
-    the logical axes as `out_sharding` metadata). With a quantized checkpoint's `quantization`,
-    its quantized Linears are the quantized modules (running on `mesh`)."""
+    the logical axes as `out_sharding` metadata). mesh: where its per-device kernels run (under
+    pipeline parallelism each layer on its stage's). With a quantized checkpoint's `quantization`,
+    its quantized Linears are the quantized modules (running on `mesh`, one mesh)."""
     dtype = jnp.dtype(dtype)
 
     def build():
@@ -142,7 +144,7 @@ def create_model(config: ModelArchConfig, *, dtype, mesh: jax.sharding.Mesh | St
                  show_progress: bool = False, values: dict | None = None,
                  quantization: QuantConfig | None = None) -> LlamaForCausalLM:
     """The model with params placed on `mesh` by the logical-axis rules (on their stages' meshes
-    under pipeline parallelism: no mixture-of-experts or quantized model, whose modules run on one mesh).
+    under pipeline parallelism, where a layer's experts run on its stage's; no quantized model).
 
     weights: (HF name, tensor source) pairs in HF layout (Linear weights [out, in]; a quantized
     checkpoint's as models/quant_checkpoint.py hands them on), streamed, a fused param's parts in
@@ -150,7 +152,7 @@ def create_model(config: ModelArchConfig, *, dtype, mesh: jax.sharding.Mesh | St
     (path -> array, placed) gives them. quantization: a quantized checkpoint's, whose Linears the
     model holds quantized. show_progress: a bar over the params loaded, with the rate in GB/s.
     """
-    graphdef, params = abstract_params(config, dtype, quantization, None if isinstance(mesh, StageMeshes) else mesh)
+    graphdef, params = abstract_params(config, dtype, quantization, mesh)
     shardings = param_shardings(params, mesh)
     if values is None and weights is None:
         values = _dummy_params(params, shardings, seed)

@@ -50,7 +50,7 @@ from jaxllm.kernels.grouped_matmul import grouped_matmul
 from jaxllm.models.config import ModelArchConfig, MoeConfig
 from jaxllm.models.fp8 import quantize_rows
 from jaxllm.models.llama import INIT_STD, MLP, DecoderLayer, LlamaForCausalLM, Linear
-from jaxllm.sharding import logical_to_spec
+from jaxllm.sharding import layer_mesh, logical_to_spec
 
 
 # The expert ids [T, k] of each MoE layer of the forward being traced, in order; None: not recording.
@@ -315,5 +315,5 @@ class MoeForCausalLM(LlamaForCausalLM):
     def decoder_layer(self, config: ModelArchConfig, layer: int, *, dtype, rngs) -> DecoderLayer:
         mlp = None
         if layer in config.moe.sparse_layers:
-            mlp = SparseMoeBlock(config, dtype=dtype, rngs=rngs, mesh=self.mesh)
+            mlp = SparseMoeBlock(config, dtype=dtype, rngs=rngs, mesh=layer_mesh(self.mesh, layer))
         return DecoderLayer(config, layer, dtype=dtype, rngs=rngs, mlp=mlp)

@@ -321,8 +321,8 @@ class ModelRunner:
 
     def _forward(self, token_bucket: int, buffer: np.ndarray) -> Forward:
         if self.pipeline:
-            greedy, logits, words, hidden = self.pipeline.forward(self.executables, token_bucket, buffer)
-            return Forward(token_bucket, greedy, logits, words, hidden, None, hidden, ())
+            greedy, logits, words, hidden, routing = self.pipeline.forward(self.executables, token_bucket, buffer)
+            return Forward(token_bucket, greedy, logits, words, hidden, None, hidden, routing)
         forward = self.executables.get(ExecutableKey(FORWARD, token_bucket), lambda: self.lower_forward(token_bucket))
         with TraceAnnotation("dispatch"):
             greedy, logits, words, hidden, self.kv_cache.caches, routing, *drafter_inputs = forward(

@@ -23,6 +23,7 @@ unused arguments): the model is merged from the same graphdef and touches only i
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.profiler import TraceAnnotation
@@ -30,13 +31,15 @@ from jax.profiler import TraceAnnotation
 from jaxllm.kernels.attention import get_attention_fn
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.dual_batch import decode_two_halves
+from jaxllm.models.moe import recording_routing
 from jaxllm.sharding import StageMeshes, replicated
 from jaxllm.worker import input_batch as batching
 from jaxllm.worker.executables import FORWARD, STAGE, ExecutableKey, Executables
 from jaxllm.worker.kv_cache import KVCache
 from jaxllm.worker.model_loader import ModelWeights
 from jaxllm.worker.step_output import StepOutput
-from jaxllm.worker.step_functions import forward_out_shardings, sampled_rows, traced_invariant
+from jaxllm.worker.step_functions import (forward_out_shardings, layer_routing, sampled_rows, step_routing,
+                                          traced_invariant)
 
 _TIED_EMBEDDING = ("embed_tokens", "embedding")
 
@@ -55,9 +58,12 @@ class Pipeline:
                  layouts: dict[int, batching.BatchLayout], num_sampled: int, attention_backend: str,
                  invariant: bool, dtype, dbo: bool = False):
         """layouts: each token bucket's BatchLayout; num_sampled: the greedy ids' length (ModelRunner's);
-        dbo: each stage runs its layers on each half of the tokens in turn (models/dual_batch.py)."""
+        dbo: each stage runs its layers on each half of the tokens in turn (models/dual_batch.py). A MoE
+        model's stages hand on their layers' expert ids with the residual stream; the last gives the step's
+        routing (step_functions.step_routing) as the one-mesh forward does."""
         self.meshes, self.arch, self.kv_cache, self.layouts = meshes, arch, kv_cache, layouts
         self.dtype = dtype
+        self.num_experts = arch.moe.num_experts if arch.moe else 0
         n = len(meshes.meshes)
         starts = [meshes.layer_stage.index(s) for s in range(n)] + [arch.num_layers]
         self.stages = [_Stage(s, mesh, range(starts[s], starts[s + 1]), s == 0, s == n - 1)
@@ -108,10 +114,17 @@ class Pipeline:
         kv_shardings = self.kv_cache.shardings[kv.slice]
         attn_fn = get_attention_fn(attention_backend, stage.mesh, invariant, latent=self.arch.mla is not None)
         fn = make_stage_fn(weights.graphdef, weights.treedef, attn_fn, self.layouts, num_sampled, stage,
-                           kv.tensors, self.kv_cache.layout.num_tensors, dbo)
+                           kv.tensors, self.kv_cache.layout.num_tensors, self.num_experts, dbo)
         fn = traced_invariant(fn) if invariant else fn
-        out = forward_out_shardings(stage.mesh, kv_shardings) if stage.last else (replicated(stage.mesh), kv_shardings)
-        return jax.jit(fn, donate_argnums=(1,), static_argnums=(4,), out_shardings=out)
+        rep = replicated(stage.mesh)
+        routing = (rep, rep) if self.num_experts else ()
+        out = (forward_out_shardings(stage.mesh, kv_shardings) + (routing,) if stage.last
+               else (rep, rep if self._moe_layers_before(stage.layers.stop) else None, kv_shardings))
+        return jax.jit(fn, donate_argnums=(1,), static_argnums=(5,), out_shardings=out)
+
+    def _moe_layers_before(self, layer: int) -> int:
+        """The MoE layers before decoder layer `layer` (whose expert ids a stage starting there receives)."""
+        return sum(i in self.arch.moe.sparse_layers for i in range(layer)) if self.num_experts else 0
 
     def key(self, stage: int, token_bucket: int) -> ExecutableKey:
         """The executable of a stage at a token bucket: the last stage's is the bucket's FORWARD."""
@@ -120,40 +133,52 @@ class Pipeline:
 
     def lower(self, stage: int, token_bucket: int, buffer: np.ndarray) -> jax.stages.Lowered:
         s = self.stages[stage]
-        x = None if s.first else jax.ShapeDtypeStruct((token_bucket, self.arch.hidden_size), self.dtype,
-                                                      sharding=replicated(s.mesh))
+        x = routed = None
+        if not s.first:
+            x = jax.ShapeDtypeStruct((token_bucket, self.arch.hidden_size), self.dtype, sharding=replicated(s.mesh))
+            before = self._moe_layers_before(s.layers.start)
+            if before:  # the earlier stages' MoE layers' expert ids
+                routed = jax.ShapeDtypeStruct((token_bucket, before, self.arch.moe.top_k), jnp.int32,
+                                              sharding=replicated(s.mesh))
         caches = self.kv_cache.caches[self.kv_cache.stages[stage].slice]
-        return self.fns[stage].lower(self.params[stage], caches, x, buffer, token_bucket)
+        return self.fns[stage].lower(self.params[stage], caches, x, routed, buffer, token_bucket)
 
     def forward(self, executables: Executables, token_bucket: int, buffer: np.ndarray) -> tuple:
         """Dispatch every stage of a step (buffer: its packed inputs); returns the last stage's (greedy ids,
-        logits, sampling words, hidden states), on their way. The KV caches are donated stage by stage."""
+        logits, sampling words, hidden states, a MoE model's routing), on their way. The KV caches are
+        donated stage by stage."""
         offset, (num_tokens,) = self.layouts[token_bucket].fields["prev_rows"]
         if (buffer[offset:offset + num_tokens] >= 0).any():
             raise RuntimeError("a pipeline-parallel step reads a token the step before is still sampling: the "
                                "scheduler schedules a request only once its last token has landed")
-        x, caches = None, self.kv_cache.caches
+        x = routed = None
+        caches = self.kv_cache.caches
         for stage in self.stages:
             fn = executables.get(self.key(stage.index, token_bucket),
                                  lambda: self.lower(stage.index, token_bucket, buffer))
             part = self.kv_cache.stages[stage.index].slice
-            with TraceAnnotation("dispatch"):
-                *outputs, caches[part] = fn(self.params[stage.index], caches[part], x, buffer)
             if stage.last:
-                return tuple(outputs)
-            # The residual stream to the next stage's devices: a device-to-device copy, in the queue of both.
-            x = jax.device_put(outputs[0], replicated(self.stages[stage.index + 1].mesh))
+                with TraceAnnotation("dispatch"):
+                    *outputs, caches[part], routing = fn(self.params[stage.index], caches[part], x, routed, buffer)
+                return (*outputs, routing)
+            with TraceAnnotation("dispatch"):
+                x, routed, caches[part] = fn(self.params[stage.index], caches[part], x, routed, buffer)
+            # The residual stream (and the expert ids) to the next stage's devices: a device-to-device copy,
+            # in the queue of both.
+            x, routed = jax.device_put((x, routed), replicated(self.stages[stage.index + 1].mesh))
         raise AssertionError("a pipeline has a last stage")
 
 
 def make_stage_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout], num_sampled: int,
-                  stage: _Stage, tensors: tuple[int, ...], num_tensors: int, dbo: bool = False):
+                  stage: _Stage, tensors: tuple[int, ...], num_tensors: int, num_experts: int = 0, dbo: bool = False):
     """The jitted function of one stage (a closure, not a method: the runner is not kept alive by it)."""
-    def run(params, kv_caches, x, buffer, token_bucket: int):
+    def run(params, kv_caches, x, routed, buffer, token_bucket: int):
         """params: the stage's flat param list (placeholders for the other stages'); kv_caches: the arrays of
         its KV `tensors`; x: the residual stream from the stage before [T, hidden_size] (None on stage 0);
-        buffer [size] int32: the step's inputs, laid out as `token_bucket`'s BatchLayout. Returns (x after the
-        stage's layers, kv_caches), or on the last stage the one-mesh forward's outputs (step_functions.py)."""
+        routed: a MoE model's expert ids of the stages before [T, their MoE layers, k] (None where no MoE
+        layer came before); buffer [size] int32: the step's inputs, laid out as `token_bucket`'s BatchLayout.
+        Returns (x after the stage's layers, the expert ids so far, kv_caches), or on the last stage the
+        one-mesh forward's outputs (step_functions.py)."""
         batch = layouts[token_bucket].unpack(buffer)
         model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, params))
         if stage.first:
@@ -161,12 +186,16 @@ def make_stage_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching
         every = [None] * num_tensors
         for t, cache in zip(tensors, kv_caches):
             every[t] = cache
-        if dbo:
-            x, every = decode_two_halves(model, x, batch.positions, every, batch.attention, attn_fn, stage.layers)
-        else:
-            x, every, _ = model.decode_layers(x, batch.positions, every, batch.attention, attn_fn, stage.layers)
+        with recording_routing() as recorded:
+            if dbo:
+                x, every = decode_two_halves(model, x, batch.positions, every, batch.attention, attn_fn, stage.layers)
+            else:
+                x, every, _ = model.decode_layers(x, batch.positions, every, batch.attention, attn_fn, stage.layers)
         kv_caches = [every[t] for t in tensors]
+        if recorded:  # this stage's MoE layers' after the earlier stages'
+            routed = jnp.concatenate(([] if routed is None else [routed]) + [layer_routing(recorded, dbo)], axis=1)
         if not stage.last:
-            return x, kv_caches
-        return sampled_rows(model, model.norm(x), batch, num_sampled) + (kv_caches,)
+            return x, routed, kv_caches
+        routing = step_routing(routed, batch.logits_indices, batch.attention, num_experts) if num_experts else ()
+        return sampled_rows(model, model.norm(x), batch, num_sampled) + (kv_caches, routing)
     return run

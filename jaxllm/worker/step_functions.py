@@ -89,11 +89,18 @@ def traced_invariant(fn):
     return traced
 
 
-def step_routing(recorded: list, logits_indices, md: AttentionMetadata, num_experts: int):
-    """A MoE model's routing in a step: recorded, each MoE layer's expert ids [T, k] (recording_routing) ->
+def layer_routing(recorded: list, dbo: bool):
+    """Each MoE layer's expert ids [T, k] as recording_routing recorded them -> [T, moe_layers, k] (under
+    dual-batch overlap each layer routed the first half of the tokens, then the second)."""
+    if dbo:
+        recorded = [jnp.concatenate(recorded[i:i + 2]) for i in range(0, len(recorded), 2)]
+    return jnp.stack(recorded, axis=1)
+
+
+def step_routing(ids, logits_indices, md: AttentionMetadata, num_experts: int):
+    """A MoE model's routing in a step: ids, each MoE layer's expert ids [T, moe_layers, k] (layer_routing) ->
     (the ids at each sampled token [L, moe_layers, k] int32: the row of a token taken is the routing of the
     forward that sampled it; the step's real tokens routed to each expert [moe_layers, num_experts] int32)."""
-    ids = jnp.stack(recorded, axis=1)  # [T, moe_layers, k]
     real = jnp.arange(ids.shape[0]) < md.query_start_loc[md.num_seqs[0]]
     counts = jnp.zeros((ids.shape[1], num_experts), jnp.int32)
     counts = counts.at[jnp.arange(ids.shape[1])[None, :, None], ids].add(real[:, None, None].astype(jnp.int32))
@@ -135,9 +142,7 @@ def make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batchi
                                                **with_lora)
             else:
                 hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, md, attn_fn, **with_lora)
-        if dbo:  # each MoE layer routed the first half of the tokens, then the second
-            recorded = [jnp.concatenate(recorded[i:i + 2]) for i in range(0, len(recorded), 2)]
-        routing = step_routing(recorded, batch.logits_indices, md, num_experts) if num_experts else ()
+        routing = step_routing(layer_routing(recorded, dbo), batch.logits_indices, md, num_experts) if num_experts else ()
         outputs = sampled_rows(model, hidden, batch, num_sampled) + (kv_caches, routing)
         if drafter_block_size is not None:
             outputs += (layout.replace(buffer, input_ids=batch.input_ids, positions=batch.positions,
