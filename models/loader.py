@@ -163,7 +163,7 @@ def create_model(config: ModelArchConfig, *, dtype, mesh: jax.sharding.Mesh | St
 
 
 def quantize_model(model: LlamaForCausalLM, quantization: QuantConfig | None,
-                   mesh: jax.sharding.Mesh) -> None:
+                   mesh: jax.sharding.Mesh | StageMeshes) -> None:
     """With quantization="fp8" on an unquantized checkpoint, every Linear but the LM head and the MoE
     routers becomes an Fp8Linear (models/fp8.py), and a MoE layer's stacked experts go to e4m3 with a
     scale per expert and output channel (models/moe.py, Experts), in place, one param at a time: the
@@ -171,20 +171,23 @@ def quantize_model(model: LlamaForCausalLM, quantization: QuantConfig | None,
     load quantized; its FP8 experts load dequantized (models/quant_checkpoint.py) and go to e4m3 here."""
     if quantization is None:
         return
-    for _, parent, attr, linear in [] if quantization.from_checkpoint else list(_linears(model)):
+    mesh_of = mesh.of_param if isinstance(mesh, StageMeshes) else lambda _: mesh  # a layer's stage's
+    for path, parent, attr, linear in [] if quantization.from_checkpoint else list(_linears(model)):
         axes = linear.kernel.get_metadata()["out_sharding"]
         fp8_axes = (*axes[1:], axes[0])  # [*out, in]
-        quantize = quantize_fn(quantize_kernel, named_sharding(mesh, fp8_axes), named_sharding(mesh, axes[1:]))
+        on = mesh_of(path)
+        quantize = quantize_fn(quantize_kernel, named_sharding(on, fp8_axes), named_sharding(on, axes[1:]))
         kernel, scale = quantize(linear.kernel[...])
         setattr(parent, attr, Fp8Linear(kernel, scale, fp8_axes, linear.bias))
         del linear  # its bf16 kernel goes with it
-    for _, experts in list(nnx.iter_modules(model)):
+    for path, experts in list(nnx.iter_modules(model)):
         if isinstance(experts, Experts):
+            on = mesh_of(path)
             for name in ("gate_up_proj", "down_proj"):
                 param = getattr(experts, name)
                 axes = param.get_metadata()["out_sharding"]
                 scale_axes = (axes[0], *axes[2:])  # [E, *out]
-                quantize = quantize_fn(quantize_experts, named_sharding(mesh, axes), named_sharding(mesh, scale_axes))
+                quantize = quantize_fn(quantize_experts, named_sharding(on, axes), named_sharding(on, scale_axes))
                 weight, scale = quantize(param[...])
                 param.set_value(weight)
                 setattr(experts, f"{name}_scale", nnx.Param(scale, out_sharding=scale_axes, eager_sharding=False))

@@ -98,6 +98,25 @@ def test_moe_latent_and_mamba_models_under_pipeline_parallelism_give_one_devices
 
 
 @needs_8
+def test_fp8_under_pipeline_parallelism_quantizes_each_stages_weights_on_its_devices(four_layers):
+    """quantization="fp8" on load: each layer's e4m3 kernels and scales on its stage's devices, and the
+    tokens and logprobs of one device's FP8 engine."""
+    fp8 = dict(ENGINE, quantization="fp8")
+    with LLM(four_layers, **fp8) as llm:
+        want = outputs(llm)
+    with LLM(four_layers, pipeline_parallel_size=2, tensor_parallel_size=2, **fp8) as llm:
+        assert_same_outputs(outputs(llm), want, "fp8, pp=2, tp=2")
+        runner = llm.llm_engine.engine_core.core.executor.runner
+        stage_devices = [{d.id for d in mesh.devices.flat} for mesh in runner.stage_meshes.meshes]
+        quantized = 0
+        for path, value in zip(runner.weights.paths, runner.weights.params):
+            if path[0] == "layers":
+                assert {d.id for d in value.sharding.device_set} == stage_devices[path[1] // 2], path
+                quantized += path[-1] == "weight_scale"
+        assert quantized == 4 * 4  # qkv, o, gate_up and down of each layer
+
+
+@needs_8
 def test_each_stage_holds_its_layers_params_and_kv_arrays_on_devices_of_its_own(pp4_tp2):
     runner = pp4_tp2.llm_engine.engine_core.core.executor.runner
     meshes = runner.stage_meshes.meshes
@@ -194,7 +213,7 @@ def test_a_layer_partition_from_the_environment(monkeypatch, four_layers):
 
 @pytest.mark.parametrize("model, kwargs, message", [
     ("llama", dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
-    ("llama", dict(quantization="fp8"), "quantization"),
+    ("ct_fp8_channel", {}, "a quantized checkpoint"),
     ("llama", dict(data_parallel_size=2), "data_parallel_size=2"),
 ])
 def test_what_pipeline_parallelism_does_not_run_with_is_a_clear_error(model, kwargs, message):
@@ -221,4 +240,4 @@ def test_pipeline_parallel_over_eight_forced_devices():
     if jax.device_count() >= 8:
         pytest.skip("this process has the devices: the tests above run here")
     run_with_host_devices(__file__, "not eight_forced and not clear_error and not vllm_splits and not environment",
-                          8, "9 passed", timeout_s=900)
+                          8, "10 passed", timeout_s=900)
