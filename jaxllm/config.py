@@ -421,11 +421,8 @@ class EngineArgs:
         pp = self.pipeline_parallel_size
         if pp == 1:
             return ()
-        checkpoint = quantization is not None and quantization.from_checkpoint
         for ok, what in ((self.data_parallel_size == 1, f"data_parallel_size={self.data_parallel_size}"),
-                         (speculative is None, "speculative_config"),
-                         (not checkpoint, f"a quantized checkpoint ({quantization and quantization.method})"),
-                         (not self.enable_lora, "enable_lora")):
+                         (speculative is None, "speculative_config"), (not self.enable_lora, "enable_lora")):
             _check(ok, f"pipeline_parallel_size={pp} does not run with {what} yet")
         return layer_partition(arch.num_layers, pp)
 

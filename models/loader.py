@@ -37,7 +37,7 @@ from jaxllm.models.quant_checkpoint import quantized_weights
 from jaxllm.models.quant_config import FP8_BLOCK, INT4, QuantConfig
 from jaxllm.models.tensor_sources import (ExpertsSource, GateUpSource, Index, MambaHeadsSource, QKVSource,
                                           RowsSource, SharedSource, StackedGateUpSource, TensorSource)
-from jaxllm.sharding import StageMeshes, named_sharding
+from jaxllm.sharding import StageMeshes, layer_mesh, named_sharding
 
 logger = logging.getLogger(__name__)
 # Calibrated KV cache scales (compressed-tensors', ModelOpt's, vLLM's FP8 checkpoints): per layer, not read
@@ -110,8 +110,10 @@ def _linears(model) -> Iterator[tuple[ParamPath, nnx.Module, str, Linear]]:
 
 def _quantized_linears(model, quant: QuantConfig, dtype, mesh) -> None:
     """Each Linear the checkpoint quantizes becomes its scheme's module (models/fp8.py, models/int4.py),
-    in place, with placeholder arrays (built under eval_shape: none is made)."""
+    in place, with placeholder arrays (built under eval_shape: none is made); its per-device kernels run
+    on `mesh`, or under pipeline parallelism on its layer's stage's."""
     for path, parent, attr, linear in _linears(model):
+        on = layer_mesh(mesh, path[1]) if path[0] == "layers" else mesh
         modules = [name.removesuffix(".weight") for name in path_to_hf_names((*path, "kernel"), model.config)]
         quantized = {module: quant.quantizes(module) for module in modules}
         if len(set(quantized.values())) > 1:
@@ -123,9 +125,9 @@ def _quantized_linears(model, quant: QuantConfig, dtype, mesh) -> None:
         axes = linear.kernel.get_metadata()["out_sharding"]
         if quant.scheme == INT4:
             module = Int4Linear(in_dim, out_shape, axes, group_size=quant.group_size, act_order=quant.act_order,
-                                bias=linear.bias, dtype=dtype, mesh=mesh)
+                                bias=linear.bias, dtype=dtype, mesh=on)
         elif quant.scheme == FP8_BLOCK:
-            module = BlockFp8Linear(in_dim, out_shape, axes, block=quant.block, bias=linear.bias, mesh=mesh)
+            module = BlockFp8Linear(in_dim, out_shape, axes, block=quant.block, bias=linear.bias, mesh=on)
         else:
             module = Fp8Linear(jnp.zeros((*out_shape, in_dim), jnp.float8_e4m3fn), jnp.zeros(out_shape, jnp.float32),
                                (*axes[1:], axes[0]), linear.bias,

@@ -213,7 +213,6 @@ def test_a_layer_partition_from_the_environment(monkeypatch, four_layers):
 
 @pytest.mark.parametrize("model, kwargs, message", [
     ("llama", dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
-    ("ct_fp8_channel", {}, "a quantized checkpoint"),
     ("llama", dict(data_parallel_size=2), "data_parallel_size=2"),
 ])
 def test_what_pipeline_parallelism_does_not_run_with_is_a_clear_error(model, kwargs, message):

@@ -354,22 +354,24 @@ TP_CONFIG = qf.config(num_heads=8, num_kv_heads=2, intermediate=256)  # 4 device
 
 
 @needs_8
-@pytest.mark.parametrize("name", ["gptq_act_order", "fp8_block"])
+@pytest.mark.parametrize("name", ["gptq_act_order", "fp8_block", "ct_fp8_channel"])
 def test_quantized_weights_shard_over_devices_as_one_devices(tmp_path, name):
-    """Over 4 devices (the 2 KV heads repeated): groups and blocks whole on each device, the
-    kernels per device, the row-parallel products summed: one device's tokens and logprobs."""
+    """Over 4 devices (the 2 KV heads repeated), and in 2 pipeline stages of 2 (each layer's kernels on its
+    stage's devices): groups and blocks whole on each device, the kernels per device, the row-parallel
+    products summed: one device's tokens and logprobs."""
     quantization_config, quantize, _, exact = VARIANTS[name]
     path, _ = qf.write_pair(tmp_path, name, quantization_config, quantize, cfg=TP_CONFIG)
     runs = []
-    for tp in (1, 4):
-        with LLM(path, tensor_parallel_size=tp, **ENGINE) as llm:
+    for tp, pp in ((1, 1), (4, 1), (2, 2)):
+        with LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE) as llm:
             out = llm.generate([{"prompt_token_ids": PROMPT[:20]}], SamplingParams(
                 max_tokens=6, temperature=0, ignore_eos=True, logprobs=2), use_tqdm=False)[0].outputs[0]
         runs.append((list(out.token_ids), [[d[t].logprob for t in sorted(d)] for d in out.logprobs]))
-    assert runs[1][0] == runs[0][0]
-    np.testing.assert_allclose(np.array(runs[1][1]), np.array(runs[0][1]), rtol=1e-4, atol=1e-4 if exact else 2e-3)
+    for run in runs[1:]:
+        assert run[0] == runs[0][0]
+        np.testing.assert_allclose(np.array(run[1]), np.array(runs[0][1]), rtol=1e-4, atol=1e-4 if exact else 2e-3)
 
 
 @pytest.mark.skipif(jax.device_count() >= 8, reason="runs the tests above itself")
 def test_quantized_tensor_parallelism_with_8_host_devices():
-    run_with_host_devices(__file__, "shard_over_devices", 8, "2 passed", timeout_s=500)
+    run_with_host_devices(__file__, "shard_over_devices", 8, "3 passed", timeout_s=500)
