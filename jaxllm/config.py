@@ -68,6 +68,11 @@ class ParallelConfig:
     coordinator_address: str | None = None
     device_ids: tuple[int, ...] | None = None  # the devices of a caller's mesh (LLM(mesh=...)); None: the first
 
+    @property
+    def devices_per_replica(self) -> int:
+        """The devices one engine core (a data-parallel replica) runs on: its stages' tensor-parallel groups."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
+
 
 EAGLE_METHODS = EAGLE_ARCHITECTURES  # "eagle", "eagle3": the method names its head's architecture
 SPECULATIVE_METHODS = ("ngram", "draft_model", *EAGLE_METHODS)
@@ -421,8 +426,7 @@ class EngineArgs:
         pp = self.pipeline_parallel_size
         if pp == 1:
             return ()
-        for ok, what in ((self.data_parallel_size == 1, f"data_parallel_size={self.data_parallel_size}"),
-                         (speculative is None, "speculative_config"), (not self.enable_lora, "enable_lora")):
+        for ok, what in ((speculative is None, "speculative_config"), (not self.enable_lora, "enable_lora")):
             _check(ok, f"pipeline_parallel_size={pp} does not run with {what} yet")
         return layer_partition(arch.num_layers, pp)
 

@@ -1,5 +1,5 @@
 """Data parallelism: `data_parallel_size` engine cores, each in a process of its own on its
-own `tensor_parallel_size` GPUs (CUDA_VISIBLE_DEVICES), on this host or (with
+own `pipeline_parallel_size` x `tensor_parallel_size` GPUs (CUDA_VISIBLE_DEVICES), on this host or (with
 distributed_executor_backend="ray") in Ray actors across a cluster, behind one client
 with the methods of the single-core clients (core_client.py).
 
@@ -21,15 +21,15 @@ from jaxllm.contracts.engine_core import DP_RANK_ENV, EngineCoreOutputs, EngineC
 from jaxllm.engine.core_client import AsyncMPClient, SyncMPClient, _CoreProcess
 
 
-def replica_env(rank: int, tensor_parallel_size: int) -> dict[str, str]:
-    """The environment of replica `rank`: its own slice of the visible GPUs."""
+def replica_env(rank: int, num_gpus: int) -> dict[str, str]:
+    """The environment of replica `rank`: its own slice of `num_gpus` of the visible GPUs."""
     env = dict(os.environ)
     visible = env.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range((rank + 1) * tensor_parallel_size)]
-    mine = ids[rank * tensor_parallel_size:(rank + 1) * tensor_parallel_size]
-    if len(mine) < tensor_parallel_size:
-        raise ValueError(f"data_parallel_size x tensor_parallel_size needs more GPUs than CUDA_VISIBLE_DEVICES "
-                         f"lists ({visible!r})")
+    ids = visible.split(",") if visible else [str(i) for i in range((rank + 1) * num_gpus)]
+    mine = ids[rank * num_gpus:(rank + 1) * num_gpus]
+    if len(mine) < num_gpus:
+        raise ValueError(f"data_parallel_size x pipeline_parallel_size x tensor_parallel_size needs more GPUs than "
+                         f"CUDA_VISIBLE_DEVICES lists ({visible!r})")
     env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
     env[DP_RANK_ENV] = str(rank)
     return env
@@ -45,7 +45,7 @@ def _ray_core_process(replica: Config, show_progress: bool, rank: int) -> _CoreP
 
 class _DPClient:
     def __init__(self, config: Config, ray: bool, show_progress: bool, make_client):
-        n, tp = config.parallel.data_parallel_size, config.parallel.tensor_parallel_size
+        n, gpus = config.parallel.data_parallel_size, config.parallel.devices_per_replica
         replica = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, data_parallel_size=1))
         # Start every replica, then wait for each: they warm up side by side.
         processes = []
@@ -55,7 +55,7 @@ class _DPClient:
                 if ray:
                     processes.append(_ray_core_process(replica, show, rank))
                 else:
-                    processes.append(_CoreProcess(replica, show, replica_env(rank, tp)))
+                    processes.append(_CoreProcess(replica, show, replica_env(rank, gpus)))
             self.clients = [make_client(replica, process) for process in processes]
         except BaseException:
             for process in processes:

@@ -1,6 +1,6 @@
 """Data-parallel replicas anywhere in a Ray cluster (`distributed_executor_backend="ray"`,
 the `ray` extra): each replica's engine core runs in a Ray actor that holds
-`tensor_parallel_size` GPUs (Ray sets the actor's CUDA_VISIBLE_DEVICES), on whichever
+`pipeline_parallel_size` x `tensor_parallel_size` GPUs (Ray sets the actor's CUDA_VISIBLE_DEVICES), on whichever
 node has them, and talks to the front end over ZMQ on TCP: the same protocol as a
 core in a local process (engine/core_client.py), so the data-parallel clients
 (engine/dp_client.py) serve both alike. Ray places the replicas; it does not carry
@@ -23,7 +23,7 @@ class RayCore:
     def __init__(self, config, show_progress: bool, input_address: str, output_address: str, rank: int):
         import ray
         self._ray = ray
-        gpus = config.parallel.tensor_parallel_size if ray.cluster_resources().get("GPU", 0) else 0
+        gpus = config.parallel.devices_per_replica if ray.cluster_resources().get("GPU", 0) else 0
         actor_class = ray.remote(num_gpus=gpus, num_cpus=1)(_EngineCoreActor)
         self.actor = actor_class.options(name=None, max_restarts=0).remote()
         self.done = self.actor.run.remote(config, show_progress, input_address, output_address, rank)

@@ -33,10 +33,11 @@ def single():
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "dp2xtp2"])
-def test_replicas_give_one_engines_outputs_and_share_the_requests(single, tp, monkeypatch):
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)], ids=["dp2", "dp2xtp2", "dp2xpp2"])
+def test_replicas_give_one_engines_outputs_and_share_the_requests(single, tp, pp, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", host_devices_flags(2))  # the replicas' CPUs
-    with LLM(tiny_model("llama"), data_parallel_size=2, tensor_parallel_size=tp, **ENGINE) as llm:
+    with LLM(tiny_model("llama"), data_parallel_size=2, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+             **ENGINE) as llm:
         assert generate(llm) == single
         client = llm.llm_engine.engine_core
         served = [c.call_utility("get_stats")["prefix_cache_queries"] for c in client.clients]
@@ -44,6 +45,7 @@ def test_replicas_give_one_engines_outputs_and_share_the_requests(single, tp, mo
         stats = llm.llm_engine.get_stats()
         assert stats["prefix_cache_queries"] == sum(served) and stats["num_free_blocks"] == stats["num_blocks"]
         assert client.config.parallel.data_parallel_size == 2
+        assert client.config.parallel.pipeline_parallel_size == pp  # each replica's stages on its 2 devices
         pids = [c.proc.pid for c in client.clients]
     assert not set(pids) & set(child_pids())
 

@@ -213,7 +213,6 @@ def test_a_layer_partition_from_the_environment(monkeypatch, four_layers):
 
 @pytest.mark.parametrize("model, kwargs, message", [
     ("llama", dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
-    ("llama", dict(data_parallel_size=2), "data_parallel_size=2"),
 ])
 def test_what_pipeline_parallelism_does_not_run_with_is_a_clear_error(model, kwargs, message):
     with pytest.raises(ValueError, match=f"pipeline_parallel_size=2 does not run with {message}"):
