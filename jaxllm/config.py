@@ -296,7 +296,8 @@ class EngineArgs:
         # KV heads fewer than the devices are replicated (worker/kv_heads.py): TP must divide the q
         # heads, and the KV heads must divide TP or TP them.
         attention = arch.mamba is None or len(arch.mamba.layers) < arch.num_layers
-        _check(not attention or arch.num_heads % tp == 0 and (arch.num_kv_heads % tp == 0 or tp % arch.num_kv_heads == 0),
+        heads_split = arch.num_heads % tp == 0 and (arch.num_kv_heads % tp == 0 or tp % arch.num_kv_heads == 0)
+        _check(heads_split or not attention,
                f"tensor_parallel_size={tp} must divide the model's attention heads ({arch.num_heads}), "
                f"and divide or be a multiple of its KV heads ({arch.num_kv_heads})")
         dense_mlp = arch.moe is None or len(arch.moe.sparse_layers) < arch.num_layers

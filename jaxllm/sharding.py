@@ -69,6 +69,11 @@ def layer_mesh(mesh: "Mesh | StageMeshes | None", layer: int) -> Mesh | None:
     return mesh.meshes[mesh.layer_stage[layer]] if isinstance(mesh, StageMeshes) else mesh
 
 
+def param_mesh(mesh: "Mesh | StageMeshes", path: tuple) -> Mesh:
+    """The mesh of the param (or module) at `path`: under pipeline parallelism its stage's (of_param)."""
+    return mesh.of_param(path) if isinstance(mesh, StageMeshes) else mesh
+
+
 PP_LAYER_PARTITION_ENV = "JAXLLM_PP_LAYER_PARTITION"
 
 

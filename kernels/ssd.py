@@ -125,13 +125,13 @@ def ssd_chunk_scan(x, dt, A, B, C, initial_states, layout: ChunkLayout, terms=ch
     num_tokens, num_heads = dt.shape
     tokens = jnp.where(layout.mask, layout.tokens, 0)
 
-    def chunk_inputs(tokens, mask):
-        valid = mask[..., None]
-        dtc = jnp.where(valid, dt[tokens], 0.0)                      # [c, Q, H]: masked tokens change nothing
-        return jnp.where(valid[..., None], x[tokens], 0.0), dtc, jnp.cumsum(dtc * A, axis=1)  # cum: decreasing
+    def decay(tokens, mask):
+        dtc = jnp.where(mask[..., None], dt[tokens], 0.0)            # [c, Q, H]: masked tokens change nothing
+        return dtc, jnp.cumsum(dtc * A, axis=1)                      # cum [c, Q, H], decreasing
 
     def own_terms(tokens, mask):
-        xc, dtc, cum = chunk_inputs(tokens, mask)                    # xc [c, Q, H, P]
+        dtc, cum = decay(tokens, mask)
+        xc = jnp.where(mask[..., None, None], x[tokens], 0.0)        # [c, Q, H, P]
         y, own = terms(xc, dtc, cum, B[tokens], C[tokens])
         return y, own, cum[:, -1]
 
@@ -150,7 +150,7 @@ def ssd_chunk_scan(x, dt, A, B, C, initial_states, layout: ChunkLayout, terms=ch
     before = jnp.where(first, start, jnp.concatenate([start[:1], states[:-1]]))  # S_{c-1}
 
     def from_before(y, before, tokens, mask):
-        cum = chunk_inputs(tokens, mask)[2]
+        cum = decay(tokens, mask)[1]
         return y + jnp.einsum("cihn,chpn->cihp", _per_head(C[tokens], num_heads), before) * jnp.exp(cum)[..., None]
 
     y = _in_groups(from_before, group or tokens.shape[0], y, before, tokens, layout.mask)

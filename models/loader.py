@@ -37,7 +37,7 @@ from jaxllm.models.quant_checkpoint import quantized_weights
 from jaxllm.models.quant_config import FP8_BLOCK, INT4, QuantConfig
 from jaxllm.models.tensor_sources import (ExpertsSource, GateUpSource, Index, MambaHeadsSource, QKVSource,
                                           RowsSource, SharedSource, StackedGateUpSource, TensorSource)
-from jaxllm.sharding import StageMeshes, layer_mesh, named_sharding
+from jaxllm.sharding import StageMeshes, named_sharding, param_mesh
 
 logger = logging.getLogger(__name__)
 # Calibrated KV cache scales (compressed-tensors', ModelOpt's, vLLM's FP8 checkpoints): per layer, not read
@@ -66,7 +66,7 @@ def abstract_params(config: ModelArchConfig, dtype, quantization: QuantConfig | 
     """The model's graphdef and its params without arrays: path -> Variable (shape, dtype, and
     the logical axes as `out_sharding` metadata). mesh: where its per-device kernels run (under
     pipeline parallelism each layer on its stage's). With a quantized checkpoint's `quantization`,
-    its quantized Linears are the quantized modules (running on `mesh`, one mesh)."""
+    its quantized Linears are the quantized modules."""
     dtype = jnp.dtype(dtype)
 
     def build():
@@ -113,7 +113,7 @@ def _quantized_linears(model, quant: QuantConfig, dtype, mesh) -> None:
     in place, with placeholder arrays (built under eval_shape: none is made); its per-device kernels run
     on `mesh`, or under pipeline parallelism on its layer's stage's."""
     for path, parent, attr, linear in _linears(model):
-        on = layer_mesh(mesh, path[1]) if path[0] == "layers" else mesh
+        on = param_mesh(mesh, path)
         modules = [name.removesuffix(".weight") for name in path_to_hf_names((*path, "kernel"), model.config)]
         quantized = {module: quant.quantizes(module) for module in modules}
         if len(set(quantized.values())) > 1:
@@ -137,8 +137,8 @@ def _quantized_linears(model, quant: QuantConfig, dtype, mesh) -> None:
 
 def param_shardings(params: dict[ParamPath, nnx.Variable], mesh: jax.sharding.Mesh | StageMeshes) -> dict:
     """Each param's NamedSharding by the rules: on `mesh`, or under pipeline parallelism on its stage's."""
-    mesh_of = mesh.of_param if isinstance(mesh, StageMeshes) else lambda _: mesh
-    return {path: named_sharding(mesh_of(path), var.get_metadata()["out_sharding"]) for path, var in params.items()}
+    return {path: named_sharding(param_mesh(mesh, path), var.get_metadata()["out_sharding"])
+            for path, var in params.items()}
 
 
 def create_model(config: ModelArchConfig, *, dtype, mesh: jax.sharding.Mesh | StageMeshes,
@@ -146,7 +146,7 @@ def create_model(config: ModelArchConfig, *, dtype, mesh: jax.sharding.Mesh | St
                  show_progress: bool = False, values: dict | None = None,
                  quantization: QuantConfig | None = None) -> LlamaForCausalLM:
     """The model with params placed on `mesh` by the logical-axis rules (on their stages' meshes
-    under pipeline parallelism, where a layer's experts run on its stage's; no quantized model).
+    under pipeline parallelism, where a layer's experts and quantized kernels run on its stage's).
 
     weights: (HF name, tensor source) pairs in HF layout (Linear weights [out, in]; a quantized
     checkpoint's as models/quant_checkpoint.py hands them on), streamed, a fused param's parts in
@@ -173,18 +173,17 @@ def quantize_model(model: LlamaForCausalLM, quantization: QuantConfig | None,
     load quantized; its FP8 experts load dequantized (models/quant_checkpoint.py) and go to e4m3 here."""
     if quantization is None:
         return
-    mesh_of = mesh.of_param if isinstance(mesh, StageMeshes) else lambda _: mesh  # a layer's stage's
     for path, parent, attr, linear in [] if quantization.from_checkpoint else list(_linears(model)):
         axes = linear.kernel.get_metadata()["out_sharding"]
         fp8_axes = (*axes[1:], axes[0])  # [*out, in]
-        on = mesh_of(path)
+        on = param_mesh(mesh, path)  # under pipeline parallelism its layer's stage's
         quantize = quantize_fn(quantize_kernel, named_sharding(on, fp8_axes), named_sharding(on, axes[1:]))
         kernel, scale = quantize(linear.kernel[...])
         setattr(parent, attr, Fp8Linear(kernel, scale, fp8_axes, linear.bias))
         del linear  # its bf16 kernel goes with it
     for path, experts in list(nnx.iter_modules(model)):
         if isinstance(experts, Experts):
-            on = mesh_of(path)
+            on = param_mesh(mesh, path)
             for name in ("gate_up_proj", "down_proj"):
                 param = getattr(experts, name)
                 axes = param.get_metadata()["out_sharding"]

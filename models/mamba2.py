@@ -134,7 +134,7 @@ class Mamba2Mixer(nnx.Module):
         z, xs, dt = zxdt[..., :m.head_dim], zxdt[..., m.head_dim:-1], zxdt[..., -1]
         xs, conv_x = self.conv_x(xs.reshape(num_tokens, m.intermediate_size), conv_x, requests)
         bc, conv_bc = self.conv_bc(self.bc_proj(x), conv_bc, requests)
-        # silu in the model's dtype, as HF applies it to the conv's output
+        # silu of the conv's fp32 output, rounded to the model's dtype as HF's
         xs = jax.nn.silu(xs).astype(x.dtype).astype(jnp.float32).reshape(num_tokens, m.num_heads, m.head_dim)
         B, C = jnp.split(jax.nn.silu(bc).astype(x.dtype).astype(jnp.float32), 2, axis=-1)
         dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)),

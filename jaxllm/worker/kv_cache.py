@@ -4,9 +4,9 @@ themselves, per KV tensor the arrays its KVCacheSpec names (models/kv_layout.py)
 [num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim], replicated; or a Mamba2 model's
 state slots (conv x [num_blocks, conv_kernel - 1, heads * head_dim] and SSM [num_blocks, heads,
 head_dim, state_size], sharded over the heads; conv B and C [num_blocks, conv_kernel - 1, 2 * groups
-* state_size], replicated) in the model's dtype, one slot per running request. The budget counts
-a device's share of each array. A block id means one block in
-one layer of each KV cache group (models/kv_layout.py), and in each of a drafter's tensors: a draft
+* state_size], replicated) in the model's dtype, one slot per running request. The budget counts a
+device's share of each array. A block id means one block in one layer of each KV cache group
+(models/kv_layout.py), and in each of a drafter's tensors: a draft
 model's KV (worker/draft_model.py), an n-gram drafter's token ids (worker/ngram_drafter.py). A
 hybrid model's Mamba tensors hold num_state_slots state slots (max_num_seqs: one per running
 request), apart from the blocks, which the budget left takes.

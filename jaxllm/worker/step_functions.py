@@ -142,7 +142,8 @@ def make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batchi
                                                **with_lora)
             else:
                 hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, md, attn_fn, **with_lora)
-        routing = step_routing(layer_routing(recorded, dbo), batch.logits_indices, md, num_experts) if num_experts else ()
+        routing = () if not num_experts else step_routing(layer_routing(recorded, dbo), batch.logits_indices, md,
+                                                          num_experts)
         outputs = sampled_rows(model, hidden, batch, num_sampled) + (kv_caches, routing)
         if drafter_block_size is not None:
             outputs += (layout.replace(buffer, input_ids=batch.input_ids, positions=batch.positions,
