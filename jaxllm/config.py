@@ -149,9 +149,11 @@ class Config:
     @property
     def drafts_on_device(self) -> bool:
         """The runner makes the drafts, on the device: a draft model's and an EAGLE head's always, n-gram
-        drafts under asynchronous scheduling (the host makes them when it has each request's last token)."""
+        drafts under asynchronous scheduling (the host makes them when it has each request's last token,
+        as under pipeline parallelism, whose steps never read a token still on the device)."""
         spec = self.speculative
-        return spec is not None and (spec.method != "ngram" or self.scheduler.async_scheduling)
+        return spec is not None and (spec.method != "ngram" or (self.scheduler.async_scheduling
+                                                                and self.parallel.pipeline_parallel_size == 1))
 
 
 @dataclasses.dataclass
@@ -427,7 +429,9 @@ class EngineArgs:
         pp = self.pipeline_parallel_size
         if pp == 1:
             return ()
-        for ok, what in ((speculative is None, "speculative_config"), (not self.enable_lora, "enable_lora")):
+        for ok, what in ((speculative is None or speculative.method == "ngram",
+                          f"speculative_config method {speculative and speculative.method!r} (n-gram runs)"),
+                         (not self.enable_lora, "enable_lora")):
             _check(ok, f"pipeline_parallel_size={pp} does not run with {what} yet")
         return layer_partition(arch.num_layers, pp)
 

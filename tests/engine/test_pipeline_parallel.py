@@ -98,6 +98,20 @@ def test_moe_latent_and_mamba_models_under_pipeline_parallelism_give_one_devices
 
 
 @needs_8
+def test_ngram_speculation_under_pipeline_parallelism_gives_one_devices_greedy_tokens():
+    """The host proposes each request's drafts once its last token has landed (a pipeline's steps read no
+    token on the device); the last stage verifies them. The tiny Llama repeats itself: drafts pass."""
+    prompts = [{"prompt_token_ids": [5, 17, 99, 3, 250, 41, 8] * 4}, {"prompt_token_ids": list(range(30, 52)) * 2}]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+    with LLM(tiny_model("llama"), **ENGINE) as llm:
+        want = outputs(llm, prompts, params)[0]
+    with LLM(tiny_model("llama"), pipeline_parallel_size=2, speculative_config=spec, **ENGINE) as llm:
+        assert outputs(llm, prompts, params)[0] == want
+        assert llm.llm_engine.engine_core.core.scheduler.spec_totals.num_accepted_tokens > 0
+
+
+@needs_8
 def test_fp8_under_pipeline_parallelism_quantizes_each_stages_weights_on_its_devices(four_layers):
     """quantization="fp8" on load: each layer's e4m3 kernels and scales on its stage's devices, and the
     tokens and logprobs of one device's FP8 engine."""
@@ -212,7 +226,8 @@ def test_a_layer_partition_from_the_environment(monkeypatch, four_layers):
 
 
 @pytest.mark.parametrize("model, kwargs, message", [
-    ("llama", dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
+    ("llama", dict(speculative_config={"method": "draft_model", "model": tiny_model("llama"),
+                                       "num_speculative_tokens": 2}), "speculative_config method 'draft_model'"),
 ])
 def test_what_pipeline_parallelism_does_not_run_with_is_a_clear_error(model, kwargs, message):
     with pytest.raises(ValueError, match=f"pipeline_parallel_size=2 does not run with {message}"):
@@ -238,4 +253,4 @@ def test_pipeline_parallel_over_eight_forced_devices():
     if jax.device_count() >= 8:
         pytest.skip("this process has the devices: the tests above run here")
     run_with_host_devices(__file__, "not eight_forced and not clear_error and not vllm_splits and not environment",
-                          8, "10 passed", timeout_s=900)
+                          8, "11 passed", timeout_s=900)
