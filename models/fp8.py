@@ -43,13 +43,18 @@ def quantize_experts(weight: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (w / jnp.expand_dims(scale, 1)).astype(jnp.float8_e4m3fn), scale
 
 
-def quantize_rows(x: jax.Array, group_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+def quantize_rows(x: jax.Array, group_size: int | None = None, over: str | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
     """x [T, in] -> (e4m3 [T, in], float32 scale [T]), per token (an all-zero row: scale tiny);
-    with group_size, per token and group of that many columns: scale [T, in // group_size]."""
+    with group_size, per token and group of that many columns: scale [T, in // group_size]. over: a
+    mesh axis whose devices each hold a slice of every row (inside shard_map): the scale is the whole
+    row's, as on one device."""
     x32 = x.astype(jnp.float32)
     if group_size is not None:
         x32 = x32.reshape(x.shape[0], -1, group_size)
     scale = jnp.maximum(jnp.max(jnp.abs(x32), axis=-1) / E4M3_MAX, jnp.finfo(jnp.float32).tiny)
+    if over is not None:
+        scale = jax.lax.pmax(scale, over)
     return (x32 / scale[..., None]).astype(jnp.float8_e4m3fn).reshape(x.shape), scale
 
 

@@ -16,7 +16,8 @@ expert's rows are contiguous, one grouped GEMM per projection (kernels/grouped_m
 GPU, jax.lax.ragged_dot elsewhere: grouped_matmul_kind) runs every expert on its rows, and the
 rows go back to token order to be summed with their weights. With
 quantization="fp8" the stacked weights are e4m3 with a float32 scale per expert and output channel,
-and each row goes to e4m3 by its own max (grouped_dot), as an Fp8Linear's.
+and each row goes to e4m3 by its own max (grouped_dot), as an Fp8Linear's (split over devices, by
+the whole row's max).
 
 Over the mesh's "model" axis of N devices, the attention stays tensor parallel (every device
 holds every token's activations), and the experts are split one of two ways:
@@ -127,41 +128,43 @@ def _grouped_matmul(rows, weight, group_sizes, out_dtype):
     return jax.lax.ragged_dot(rows, weight, group_sizes, preferred_element_type=out_dtype)
 
 
-def grouped_dot(rows, weight, group_sizes, row_experts):
+def grouped_dot(rows, weight, group_sizes, row_experts, scale_over: str | None = None):
     """rows [M, K] grouped by expert, each times its expert's weight: [G, K, N] in the model's dtype, or
     (e4m3 [G, K, N], float32 scale [G, N] per output channel) with the rows scaled to e4m3 per row as
-    an Fp8Linear's; row_experts [M] (sorted; G: none) picks each row's scales -> [M, N] in rows' dtype."""
+    an Fp8Linear's (by the whole row's max where scale_over's devices each hold a slice of it);
+    row_experts [M] (sorted; G: none) picks each row's scales -> [M, N] in rows' dtype."""
     if not isinstance(weight, tuple):
         return _grouped_matmul(rows, weight, group_sizes, rows.dtype)
     w8, w_scale = weight
-    x8, x_scale = quantize_rows(rows)
+    x8, x_scale = quantize_rows(rows, over=scale_over)
     y = _grouped_matmul(x8, w8, group_sizes, jnp.float32)
     scale = jnp.take(w_scale, row_experts, axis=0, mode="fill", fill_value=0)
     return (y * x_scale[:, None] * scale).astype(rows.dtype)
 
 
-def expert_mlp(rows, row_experts, group_sizes, gate_up, down):
+def expert_mlp(rows, row_experts, group_sizes, gate_up, down, inner_over: str | None = None):
     """The experts' SwiGLU on rows grouped by expert: rows [M, hidden], expert g's being the
     group_sizes[g] [G] int32 rows after the groups before it (row_experts [M], sorted, says whose
     each is); gate_up [G, hidden, 2, I], down [G, I, hidden], or with quantization="fp8" each an
     (e4m3 weight, scale [G, 2, I] or [G, hidden]) pair -> [M, hidden] (a row after the last group
-    is not defined)."""
+    is not defined). inner_over: the mesh axis whose devices each hold a slice of I (tensor parallel)."""
     g, hidden, _, inter = _stacked(gate_up).shape
     if isinstance(gate_up, tuple):
         gate_up = (gate_up[0].reshape(g, hidden, 2 * inter), gate_up[1].reshape(g, 2 * inter))
     else:
         gate_up = gate_up.reshape(g, hidden, 2 * inter)
     gate_up_rows = grouped_dot(rows, gate_up, group_sizes, row_experts).reshape(-1, 2, inter)
-    return grouped_dot(jax.nn.silu(gate_up_rows[:, 0]) * gate_up_rows[:, 1], down, group_sizes, row_experts)
+    return grouped_dot(jax.nn.silu(gate_up_rows[:, 0]) * gate_up_rows[:, 1], down, group_sizes, row_experts,
+                       inner_over)
 
 
-def experts_of_rows(rows, experts, gate_up, down):
+def experts_of_rows(rows, experts, gate_up, down, inner_over: str | None = None):
     """Each row through its expert: rows [M, hidden], experts [M] int32 in [0, G] (G: none, its output
     not defined) -> [M, hidden]. The rows are sorted by expert for the grouped GEMM, and back."""
     # experts [2, 0, 2, 1] -> order [1, 3, 0, 2] (experts 0, 1, 2, 2), group sizes [1, 1, 2]
     order = jnp.argsort(experts, stable=True)
     sizes = jnp.bincount(experts, length=_stacked(gate_up).shape[0])
-    out = expert_mlp(rows[order], experts[order], sizes, gate_up, down)
+    out = expert_mlp(rows[order], experts[order], sizes, gate_up, down, inner_over)
     return jnp.zeros_like(out).at[order].set(out)
 
 
@@ -170,11 +173,12 @@ def combine(pair_rows, weights, dtype):
     return jnp.einsum("tkh,tk->th", pair_rows.astype(jnp.float32), weights).astype(dtype)
 
 
-def moe_one_device(x, weights, ids, gate_up, down):
-    """x [T, hidden] through the experts (or slices of them) that gate_up and down hold, every pair's
-    rows of the T tokens (weights, ids [T, k]) -> [T, hidden]."""
+def moe_one_device(x, weights, ids, gate_up, down, inner_over: str | None = None):
+    """x [T, hidden] through the experts (or slices of them, their intermediate over inner_over's
+    devices) that gate_up and down hold, every pair's rows of the T tokens (weights, ids [T, k]) ->
+    [T, hidden]."""
     t, k = ids.shape
-    rows = experts_of_rows(jnp.repeat(x, k, axis=0), ids.reshape(-1), gate_up, down)
+    rows = experts_of_rows(jnp.repeat(x, k, axis=0), ids.reshape(-1), gate_up, down, inner_over)
     return combine(rows.reshape(t, k, -1), weights, x.dtype)
 
 
@@ -184,7 +188,7 @@ def moe_tensor_parallel(mesh, x, weights, ids, gate_up, down):
     axis = logical_to_spec(("mlp",))[0]
 
     def local(x, weights, ids, gate_up, down):
-        return jax.lax.psum(moe_one_device(x, weights, ids, gate_up, down), axis)
+        return jax.lax.psum(moe_one_device(x, weights, ids, gate_up, down, axis), axis)
 
     gate_up_spec, down_spec = P(None, None, None, axis), P(None, axis)
     if isinstance(gate_up, tuple):  # FP8: the scales [G, 2, I] split as the intermediate, [G, hidden] whole

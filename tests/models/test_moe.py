@@ -190,8 +190,9 @@ def test_the_moe_layer_over_devices_equals_each_tokens_experts_one_by_one(parall
 def test_the_fp8_moe_layer_over_devices_is_the_layer_within_e4m3s_error(parallel):
     """quantization="fp8": the experts in e4m3 with a scale per expert and output channel, each row in
     e4m3 with its own scale. Within e4m3's error of the float64 layer (3 mantissa bits: about 4% from
-    the weights' rounding and 4% from the rows'); split over 4 devices, whole experts on each give one
-    device's values exactly (the same rows, the same scales)."""
+    the weights' rounding and 4% from the rows'); split over 4 devices, whole experts on each, or a
+    slice of every expert's intermediate on each (its rows scaled by the whole row's max), give one
+    device's values (the same rows, the same scales)."""
     x, weights, ids, gate_up, down = moe_inputs("random")
     want = reference_moe(x, weights, ids, gate_up, down)
     gate_up8, down8 = quantize_experts(gate_up), quantize_experts(down)
@@ -205,10 +206,7 @@ def test_the_fp8_moe_layer_over_devices_is_the_layer_within_e4m3s_error(parallel
     down8 = place(down8[0], (axes[0], axes[3], "embed")), place(down8[1], (axes[0], "embed"))
     run = moe_expert_parallel if parallel == "expert" else moe_tensor_parallel
     got = np.asarray(jax.jit(lambda *a: run(mesh, *a))(x, weights, ids, gate_up8, down8))
-    if parallel == "expert":
-        np.testing.assert_allclose(got, one, rtol=1e-6, atol=1e-6)
-    else:  # each device scales its slice of a row by the slice's own max
-        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.1
+    np.testing.assert_allclose(got, one, rtol=1e-5, atol=1e-5)
 
 
 def test_the_layer_over_eight_forced_devices():
