@@ -24,7 +24,7 @@ import numpy as np
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.loader import (MAMBA_PARTS, ParamPath, checkpoint_params, hf_axes, hf_tensors, mamba_rows,
                                   path_to_hf_names)
-from jaxllm.sharding import replicated
+from jaxllm.sharding import StageMeshes, replicated
 
 ENGINE, HF = "engine", "hf"
 
@@ -54,7 +54,7 @@ def _name(path: ParamPath) -> str:
     return ".".join(map(str, path))
 
 
-def check(params: Mapping, abstract: dict, arch: ModelArchConfig, mesh: jax.sharding.Mesh) -> str:
+def check(params: Mapping, abstract: dict, arch: ModelArchConfig, mesh: jax.sharding.Mesh | StageMeshes) -> str:
     """Raise ValueError naming the first bad param; returns the layout. `abstract`: the model's
     params (loader.abstract_params) as the engine runs them (KV heads repeated for tensor
     parallelism: arch, the checkpoint's architecture, gives the HF shapes)."""
@@ -76,7 +76,7 @@ def check(params: Mapping, abstract: dict, arch: ModelArchConfig, mesh: jax.shar
     if missing or extra:
         raise ValueError(f"params do not fit the {arch.architecture} model ({layout} layout): "
                          f"missing {missing[:8]}, unexpected {extra[:8]}")
-    mesh_devices = set(mesh.devices.flat)
+    mesh_devices = {d for m in (mesh.meshes if isinstance(mesh, StageMeshes) else (mesh,)) for d in m.devices.flat}
     for key, value in given.items():
         shape, dtype = expected[key]
         if tuple(np.shape(value)) != shape:

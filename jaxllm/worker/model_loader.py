@@ -73,8 +73,6 @@ def load_weights(mc: ModelConfig, arch: ModelArchConfig, mesh: jax.sharding.Mesh
     (worker/kv_heads.py: its KV heads repeated `repeat` times when tensor parallelism has more
     devices than KV heads)."""
     if params is not None:
-        if isinstance(mesh, StageMeshes):
-            raise ValueError("params in memory (LLM(params=...)) do not load under pipeline_parallel_size > 1 yet")
         if mc.quantization is not None and mc.quantization.from_checkpoint:
             raise ValueError(f"params in memory are unquantized; the model's checkpoint is {mc.quantization.method}")
         _, abstract = abstract_params(arch, mc.dtype)
@@ -111,12 +109,13 @@ class ParamSpecs:
     shardings: dict
 
     @classmethod
-    def of(cls, arch: ModelArchConfig, dtype, mesh: jax.sharding.Mesh) -> "ParamSpecs":
+    def of(cls, arch: ModelArchConfig, dtype, mesh: jax.sharding.Mesh | StageMeshes) -> "ParamSpecs":
         _, abstract = abstract_params(arch, dtype)
         return cls(abstract, param_shardings(abstract, mesh))
 
 
-def new_params(config: Config, arch: ModelArchConfig, mesh: jax.sharding.Mesh, repeat: int, specs: ParamSpecs,
+def new_params(config: Config, arch: ModelArchConfig, mesh: jax.sharding.Mesh | StageMeshes, repeat: int,
+               specs: ParamSpecs,
                source: Mapping | str) -> Iterator[tuple[ParamPath, jax.Array]]:
     """(path, array) of the model's unquantized params from `source`: params in memory (either
     layout), or a checkpoint's path (an HF folder or a .gguf file). The whole source is checked

@@ -198,12 +198,13 @@ class ModelRunner:
         """New weights in place of the old, in the same shardings (the executables stay valid):
         `source` is params in memory (either layout of models/params.py) or a checkpoint's path;
         checked whole before any param changes. FP8 weights are quantized again on the device."""
-        if self.pipeline:
-            raise ValueError("update_weights does not run under pipeline_parallel_size > 1 yet")
+        meshes = self.stage_meshes or self.mesh
         if self._param_specs is None:
-            self._param_specs = model_loader.ParamSpecs.of(self.arch, self.config.model.dtype, self.mesh)
-        model_loader.update(self.weights, model_loader.new_params(self.config, self.arch, self.mesh, self._repeat,
+            self._param_specs = model_loader.ParamSpecs.of(self.arch, self.config.model.dtype, meshes)
+        model_loader.update(self.weights, model_loader.new_params(self.config, self.arch, meshes, self._repeat,
                                                                   self._param_specs, source))
+        if self.pipeline:  # each stage's param list holds the arrays it was given
+            self.pipeline.set_weights(self.weights)
 
     def sleep(self, level: int) -> None:
         """Free the KV cache and the per-request state (level 1), and the weights too (level 2)."""

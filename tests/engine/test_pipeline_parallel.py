@@ -2,12 +2,17 @@
 same tokens and logprobs as one device, each stage's layers and KV arrays on its own devices, one
 step per stage in flight with no request in two of them, nothing lost under chunked prefill,
 preemption and prefix caching, nothing compiled after warm-up, and a killed core an EngineDeadError.
-Dual-batch overlap (enable_dbo), with and without stages, gives one device's outputs too.
+Dual-batch overlap (enable_dbo), with and without stages, gives one device's outputs too, and so do
+MoE (with their routed experts), latent-attention and Mamba models, FP8, n-gram speculation, params
+in memory and weight updates under stages.
 The tests need 8 devices; in a process with fewer, the last test runs them in a child with 8 forced
 host devices."""
+import os
+
 import jax
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -109,6 +114,29 @@ def test_ngram_speculation_under_pipeline_parallelism_gives_one_devices_greedy_t
     with LLM(tiny_model("llama"), pipeline_parallel_size=2, speculative_config=spec, **ENGINE) as llm:
         assert outputs(llm, prompts, params)[0] == want
         assert llm.llm_engine.engine_core.core.scheduler.spec_totals.num_accepted_tokens > 0
+
+
+@needs_8
+def test_params_in_memory_and_weight_updates_under_pipeline_parallelism(four_layers, one_device):
+    """params= (HF names, and the engine's own layout), then update_weights from memory and from the
+    checkpoint: each stage takes its layers' params on its devices, and nothing compiles."""
+    hf = load_file(os.path.join(four_layers, "model.safetensors"))
+    new = {name: (value * 1.05).astype(value.dtype) for name, value in hf.items()}
+    with LLM(four_layers, params=new, **ENGINE) as fresh:
+        want_new = outputs(fresh)[0]
+    with engines_warmed_up(), LLM(four_layers, pipeline_parallel_size=2, tensor_parallel_size=2, params=hf,
+                                  **ENGINE) as llm:
+        want = outputs(one_device)[0]
+        assert outputs(llm)[0] == want
+        with LLM(four_layers, pipeline_parallel_size=2, tensor_parallel_size=2, params=llm.get_params(),
+                 **ENGINE) as own_layout:
+            assert outputs(own_layout)[0] == want
+        compilations = llm.llm_engine.get_stats()["num_compilations"]
+        llm.update_weights(new)
+        assert outputs(llm)[0] == want_new
+        llm.update_weights(four_layers)
+        assert outputs(llm)[0] == want
+        assert llm.llm_engine.get_stats()["num_compilations"] == compilations
 
 
 @needs_8
@@ -253,4 +281,4 @@ def test_pipeline_parallel_over_eight_forced_devices():
     if jax.device_count() >= 8:
         pytest.skip("this process has the devices: the tests above run here")
     run_with_host_devices(__file__, "not eight_forced and not clear_error and not vllm_splits and not environment",
-                          8, "11 passed", timeout_s=900)
+                          8, "12 passed", timeout_s=900)
