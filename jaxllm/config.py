@@ -307,7 +307,7 @@ class EngineArgs:
                f"model's intermediate_size ({arch.intermediate_size}): each device holds a slice of every MLP")
         _check(arch.vocab_size % tp == 0, f"tensor_parallel_size={tp} must divide the model's vocab_size "
                f"({arch.vocab_size}): each device holds a slice of the embedding's and the LM head's rows")
-        backend = self._attention_backend(arch, quantization, speculative, devices)
+        backend = self._attention_backend(arch, speculative, devices)
         arch = self._check_experts(arch, quantization)
         prefix_caching = self._check_mamba(arch, speculative, quantization)
         partition = self._layer_partition(arch, speculative, quantization)
@@ -365,8 +365,7 @@ class EngineArgs:
                "after a pooling request's last token would read a token that never comes)")
         return PoolerConfig.from_dict(self.pooler_config or {})
 
-    def _attention_backend(self, arch: ModelArchConfig, quantization: QuantConfig | None, speculative,
-                           devices: DeviceFacts) -> str:
+    def _attention_backend(self, arch: ModelArchConfig, speculative, devices: DeviceFacts) -> str:
         """The one asked for, else the platform's fastest. Latent attention (DeepSeek, models/deepseek.py) runs
         on its own backends (kernels/attention.py, LATENT_BACKENDS: the Pallas latent kernel on a GPU, the
         reference elsewhere), and without what it does not take yet."""
@@ -376,8 +375,6 @@ class EngineArgs:
         name = arch.architecture
         _check(self.attention_backend in (None, *LATENT_BACKENDS), f"attention_backend={self.attention_backend!r} "
                f"has no latent-attention kernel: the {name} model runs on one of {LATENT_BACKENDS}")
-        _check(quantization is None or not quantization.from_checkpoint, f"a quantized checkpoint of the {name} "
-               "model does not load yet: load its bf16 checkpoint (quantization='fp8' quantizes it as it loads)")
         _check(speculative is None or speculative.method == "ngram", f"speculative_config.method "
                f"{speculative and speculative.method!r} does not run with the {name} model yet: use 'ngram'")
         return self.attention_backend or ("pallas" if devices.platform == "gpu" else "reference")

@@ -34,7 +34,7 @@ from jaxllm.models.llama import INIT_STD, Linear, LlamaForCausalLM
 from jaxllm.models.mamba2 import Mamba2ForCausalLM
 from jaxllm.models.moe import Experts, MoeForCausalLM
 from jaxllm.models.quant_checkpoint import quantized_weights
-from jaxllm.models.quant_config import FP8_BLOCK, INT4, QuantConfig
+from jaxllm.models.quant_config import FP8_BLOCK, INT4, MODEL_DTYPE_LINEARS, QuantConfig
 from jaxllm.models.tensor_sources import (ExpertsSource, GateUpSource, Index, MambaHeadsSource, QKVSource,
                                           RowsSource, SharedSource, StackedGateUpSource, TensorSource)
 from jaxllm.sharding import StageMeshes, named_sharding, param_mesh
@@ -100,7 +100,7 @@ def _linears(model) -> Iterator[tuple[ParamPath, nnx.Module, str, Linear]]:
     latent attention's kv_b_proj (models/deepseek.py: its kernel is absorbed into the queries and
     the outputs, read whole)."""
     paths = [path for path, module in nnx.iter_modules(model) if isinstance(module, Linear)
-             and path != ("lm_head",) and path[-1] not in ("gate", "shared_expert_gate", "kv_b_proj")]
+             and path != ("lm_head",) and path[-1] not in MODEL_DTYPE_LINEARS]
     for path in paths:
         parent = model
         for key in path[:-1]:
@@ -119,9 +119,9 @@ def _quantized_linears(model, quant: QuantConfig, dtype, mesh) -> None:
         if len(set(quantized.values())) > 1:
             raise ValueError(f"quantization_config quantizes some of the Linears fused into {'.'.join(map(str, path))} "
                              f"and not others ({quantized}): they must agree")
-        if not quantized[modules[0]]:
-            continue
         in_dim, out_shape = linear.kernel.shape[0], tuple(linear.kernel.shape[1:])
+        if not quantized[modules[0]] or not quant.whole_blocks(out_shape[-1], in_dim):
+            continue  # (partial blocks load dequantized: models/quant_checkpoint.py)
         axes = linear.kernel.get_metadata()["out_sharding"]
         if quant.scheme == INT4:
             module = Int4Linear(in_dim, out_shape, axes, group_size=quant.group_size, act_order=quant.act_order,

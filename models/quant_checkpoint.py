@@ -27,7 +27,8 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from jaxllm.models.int4 import pack_groups
-from jaxllm.models.quant_config import FP8_BLOCK, FP8_CHANNEL, INT4, QuantConfig
+from jaxllm.models.quant_config import FP8_BLOCK, FP8_CHANNEL, INT4, MODEL_DTYPE_LINEARS, QuantConfig
+from jaxllm.utils import cdiv
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ int32 holds column AWQ_ORDER[i] of its 8
 
@@ -40,7 +41,8 @@ def quantized_weights(weights: Iterable[tuple[str, object]], quant: QuantConfig)
     pending: dict[str, dict[str, object]] = {}  # Linear -> {leaf: its source} so far
     for name, source in weights:
         module, _, leaf = name.rpartition(".")
-        linear = module.rpartition(".")[2].endswith("_proj") or _is_expert(module)
+        attr = module.rpartition(".")[2]
+        linear = attr.endswith(("_proj", "_proj_with_mqa")) or _is_expert(module)
         if leaf not in leaves or not linear or not quant.quantizes(module):
             yield name, source
             continue
@@ -48,7 +50,9 @@ def quantized_weights(weights: Iterable[tuple[str, object]], quant: QuantConfig)
         parts[leaves[leaf]] = source
         if len(parts) == len(leaves):
             del pending[module]
-            yield from (_dequantized_expert if _is_expert(module) else _convert)(module, parts, quant)
+            dequantized = _is_expert(module) or attr in MODEL_DTYPE_LINEARS or (
+                quant.scheme == FP8_BLOCK and not quant.whole_blocks(*parts["weight"].shape))
+            yield from (_dequantized if dequantized else _convert)(module, parts, quant)
     missing = [f"{module}.{name}" for module, parts in pending.items() for name, leaf in leaves.items()
                if leaf not in parts]
     if missing:
@@ -74,19 +78,21 @@ def _is_expert(module: str) -> bool:
     return ".experts." in module
 
 
-def _dequantized_expert(module: str, parts: dict, quant: QuantConfig) -> list[tuple[str, object]]:
-    """One expert's FP8 weight [N, K], checked as a Linear's, dequantized to float32 by its scales (per
-    tensor, channel or block): the engine stacks the experts and holds them in e4m3 with a scale per
-    expert and output channel, as quantization="fp8" does (models/moe.py). A static input scale is
-    not used: the experts' rows are scaled per row."""
-    _check(quant.scheme != INT4, f"tensor {module}: a MoE layer's {quant.method} experts do not load yet")
+def _dequantized(module: str, parts: dict, quant: QuantConfig) -> list[tuple[str, object]]:
+    """An FP8 weight [N, K] the engine does not run quantized, checked as a Linear's, dequantized to
+    float32 by its scales (per tensor, channel or block, the last blocks maybe partial): one expert
+    (the engine stacks the experts and holds them in e4m3 with a scale per expert and output channel,
+    as quantization="fp8" does: models/moe.py), a Linear held in the model's dtype
+    (MODEL_DTYPE_LINEARS), or a block weight of partial blocks. A static input scale is not used."""
+    _check(quant.scheme != INT4, f"tensor {module}: a {quant.method} checkpoint's {module.rpartition('.')[2]} "
+           "does not load yet (the engine holds it unquantized)")
     tensors = dict(_fp8(module, parts, quant))
     weight, scale = tensors[f"{module}.weight"], tensors[f"{module}.weight_scale"]
     rows, cols = weight.shape
 
     def dequantize(w: np.ndarray, s: np.ndarray) -> np.ndarray:
-        if s.ndim == 2:  # blocks [N / bn, K / bk]
-            s = np.repeat(np.repeat(s.astype(np.float32), quant.block[0], 0), quant.block[1], 1)
+        if s.ndim == 2:  # blocks [N / bn, K / bk], rounded up
+            s = np.repeat(np.repeat(s.astype(np.float32), quant.block[0], 0), quant.block[1], 1)[:rows, :cols]
         else:  # per output channel [N]
             s = s.astype(np.float32)[:, None]
         return w.astype(np.float32) * s
@@ -136,7 +142,7 @@ def _fp8(module: str, parts: dict, quant: QuantConfig) -> list[tuple[str, object
     rows, cols = weight.shape
     if quant.scheme == FP8_BLOCK:
         bn, bk = quant.block
-        want = (rows // bn, cols // bk)
+        want = (cdiv(rows, bn), cdiv(cols, bk))  # a partial last block has a scale (then loads dequantized)
         _check(tuple(scale.shape) == want, f"tensor {scale_name} has shape {tuple(scale.shape)}, expected {want} "
                f"(blocks of {quant.block} over the weight's {weight.shape})")
         return [(f"{module}.weight", weight), (f"{module}.weight_scale", scale)]

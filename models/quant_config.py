@@ -17,6 +17,10 @@ from jaxllm.models.config import ModelArchConfig
 
 QUANTIZATIONS = ("fp8", "compressed-tensors", "awq", "gptq")  # EngineArgs.quantization
 FP8_CHANNEL, FP8_BLOCK, INT4 = "fp8_channel", "fp8_block", "int4"  # QuantConfig.scheme
+# Linears the engine holds in the model's dtype whatever the checkpoint: MoE routers (a quantized router
+# would pick other experts, as in vLLM) and latent attention's kv_b_proj (absorbed into the queries and
+# outputs, read whole: models/deepseek.py). A checkpoint's quantized ones load dequantized.
+MODEL_DTYPE_LINEARS = ("gate", "shared_expert_gate", "kv_b_proj")
 INT4_GROUP_SIZES = (32, 64, 128)  # the W4A16 kernel's (kernels/w4a16.py): half a group is a dot >= 16 deep
 
 
@@ -38,6 +42,12 @@ class QuantConfig:
         runner sends to cuBLASLt (worker/model_runner.py)."""
         return self.scheme == FP8_CHANNEL
 
+    def whole_blocks(self, rows: int, cols: int) -> bool:
+        """Whether a quantized weight [rows, cols] runs quantized: an FP8 block weight that is not whole
+        blocks (DeepSeek-V3's kv_a_proj_with_mqa, 576 rows in blocks of 128: its last scale covers a
+        partial block) loads dequantized instead (models/quant_checkpoint.py)."""
+        return self.scheme != FP8_BLOCK or (rows % self.block[0] == 0 and cols % self.block[1] == 0)
+
     def quantizes(self, module: str) -> bool:
         """Whether the checkpoint quantizes the Linear of this HF module name (e.g.
         "model.layers.0.mlp.down_proj"). The LM head never is here. compressed-tensors' ignore
@@ -56,6 +66,8 @@ class QuantConfig:
         """Raise ValueError if the model's shapes, split over the devices, do not hold whole
         groups or blocks: a group or a block must not straddle two devices' shards."""
         tp = tensor_parallel_size
+        if arch.mla is not None:
+            return self._check_latent_model(arch, tp)
         q_dim = arch.num_heads * arch.head_dim
         # (what, a Linear's input rows on one device): qkv and gate_up read hidden_size, o_proj and
         # down_proj (row-parallel) their shard of the heads and of the intermediate
@@ -74,6 +86,24 @@ class QuantConfig:
                                ("intermediate_size / tensor_parallel_size", arch.intermediate_size // tp)):
                 _check(rows % bn == 0, f"the weight block's rows ({bn}) must divide {what} ({rows}): q, k and v "
                        "are fused per KV head, and a block must not straddle two devices' shards")
+
+
+    def _check_latent_model(self, arch: ModelArchConfig, tp: int) -> None:
+        """check_model for latent attention (DeepSeek), whose Linears are not fused per head: the split
+        ones that run quantized (whole blocks) must split into whole blocks, q_b_proj's output rows
+        and o_proj's and the dense MLPs' input columns (the experts load dequantized)."""
+        if self.scheme != FP8_BLOCK:  # (an int4 checkpoint of experts is refused with them: jaxllm/config.py)
+            return
+        bn, bk = self.block
+        mla = arch.mla
+        q_rows = arch.num_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+        splits = [("q_b_proj's rows", q_rows, bn, self.whole_blocks(q_rows, mla.q_lora_rank or arch.hidden_size)),
+                  ("o_proj's columns", arch.num_heads * mla.v_head_dim, bk, True),
+                  ("intermediate_size", arch.intermediate_size, bk, True)]
+        for what, size, block, kept in splits:
+            _check(not kept or size % block or (size // tp) % block == 0,
+                   f"{what} ({size}) split over tensor_parallel_size={tp} must be whole blocks of {block}: a block "
+                   "must not straddle two devices' shards")
 
 
 def resolve_quantization(requested: str | None, hf_config: dict, checkpoint_format: str) -> QuantConfig | None:

@@ -173,13 +173,16 @@ def fp8_channel(per_tensor: bool, static_input_scale: float | None = None, scale
 
 
 def fp8_block(block: tuple[int, int], scale_name: str):
+    """A scale per block of bn rows and bk columns, the last ones partial where the weight is not whole
+    blocks (DeepSeek-V3's scales of kv_a_proj_with_mqa: 576 rows in blocks of 128)."""
     bn, bk = block
 
     def quantize(w, module, rng):
         n, k = w.shape
-        blocks = np.abs(w).reshape(n // bn, bn, k // bk, bk).max((1, 3))
+        padded = np.pad(np.abs(w), ((0, -n % bn), (0, -k % bk)))
+        blocks = padded.reshape(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk).max((1, 3))
         scale = (blocks / E4M3_MAX).astype(np.float32)
-        w8, dequantized = fp8_weight(w, np.repeat(np.repeat(scale, bn, 0), bk, 1))
+        w8, dequantized = fp8_weight(w, np.repeat(np.repeat(scale, bn, 0), bk, 1)[:n, :k])
         return {"weight": w8, scale_name: scale}, dequantized
     return quantize
 

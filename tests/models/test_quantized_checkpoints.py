@@ -31,9 +31,10 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineArgs
 from jaxllm.device_facts import DeviceFacts
 from jaxllm.models.config import ModelArchConfig
-from jaxllm.models.fp8 import E4M3_MAX, Fp8Linear
+from jaxllm.models.fp8 import E4M3_MAX, BlockFp8Linear, Fp8Linear
 from jaxllm.models.hf_checkpoint import iter_hf_weights
 from jaxllm.models.int4 import Int4Linear
+from jaxllm.models.llama import Linear
 from jaxllm.models.quant_checkpoint import quantized_weights
 from jaxllm.models.quant_config import resolve_quantization
 from tests.conftest import run_with_host_devices, tiny_model
@@ -162,27 +163,35 @@ def text_logprobs(llm, text: list[int]) -> np.ndarray:
     return np.array([d[t].logprob for t, d in zip(text[1:], out.prompt_logprobs[1:])])
 
 
-def test_an_fp8_moe_checkpoint_runs_as_its_dequantized_twin(tmp_path):
-    """Qwen3-MoE with every Linear and expert in FP8 blocks (the layout Qwen publishes its FP8 MoE
-    models in): the Linears load as they are, the experts dequantized, then held in e4m3 with a scale
-    per expert and output channel. Its logprobs over a prompt and its greedy continuation are within
-    the FP8 tolerance of the twin's (the same model dequantized, in float32)."""
+@pytest.mark.parametrize("model", ["qwen3_moe", "deepseek_v3"])
+def test_an_fp8_moe_checkpoint_runs_as_its_dequantized_twin(tmp_path, model):
+    """Qwen3-MoE and DeepSeek-V3 with every Linear and expert in FP8 blocks (the layout Qwen and DeepSeek
+    publish their FP8 MoE models in): the Linears of whole blocks load as they are, the experts
+    dequantized, then held in e4m3 with a scale per expert and output channel. DeepSeek's kv_b_proj (held
+    in the model's dtype) and its Linears of partial blocks (q_a_proj's 24 rows, q_b_proj's 24 columns,
+    kv_a_proj_with_mqa's 24 rows in blocks of 16) load dequantized. Its logprobs over a prompt and its
+    greedy continuation are within the FP8 tolerance of the twin's (the same model dequantized, in float32)."""
     quantization_config, quantize, _, _ = VARIANTS["fp8_block"]
     rng, quantized, twin = np.random.default_rng(1), {}, {}
-    for name, w in load_file(os.path.join(tiny_model("qwen3_moe"), "model.safetensors")).items():
+    for name, w in load_file(os.path.join(tiny_model(model), "model.safetensors")).items():
         module = name.removesuffix(".weight")
-        if not module.endswith("_proj"):  # the embedding, norms, routers and the LM head as they are
+        if not module.endswith(("_proj", "_proj_with_mqa")):  # the embedding, norms, routers and the LM head
             quantized[name] = twin[name] = w
             continue
         parts, dequantized = quantize(w, module, rng)
         quantized.update({f"{module}.{leaf}": array for leaf, array in parts.items()})
         twin[name] = dequantized.astype(np.float32)
-    with open(os.path.join(tiny_model("qwen3_moe"), "config.json")) as f:
+    with open(os.path.join(tiny_model(model), "config.json")) as f:
         cfg = json.load(f)
     path = qf.write(tmp_path / "fp8", {**cfg, "quantization_config": quantization_config}, quantized)
     with LLM(path, **ENGINE) as llm:
-        model = llm.llm_engine.engine_core.core.executor.runner.weights.model()
-        assert model.layers[0].mlp.experts.down_proj[...].dtype == jnp.float8_e4m3fn
+        layers = llm.llm_engine.engine_core.core.executor.runner.weights.model().layers
+        assert layers[-1].mlp.experts.down_proj[...].dtype == jnp.float8_e4m3fn
+        if model == "deepseek_v3":
+            attention = layers[0].self_attn
+            assert isinstance(attention.o_proj, BlockFp8Linear)  # 32 x 64: whole blocks
+            assert all(isinstance(getattr(attention, name), Linear)
+                       for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"))
         out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
                            use_tqdm=False)[0]
         text = PROMPT + list(out.outputs[0].token_ids)
