@@ -64,13 +64,9 @@ class StageMeshes:
         return self.meshes[0] if path[0] == "embed_tokens" else self.meshes[-1]
 
 
-def layer_mesh(mesh: "Mesh | StageMeshes | None", layer: int) -> Mesh | None:
-    """The mesh a decoder layer's per-device kernels run on: under pipeline parallelism its stage's."""
-    return mesh.meshes[mesh.layer_stage[layer]] if isinstance(mesh, StageMeshes) else mesh
-
-
-def param_mesh(mesh: "Mesh | StageMeshes", path: tuple) -> Mesh:
-    """The mesh of the param (or module) at `path`: under pipeline parallelism its stage's (of_param)."""
+def param_mesh(mesh: "Mesh | StageMeshes | None", path: tuple) -> Mesh | None:
+    """The mesh of the param or module at `path` (("layers", 3, ...): a decoder layer's), where its
+    per-device kernels run: under pipeline parallelism its stage's (StageMeshes.of_param)."""
     return mesh.of_param(path) if isinstance(mesh, StageMeshes) else mesh
 
 

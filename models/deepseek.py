@@ -42,7 +42,7 @@ from jaxllm.kernels.mla_prefill import merge_attention, step_attention_fn
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.llama import MLP, DecoderLayer, Linear, RMSNorm, apply_rope, dot
 from jaxllm.models.moe import Experts, MoeForCausalLM, Router, record_routing, route
-from jaxllm.sharding import layer_mesh
+from jaxllm.sharding import param_mesh
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's (DeepSeek's and HF's default, not rms_norm_eps)
 PREFILL_FORMS = ("absorbed", "expanded")
@@ -152,8 +152,8 @@ class DeepseekForCausalLM(MoeForCausalLM):
     """DeepSeek-V2 and V3: every layer's attention latent, its MLP DeepSeek's experts on the sparse layers."""
 
     def decoder_layer(self, config: ModelArchConfig, layer: int, *, dtype, rngs) -> DecoderLayer:
-        mlp = None
+        mlp, mesh = None, param_mesh(self.mesh, ("layers", layer))  # its stage's under pipeline parallelism
         if layer in config.moe.sparse_layers:
-            mlp = DeepseekMoeBlock(config, dtype=dtype, rngs=rngs, mesh=layer_mesh(self.mesh, layer))
+            mlp = DeepseekMoeBlock(config, dtype=dtype, rngs=rngs, mesh=mesh)
         return DecoderLayer(config, layer, dtype=dtype, rngs=rngs, mlp=mlp,
-                            attention=MLAttention(config, dtype=dtype, rngs=rngs, mesh=layer_mesh(self.mesh, layer)))
+                            attention=MLAttention(config, dtype=dtype, rngs=rngs, mesh=mesh))

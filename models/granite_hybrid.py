@@ -23,7 +23,7 @@ from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.models.llama import MLP, Attention, Embed, LlamaForCausalLM, RMSNorm
 from jaxllm.models.mamba2 import Mamba2Mixer
 from jaxllm.models.moe import SparseMoeBlock
-from jaxllm.sharding import layer_mesh
+from jaxllm.sharding import param_mesh
 
 
 class ScaledEmbed(Embed):
@@ -76,7 +76,7 @@ class GraniteHybridForCausalLM(LlamaForCausalLM):
                                         dtype=dtype, rngs=rngs)
 
     def decoder_layer(self, config: ModelArchConfig, layer: int, *, dtype, rngs) -> GraniteDecoderLayer:
-        return GraniteDecoderLayer(config, layer, dtype=dtype, rngs=rngs, mesh=layer_mesh(self.mesh, layer))
+        return GraniteDecoderLayer(config, layer, dtype=dtype, rngs=rngs, mesh=param_mesh(self.mesh, ("layers", layer)))
 
     def rope(self, positions):
         """Without RoPE ("nope"), the rotation by angle 0: attention sees no positions."""

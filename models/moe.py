@@ -51,7 +51,7 @@ from jaxllm.kernels.grouped_matmul import grouped_matmul
 from jaxllm.models.config import ModelArchConfig, MoeConfig
 from jaxllm.models.fp8 import quantize_rows
 from jaxllm.models.llama import INIT_STD, MLP, DecoderLayer, LlamaForCausalLM, Linear
-from jaxllm.sharding import layer_mesh, logical_to_spec
+from jaxllm.sharding import logical_to_spec, param_mesh
 
 
 # The expert ids [T, k] of each MoE layer of the forward being traced, in order; None: not recording.
@@ -319,5 +319,5 @@ class MoeForCausalLM(LlamaForCausalLM):
     def decoder_layer(self, config: ModelArchConfig, layer: int, *, dtype, rngs) -> DecoderLayer:
         mlp = None
         if layer in config.moe.sparse_layers:
-            mlp = SparseMoeBlock(config, dtype=dtype, rngs=rngs, mesh=layer_mesh(self.mesh, layer))
+            mlp = SparseMoeBlock(config, dtype=dtype, rngs=rngs, mesh=param_mesh(self.mesh, ("layers", layer)))
         return DecoderLayer(config, layer, dtype=dtype, rngs=rngs, mlp=mlp)

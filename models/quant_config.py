@@ -87,21 +87,22 @@ class QuantConfig:
                 _check(rows % bn == 0, f"the weight block's rows ({bn}) must divide {what} ({rows}): q, k and v "
                        "are fused per KV head, and a block must not straddle two devices' shards")
 
-
     def _check_latent_model(self, arch: ModelArchConfig, tp: int) -> None:
-        """check_model for latent attention (DeepSeek), whose Linears are not fused per head: the split
-        ones that run quantized (whole blocks) must split into whole blocks, q_b_proj's output rows
-        and o_proj's and the dense MLPs' input columns (the experts load dequantized)."""
+        """check_model for latent attention (DeepSeek), whose Linears are not fused per head: a split
+        Linear that runs quantized (whole blocks) must split into whole blocks on each device (the
+        experts and the Linears of partial blocks load dequantized)."""
         if self.scheme != FP8_BLOCK:  # (an int4 checkpoint of experts is refused with them: jaxllm/config.py)
             return
-        bn, bk = self.block
-        mla = arch.mla
+        mla, hidden, inter = arch.mla, arch.hidden_size, arch.intermediate_size
         q_rows = arch.num_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
-        splits = [("q_b_proj's rows", q_rows, bn, self.whole_blocks(q_rows, mla.q_lora_rank or arch.hidden_size)),
-                  ("o_proj's columns", arch.num_heads * mla.v_head_dim, bk, True),
-                  ("intermediate_size", arch.intermediate_size, bk, True)]
-        for what, size, block, kept in splits:
-            _check(not kept or size % block or (size // tp) % block == 0,
+        # (what, a split Linear's weight [rows, cols], the axis split over the devices: 0 rows, 1 columns)
+        splits = [("the query projection's rows", (q_rows, mla.q_lora_rank or hidden), 0),
+                  ("o_proj's columns", (hidden, arch.num_heads * mla.v_head_dim), 1),
+                  ("the dense MLPs' intermediate rows", (inter, hidden), 0),
+                  ("the dense MLPs' intermediate columns", (hidden, inter), 1)]
+        for what, shape, axis in splits:
+            size, block = shape[axis], self.block[axis]
+            _check(not self.whole_blocks(*shape) or (size // tp) % block == 0,
                    f"{what} ({size}) split over tensor_parallel_size={tp} must be whole blocks of {block}: a block "
                    "must not straddle two devices' shards")
 

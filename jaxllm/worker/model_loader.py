@@ -115,8 +115,7 @@ class ParamSpecs:
 
 
 def new_params(config: Config, arch: ModelArchConfig, mesh: jax.sharding.Mesh | StageMeshes, repeat: int,
-               specs: ParamSpecs,
-               source: Mapping | str) -> Iterator[tuple[ParamPath, jax.Array]]:
+               specs: ParamSpecs, source: Mapping | str) -> Iterator[tuple[ParamPath, jax.Array]]:
     """(path, array) of the model's unquantized params from `source`: params in memory (either
     layout), or a checkpoint's path (an HF folder or a .gguf file). The whole source is checked
     first: a bad one raises ValueError before any param comes."""

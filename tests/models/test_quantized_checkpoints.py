@@ -301,6 +301,20 @@ def test_groups_that_would_straddle_two_devices_are_refused(checkpoint):
         create_config(checkpoint("fp8_block")[0], tensor_parallel_size=8)
 
 
+def test_a_latent_models_blocks_that_would_straddle_two_devices_are_refused(tmp_path):
+    """DeepSeek-V3's o_proj reads 8 heads x 8 values: 64 columns, whole blocks of 16, 8 a device over 8."""
+    import shutil
+    folder = shutil.copytree(tiny_model("deepseek_v3"), tmp_path / "fp8")
+    with open(folder / "config.json") as f:
+        cfg = json.load(f)
+    with open(folder / "config.json", "w") as f:
+        json.dump({**cfg, "quantization_config": VARIANTS["fp8_block"][0]}, f)
+    create_config(str(folder), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"o_proj's columns \(64\) split over tensor_parallel_size=8 must be whole "
+                                         r"blocks of 16"):
+        create_config(str(folder), tensor_parallel_size=8)
+
+
 def rewrite(folder, target, drop=(), replace=None) -> str:
     """A copy of the checkpoint at `folder` in `target`, without the tensors `drop`, with `replace`'s."""
     import shutil
