@@ -93,13 +93,16 @@ class QuantConfig:
         experts and the Linears of partial blocks load dequantized)."""
         if self.scheme != FP8_BLOCK:  # (an int4 checkpoint of experts is refused with them: jaxllm/config.py)
             return
-        mla, hidden, inter = arch.mla, arch.hidden_size, arch.intermediate_size
+        mla, hidden = arch.mla, arch.hidden_size
         q_rows = arch.num_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
         # (what, a split Linear's weight [rows, cols], the axis split over the devices: 0 rows, 1 columns)
         splits = [("the query projection's rows", (q_rows, mla.q_lora_rank or hidden), 0),
-                  ("o_proj's columns", (hidden, arch.num_heads * mla.v_head_dim), 1),
-                  ("the dense MLPs' intermediate rows", (inter, hidden), 0),
-                  ("the dense MLPs' intermediate columns", (hidden, inter), 1)]
+                  ("o_proj's columns", (hidden, arch.num_heads * mla.v_head_dim), 1)]
+        for mlp, inter in (("dense MLPs'", arch.intermediate_size),
+                           ("shared experts'", arch.moe.shared_expert_intermediate_size if arch.moe else 0)):
+            if inter:
+                splits += [(f"the {mlp} intermediate rows", (inter, hidden), 0),
+                           (f"the {mlp} intermediate columns", (hidden, inter), 1)]
         for what, shape, axis in splits:
             size, block = shape[axis], self.block[axis]
             _check(not self.whole_blocks(*shape) or (size // tp) % block == 0,

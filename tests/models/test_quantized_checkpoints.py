@@ -302,14 +302,18 @@ def test_groups_that_would_straddle_two_devices_are_refused(checkpoint):
 
 
 def test_a_latent_models_blocks_that_would_straddle_two_devices_are_refused(tmp_path):
-    """DeepSeek-V3's o_proj reads 8 heads x 8 values: 64 columns, whole blocks of 16, 8 a device over 8."""
+    """DeepSeek-V3's shared experts' 16 intermediate rows are one block of 16, 8 a device over 2; its
+    o_proj reads 8 heads x 8 values: 64 columns, 8 a device over 8."""
     import shutil
     folder = shutil.copytree(tiny_model("deepseek_v3"), tmp_path / "fp8")
     with open(folder / "config.json") as f:
         cfg = json.load(f)
     with open(folder / "config.json", "w") as f:
         json.dump({**cfg, "quantization_config": VARIANTS["fp8_block"][0]}, f)
-    create_config(str(folder), tensor_parallel_size=2)
+    create_config(str(folder))  # on one device every block is whole
+    with pytest.raises(ValueError, match=r"the shared experts' intermediate rows \(16\) split over "
+                                         r"tensor_parallel_size=2 must be whole blocks of 16"):
+        create_config(str(folder), tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"o_proj's columns \(64\) split over tensor_parallel_size=8 must be whole "
                                          r"blocks of 16"):
         create_config(str(folder), tensor_parallel_size=8)
