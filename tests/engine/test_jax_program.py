@@ -63,12 +63,10 @@ def test_params_in_memory_give_the_tokens_of_the_weights_on_disk(llm, disk_token
         assert (tokens(mem), tokens(mem, SEEDED)) == disk_tokens
 
 
-@pytest.mark.parametrize("layout", ["engine", "hf"])
-def test_a_mamba_models_params_in_memory_give_the_tokens_of_its_weights_on_disk(layout):
+def test_a_mamba_models_params_by_hf_names_give_the_tokens_of_its_weights_on_disk():
     """A Mamba mixer's HF in_proj and conv1d are each two params (rows of them: models/loader.py)."""
     with LLM(tiny_model("mamba2"), **ENGINE) as disk:
-        params = disk.get_params() if layout == "engine" else hf_params(tiny_model("mamba2"))
-        with LLM(tiny_model("mamba2"), params=params, **ENGINE) as mem:
+        with LLM(tiny_model("mamba2"), params=hf_params(tiny_model("mamba2")), **ENGINE) as mem:
             assert tokens(mem) == tokens(disk)
 
 

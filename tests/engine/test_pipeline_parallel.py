@@ -82,13 +82,12 @@ def test_pipeline_parallel_gives_one_devices_tokens_and_logprobs(four_layers, on
 
 
 @needs_8
-@pytest.mark.parametrize("model, pp, tp", [("qwen3_moe", 2, 2), ("deepseek_v2", 3, 1), ("mamba2", 2, 2),
-                                           ("granite_hybrid", 2, 1)])
+@pytest.mark.parametrize("model, pp, tp", [("deepseek_v2", 3, 1), ("granite_hybrid", 2, 2)])
 def test_moe_latent_and_mamba_models_under_pipeline_parallelism_give_one_devices_outputs(model, pp, tp):
     """Each layer's experts run on its stage's devices; the stages hand on their layers' expert ids, so
-    the routed experts are one device's (DeepSeek's first stage: its one dense layer, none)."""
-    moe = model != "mamba2"
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2, return_routed_experts=moe)
+    the routed experts are one device's (DeepSeek's first stage: its one dense layer, none). Granite 4.0-H
+    has attention, Mamba and MoE layers, each stage tensor parallel."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2, return_routed_experts=True)
 
     def run(pp, tp):
         with LLM(tiny_model(model), pipeline_parallel_size=pp, tensor_parallel_size=tp, **ENGINE) as llm:
@@ -99,7 +98,7 @@ def test_moe_latent_and_mamba_models_under_pipeline_parallelism_give_one_devices
     assert_same_outputs(got, want, f"{model}, pp={pp}, tp={tp}")
     for g, w in zip(got_routed, want_routed):
         np.testing.assert_array_equal(g, w)
-        assert g.shape[:1] == ((6,) if moe else ())  # a token's experts at each of the 6 (none asked)
+        assert g.shape[0] == 6  # a token's experts at each of the 6
 
 
 @needs_8
@@ -118,8 +117,8 @@ def test_ngram_speculation_under_pipeline_parallelism_gives_one_devices_greedy_t
 
 @needs_8
 def test_params_in_memory_and_weight_updates_under_pipeline_parallelism(four_layers, one_device):
-    """params= (HF names, and the engine's own layout), then update_weights from memory and from the
-    checkpoint: each stage takes its layers' params on its devices, and nothing compiles."""
+    """params= by HF names, then update_weights from memory and from the checkpoint: each stage takes its
+    layers' params on its devices, and nothing compiles."""
     hf = load_file(os.path.join(four_layers, "model.safetensors"))
     new = {name: (value * 1.05).astype(value.dtype) for name, value in hf.items()}
     with LLM(four_layers, params=new, **ENGINE) as fresh:
@@ -128,9 +127,6 @@ def test_params_in_memory_and_weight_updates_under_pipeline_parallelism(four_lay
                                   **ENGINE) as llm:
         want = outputs(one_device)[0]
         assert outputs(llm)[0] == want
-        with LLM(four_layers, pipeline_parallel_size=2, tensor_parallel_size=2, params=llm.get_params(),
-                 **ENGINE) as own_layout:
-            assert outputs(own_layout)[0] == want
         compilations = llm.llm_engine.get_stats()["num_compilations"]
         llm.update_weights(new)
         assert outputs(llm)[0] == want_new
@@ -281,4 +277,4 @@ def test_pipeline_parallel_over_eight_forced_devices():
     if jax.device_count() >= 8:
         pytest.skip("this process has the devices: the tests above run here")
     run_with_host_devices(__file__, "not eight_forced and not clear_error and not vllm_splits and not environment",
-                          8, "12 passed", timeout_s=900)
+                          8, "10 passed", timeout_s=900)

@@ -1,14 +1,11 @@
 """Checks shared by the models with Mamba state slots (tests/models/test_mamba2.py and
 test_granite_hybrid.py): prompt logprobs of chunked prefills against HF's, and a run of requests
-through preemption, aborts and a pause that keeps them; quantization="fp8" against the unquantized
-model."""
+through preemption, aborts and a pause that keeps them."""
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from jaxllm import LLM, SamplingParams
+from jaxllm import SamplingParams
 from jaxllm.kernels.attention import AttentionMetadata
-from jaxllm.models.fp8 import Fp8Linear
 
 ATOL = 1e-4  # fp32 against HF's fp32: observed ~2e-6 on logits and ~5e-7 on logprobs
 
@@ -84,19 +81,3 @@ def run_through_aborts_and_a_pause(llm, golden, other_lengths, all_free) -> dict
     after = engine.get_stats()
     assert after["num_compilations"] == before["num_compilations"]
     return before, after
-
-
-def fp8_logprob_error(llm, model: str, engine: dict, prompt: list[int]) -> tuple[np.ndarray, set[str]]:
-    """Teacher-forced on `prompt`: |logprob| of each token after the first under quantization="fp8"
-    against `llm` (the unquantized engine of `model`), and the names of the fp8 engine's e4m3 Linears
-    (the first layer's)."""
-    forced = SamplingParams(max_tokens=1, prompt_logprobs=0)
-
-    def logprobs(engine):
-        out = engine.generate([{"prompt_token_ids": prompt}], forced, use_tqdm=False)[0]
-        return np.array([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
-
-    with LLM(model, quantization="fp8", **engine) as fp8:
-        layer = fp8.llm_engine.engine_core.core.executor.runner.weights.model().layers[0]
-        names = {str(path[-1]) for path, module in nnx.iter_modules(layer) if isinstance(module, Fp8Linear)}
-        return np.abs(logprobs(fp8) - logprobs(llm)), names

@@ -26,7 +26,7 @@ from jaxllm.models.moe import recording_routing
 from jaxllm.sharding import make_mesh
 from tests.conftest import tiny_model
 from tests.models.state_checks import (ATOL, assert_chunked_prompt_logprobs_are_hfs, chunked_logits,
-                                       fp8_logprob_error, hf_prompt_logprobs, run_through_aborts_and_a_pause)
+                                       hf_prompt_logprobs, run_through_aborts_and_a_pause)
 from tests.models.test_moe import assert_greedy_is_hfs
 
 pytestmark = pytest.mark.usefixtures("warm_up_every_engine")
@@ -120,14 +120,6 @@ def test_preemption_and_aborts_leave_every_block_and_state_slot_free_and_the_oth
     before, stats = run_through_aborts_and_a_pause(llm, GOLDEN, (40, 5, 61, 17, 45), all_free)
     assert stats["num_preemptions"] > before["num_preemptions"]
     assert all_free(stats) and (stats["num_blocks"], stats["num_state_slots"]) == (8, 4)
-
-
-def test_fp8_quantizes_the_mamba_and_mlp_projections_and_keeps_the_prompt_logprobs_close(llm):
-    """quantization="fp8": a Mamba layer's projections and the shared MLP in e4m3 (and the experts:
-    tests/models/test_moe.py), the router not; teacher-forced on the 100-token prompt."""
-    error, quantized = fp8_logprob_error(llm, MODEL, ENGINE, GOLDEN["prompt_100"].tolist())
-    assert quantized == {"zxdt_proj", "bc_proj", "out_proj", "gate_up_proj", "down_proj"}
-    assert error.mean() < 0.06 and error.max() < 0.2, (error.mean(), error.max())  # 0.019 and 0.096 measured
 
 
 def test_the_plain_logprobs_function_gives_hfs(llm):

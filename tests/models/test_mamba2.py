@@ -15,11 +15,12 @@ from flax import nnx
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineArgs
 from jaxllm.models.config import ModelArchConfig
+from jaxllm.models.fp8 import Fp8Linear
 from jaxllm.models.loader import abstract_params, create_model, iter_hf_weights
 from jaxllm.sharding import make_mesh
 from tests.conftest import tiny_model
 from tests.models.state_checks import (ATOL, assert_chunked_prompt_logprobs_are_hfs, chunked_logits,
-                                       fp8_logprob_error, hf_prompt_logprobs, run_through_aborts_and_a_pause)
+                                       hf_prompt_logprobs, run_through_aborts_and_a_pause)
 from tests.models.test_moe import assert_greedy_is_hfs
 
 pytestmark = pytest.mark.usefixtures("warm_up_every_engine")
@@ -131,6 +132,22 @@ def test_a_bad_mamba2_config_names_its_key(change, message):
 def test_engine_args_a_mamba2_model_cannot_take_are_a_clear_error(args, message):
     with pytest.raises(ValueError, match=f"model does not run with {message}"):
         EngineArgs(model=MODEL, **args).create_config()
+
+
+def fp8_logprob_error(llm, model: str, engine: dict, prompt: list[int]) -> tuple[np.ndarray, set[str]]:
+    """Teacher-forced on `prompt`: |logprob| of each token after the first under quantization="fp8"
+    against `llm` (the unquantized engine of `model`), and the names of the fp8 engine's e4m3 Linears
+    (the first layer's)."""
+    forced = SamplingParams(max_tokens=1, prompt_logprobs=0)
+
+    def logprobs(engine):
+        out = engine.generate([{"prompt_token_ids": prompt}], forced, use_tqdm=False)[0]
+        return np.array([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
+
+    with LLM(model, quantization="fp8", **engine) as fp8:
+        layer = fp8.llm_engine.engine_core.core.executor.runner.weights.model().layers[0]
+        names = {str(path[-1]) for path, module in nnx.iter_modules(layer) if isinstance(module, Fp8Linear)}
+        return np.abs(logprobs(fp8) - logprobs(llm)), names
 
 
 def test_fp8_quantizes_the_projections_and_keeps_the_prompt_logprobs_close(llm):

@@ -381,7 +381,7 @@ TP_CONFIG = qf.config(num_heads=8, num_kv_heads=2, intermediate=256)  # 4 device
 
 
 @needs_8
-@pytest.mark.parametrize("name", ["gptq_act_order", "fp8_block", "ct_fp8_channel"])
+@pytest.mark.parametrize("name", ["gptq_act_order", "fp8_block"])
 def test_quantized_weights_shard_over_devices_as_one_devices(tmp_path, name):
     """Over 4 devices (the 2 KV heads repeated), and in 2 pipeline stages of 2 (each layer's kernels on its
     stage's devices): groups and blocks whole on each device, the kernels per device, the row-parallel
@@ -401,4 +401,4 @@ def test_quantized_weights_shard_over_devices_as_one_devices(tmp_path, name):
 
 @pytest.mark.skipif(jax.device_count() >= 8, reason="runs the tests above itself")
 def test_quantized_tensor_parallelism_with_8_host_devices():
-    run_with_host_devices(__file__, "shard_over_devices", 8, "3 passed", timeout_s=500)
+    run_with_host_devices(__file__, "shard_over_devices", 8, "2 passed", timeout_s=500)
