@@ -144,11 +144,11 @@ def test_the_memory_budget_counts_a_devices_share_of_the_split_caches(monkeypatc
         def memory_stats(self):
             return {"bytes_limit": 2**30, "bytes_in_use": 0}
 
-    monkeypatch.setattr(kv_cache.jax, "local_devices", lambda: [Card()])
+    configs = {tp: EngineArgs(model=tiny_model("llama"), tensor_parallel_size=tp, max_model_len=64,
+                              max_num_seqs=4).create_config() for tp in (1, 2)}
+    monkeypatch.setattr(kv_cache.jax, "local_devices", lambda: [Card()])  # where the budget reads the memory
     blocks = {}
-    for tp in (1, 2):
-        config = EngineArgs(model=tiny_model("llama"), tensor_parallel_size=tp, max_model_len=64,
-                            max_num_seqs=4).create_config()
+    for tp, config in configs.items():
         arch = config.model.arch
         cache = kv_cache.KVCache(config, arch, model_kv_layout(arch), make_mesh(tp))
         free = 2**30 * config.cache.gpu_memory_utilization - cache.step_reserve - cache._processor_state_bytes()
