@@ -10,7 +10,7 @@ from jaxllm.model_source import locate_model, resolve_model, resolve_tokenizer, 
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.eagle_config import EAGLE_ARCHITECTURES, EAGLE_TARGETS, EagleArchConfig
 from jaxllm.models.kv_layout import model_kv_layout
-from jaxllm.models.quant_config import INT4, QUANTIZATIONS, QuantConfig, resolve_quantization
+from jaxllm.models.quant_config import INT4, QUANTIZATIONS, QuantConfig, resolve_model_quantization
 from jaxllm.pooling_params import PoolerConfig
 from jaxllm.sharding import layer_partition
 from jaxllm.typecheck import check_field_types
@@ -292,7 +292,7 @@ class EngineArgs:
                "speculative_config does not run with logits_processors yet (their state is one row per request)")
         path, fmt, hf_config, arch = resolve_model(self.model, self.load_format, self.revision, self.download_dir)
         tp = self.tensor_parallel_size
-        quantization = _resolve_quantization(self.quantization, hf_config, fmt, arch, tp, path)
+        quantization = resolve_model_quantization(self.quantization, hf_config, fmt, arch, tp, path)
         _check(not self.batch_invariant or quantization is None, "batch_invariant runs without quantization, "
                f"and the checkpoint is quantized ({quantization and quantization.method!r})")
         # KV heads fewer than the devices are replicated (worker/kv_heads.py): TP must divide the q
@@ -448,7 +448,7 @@ class EngineArgs:
                f"is shorter than max_model_len ({max_len})")
         self._check_draft_attention("draft", arch, target)
         try:
-            quantization = _resolve_quantization(None, hf_config, fmt, arch, self.tensor_parallel_size, path)
+            quantization = resolve_model_quantization(None, hf_config, fmt, arch, self.tensor_parallel_size, path)
         except ValueError as e:
             raise ValueError(f"speculative_config.model: {e}") from e
         return ModelConfig(path=path, format=fmt, hf_config=hf_config, arch=arch,
@@ -487,20 +487,6 @@ class EngineArgs:
         windows = [arch.layer_sliding_window(i) for i in range(arch.num_layers)]
         _check(window is None or all(w is not None and w <= window for w in windows),
                f"speculative_config.model: the {what} attends beyond the target's sliding window ({window})")
-
-
-def _resolve_quantization(requested: str | None, hf_config: dict, fmt: str, arch: ModelArchConfig, tp: int,
-                          path: str) -> QuantConfig | None:
-    """EngineArgs.quantization against the checkpoint (models/quant_config.py), checked against the
-    model's shapes over tp devices; errors name the checkpoint's config.json."""
-    try:
-        quantization = resolve_quantization(requested, hf_config, fmt)
-        if quantization is not None and quantization.from_checkpoint:
-            _check(fmt == "hf", f"a quantized checkpoint loads from an HF folder, not a {fmt} checkpoint")
-            quantization.check_model(arch, tp)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from e
-    return quantization
 
 
 def _check(ok: bool, message: str) -> None:

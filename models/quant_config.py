@@ -229,3 +229,17 @@ def _gptq(qc: dict) -> QuantConfig:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def resolve_model_quantization(requested: str | None, hf_config: dict, fmt: str, arch: ModelArchConfig,
+                               tp: int, path: str) -> QuantConfig | None:
+    """EngineArgs.quantization against the checkpoint (resolve_quantization), checked against the
+    model's shapes over tp devices; errors name the checkpoint's config.json."""
+    try:
+        quantization = resolve_quantization(requested, hf_config, fmt)
+        if quantization is not None and quantization.from_checkpoint:
+            _check(fmt == "hf", f"a quantized checkpoint loads from an HF folder, not a {fmt} checkpoint")
+            quantization.check_model(arch, tp)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+    return quantization

@@ -6,7 +6,7 @@
   reads its outputs. What LLM and LLMEngine use by default.
 - AsyncMPClient: the same process, read by an asyncio task (AsyncLLM).
 
-The core process runs `jaxllm.engine.core.run_engine_core` in a fresh interpreter (JAX is not
+The core process runs `jaxllm.engine.core_proc.run_engine_core` in a fresh interpreter (JAX is not
 fork-safe), which never re-runs the user's script. If it dies, every pending and
 every later call raises EngineDeadError.
 """
@@ -36,7 +36,7 @@ from jaxllm.engine.exceptions import EngineDeadError
 from jaxllm.contracts.serial import MsgpackDecoder, MsgpackEncoder
 
 _SHUTDOWN_TIMEOUT_S = 5.0
-_CORE_MAIN = "import sys; from jaxllm.engine.core import run_engine_core; sys.exit(run_engine_core(*sys.argv[1:]))"
+_CORE_MAIN = "import sys; from jaxllm.engine.core_proc import run_engine_core; sys.exit(run_engine_core(*sys.argv[1:]))"
 logger = logging.getLogger(__name__)
 
 

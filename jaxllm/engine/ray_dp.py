@@ -13,7 +13,7 @@ class _EngineCoreActor:
     """A Ray actor's body: one engine core until SHUTDOWN."""
 
     def run(self, config, show_progress: bool, input_address: str, output_address: str, rank: int) -> int:
-        from jaxllm.engine.core import serve_engine_core
+        from jaxllm.engine.core_proc import serve_engine_core
         return serve_engine_core(config, show_progress, input_address, output_address, rank)
 
 
