@@ -34,11 +34,14 @@ run: venv
 	$(VENV)/bin/jaxllm generate --chat --max-tokens 64 --max-model-len 2048 --max-num-batched-tokens 512
 
 # Test processes: the suite's time is XLA compiling on one core each; a test file stays on one
-# worker, so its module fixtures (engines, servers) start once.
+# worker, so its module fixtures (engines, servers) start once. A worker that dies is not
+# replaced: under --dist loadfile pytest-xdist can wait forever for a replacement, so a crash
+# ends the run instead. pyproject's timeout fails a stuck test; TEST_TIMEOUT_S bounds the run.
 TEST_WORKERS ?= 2
+TEST_TIMEOUT_S ?= 3600
 
 test: venv $(VENV)/.test-models
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	timeout -k 30 $(TEST_TIMEOUT_S) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0 tests
 
 clean:
 	rm -rf $(VENV)

@@ -203,10 +203,16 @@ def run_with_host_devices(test_file: str, select: str, num_devices: int, expect:
     """Run the tests of `test_file` that `-k select` picks in a child pytest with `num_devices`
     forced host CPU devices (this process has fewer); its summary must say `expect` ("3 passed")
     and skip nothing."""
-    env = dict(os.environ, XLA_FLAGS=host_devices_flags(num_devices), JAX_PLATFORMS="cpu")
+    run_in_child(test_file, select, expect, timeout_s,
+                 {"XLA_FLAGS": host_devices_flags(num_devices), "JAX_PLATFORMS": "cpu"})
+
+
+def run_in_child(test_file: str, select: str, expect: str, timeout_s: int, env: dict[str, str]) -> None:
+    """Run the tests of `test_file` that `-k select` picks in a child pytest, this process's
+    environment and `env`; its summary must say `expect` ("3 passed") and skip nothing."""
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                              os.path.relpath(test_file, ROOT), "-k", select],
-                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout_s)
+                            capture_output=True, text=True, env=dict(os.environ, **env), cwd=ROOT, timeout=timeout_s)
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0 and expect in summary and "skipped" not in summary, \
         result.stdout[-3000:] + result.stderr[-3000:]
