@@ -73,7 +73,9 @@
 #               NUM_TOOLS (default 8) function tools in each: what tool calling costs a request
 #   models      for each of MODELS (default "qwen3-30b-a3b llama-3.1-8b"; any bundled config, e.g.
 #               deepseek-v2-lite, mamba2-2.7b) bench step at batch 1, 64 and 256 (128/128) and bench
-#               throughput 128/128 at 1024 sequences and 16384 batched tokens (LONG=1: 1000/1000 too),
+#               throughput 128/128 at MAX_SEQS sequences (default 1024) and BATCHED batched tokens (default
+#               16384; a Mamba model holds a state slot per sequence), PROMPTS prompts (default 1000)
+#               (LONG=1: 1000/1000 too),
 #               each beside its bounds (bench bounds table, the JAX ceilings measured first); PROFILE=1
 #               profiles each batch's decode steps and prints the summary
 #   kv-dtype    bench kv-dtype: decode attention over bf16 and e4m3 caches
@@ -243,7 +245,9 @@ part_ssd() {
   local ssd=()
   [ $TINY = 1 ] && ssd=(--lengths 64 --chunk-sizes 16 --num-heads 4 --head-dim 16 --state-size 16)
   step 60 "SSD kernel tests" timeout 120 "$PY" -m pytest -q -m gpu tests/kernels/test_ssd.py 2>&1 | quiet 5
-  step 120 "bench ssd" "${JAXLLM[@]}" bench ssd "${ssd[@]}" --output-json "$D/ssd.json" 2>&1 | quiet 14
+  # (its Pallas kernel took 8.7 ms for a 1,024-token prompt on an H100, and the 4,096-token run
+  # outlasted a 400 s call: the bench gets 180 s)
+  step 120 "bench ssd" timeout 180 "${JAXLLM[@]}" bench ssd "${ssd[@]}" --output-json "$D/ssd.json" 2>&1 | quiet 14
 }
 
 part_embed() {
@@ -361,8 +365,9 @@ part_moe-matmul() {
 }
 
 part_models() {
-  local models=${MODELS:-qwen3-30b-a3b llama-3.1-8b} engine=(--max-model-len 2048) prompts=1000 model
-  local shape=(--batch-sizes 1,64,256 --input-len 128 --output-len 128) tput=(--max-num-seqs 1024 --max-num-batched-tokens 16384)
+  local models=${MODELS:-qwen3-30b-a3b llama-3.1-8b} engine=(--max-model-len 2048) prompts=${PROMPTS:-1000} model
+  local shape=(--batch-sizes 1,64,256 --input-len 128 --output-len 128)
+  local tput=(--max-num-seqs "${MAX_SEQS:-1024}" --max-num-batched-tokens "${BATCHED:-16384}")
   local ceiling=()
   [ $TINY = 1 ] && models=${MODELS:-tests/fixtures/tiny/qwen3_moe} engine=(--max-model-len 512) prompts=64 tput=() \
     shape=(--batch-sizes 1,16 --input-len 16 --output-len 16) ceiling=(--copy-bytes $((64 << 20)) --matmul-n 1024)
