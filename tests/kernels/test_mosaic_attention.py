@@ -22,11 +22,12 @@ from tests.kernels.ragged_batch import HEADS, assert_matches, make_batch, random
 # which block in callbacks until the other warpgroups reach a barrier. Under load, a warpgroup's
 # computation can wait to start behind those blocked ones, and the kernel never ends: the mixed
 # batches' test hung so three times in suite runs on 2 cores (in a worker, and in a child beside 3
-# workers), never alone; forced onto one core (taskset) it hangs every time, with the stacks of
-# two warpgroups at a barrier and two waiting in XLA's execute. That is the interpreter's
-# scheduling, not the kernel's barriers (the GPU runs every warpgroup at once). So the interpreted
-# tests run in a child process, started by the last test, where a hang ends the child at the
-# timeout below with every thread's stack, and the child runs once more; a second hang fails.
+# workers), never alone; forced onto one core (taskset) it hangs every time: two warpgroups wait
+# at a barrier in their callbacks, and two in XLA's execute for an input of theirs to be ready
+# (gdb; XLA's thread pools idle). That is the interpreter's scheduling, not the kernel's barriers
+# (the GPU runs every warpgroup at once). So the interpreted tests run in a child process, started
+# by the last test, where a hang ends the child at the timeout below with every thread's stack,
+# and the child runs once more; a second hang fails.
 pytestmark = pytest.mark.timeout(120, method="thread")
 IN_CHILD = os.environ.get("JAXLLM_INTERPRETER_CHILD") == "1"
 INTERPRETED = "mixed_batches or writes_exactly_the_rows or shared_memory_races or fall_back_to_pallas"
