@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 # Tests compile on a 2-core CPU: keep compiled executables between runs, in the checkout, every
 # one of them (many engines of a session compile the same small functions: each is then compiled
@@ -211,13 +212,14 @@ def run_in_child(test_file: str, select: str, expect: str, timeout_s: int, env: 
                  again_after: str | None = None) -> None:
     """Run the tests of `test_file` that `-k select` picks in a child pytest, this process's
     environment and `env`; its summary must say `expect` ("3 passed") and skip nothing. A child
-    whose output holds `again_after` runs once more (its output is printed)."""
+    whose output holds `again_after` runs once more (a warning says so, its output is printed)."""
     def run():
         return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                os.path.relpath(test_file, ROOT), "-k", select], capture_output=True,
                               text=True, env=dict(os.environ, **env), cwd=ROOT, timeout=timeout_s)
     result = run()
     if again_after is not None and again_after in result.stdout + result.stderr:
+        warnings.warn(f"{os.path.basename(test_file)}: the child's output held {again_after!r}; it runs again")
         print(result.stdout[-20000:] + result.stderr[-5000:])
         result = run()
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""

@@ -28,7 +28,7 @@ from tests.kernels.ragged_batch import HEADS, assert_matches, make_batch, random
 # (the GPU runs every warpgroup at once). So the interpreted tests run in a child process, started
 # by the last test, where a hang ends the child at the timeout below with every thread's stack,
 # and the child runs once more; a second hang fails.
-pytestmark = pytest.mark.timeout(120, method="thread")
+pytestmark = pytest.mark.timeout(90, method="thread")
 IN_CHILD = os.environ.get("JAXLLM_INTERPRETER_CHILD") == "1"
 INTERPRETED = "mixed_batches or writes_exactly_the_rows or shared_memory_races or fall_back_to_pallas"
 interpreted = pytest.mark.skipif(not IN_CHILD, reason="run by test_the_interpreted_tests_in_a_fresh_process")
@@ -167,7 +167,7 @@ def test_gpu_kernel_lowers_on_any_machine(tile, stages, block_size, head_dim, wi
 
 
 @pytest.mark.skipif(IN_CHILD, reason="the child's own tests run")
-@pytest.mark.timeout(1300, method="signal")
+@pytest.mark.timeout(1260, method="signal")
 def test_the_interpreted_tests_in_a_fresh_process():
     run_in_child(__file__, INTERPRETED, "10 passed", 600, {"JAXLLM_INTERPRETER_CHILD": "1"},
                  again_after="+++++ Timeout +++++")
