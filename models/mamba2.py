@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.kernels.attention import AttentionMetadata
-from jaxllm.kernels.ssd import chunk_terms_fn, ragged_ssd
+from jaxllm.kernels.ssd import chunk_terms_fn, ragged_ssd_in_slots
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.models.llama import Linear, LlamaForCausalLM, RMSNorm, _param, rms_normalize
@@ -145,14 +145,11 @@ class Mamba2Mixer(nnx.Module):
         B, C = jnp.split(jax.nn.silu(bc).astype(x.dtype).astype(jnp.float32), 2, axis=-1)
         dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)),
                       *m.time_step_limit)
-        initial = jnp.where(requests.has_state[:, None, None, None],
-                            ssm_state[requests.slots].astype(jnp.float32), 0.0)
-        y, states = ragged_ssd(xs, dt, -jnp.exp(self.A_log[...].astype(jnp.float32)),
-                               B.reshape(num_tokens, m.n_groups, m.state_size),
-                               C.reshape(num_tokens, m.n_groups, m.state_size), initial,
-                               requests.query_start_loc, requests.num_seqs, m.chunk_size, chunk_terms_fn())
+        y, ssm_state = ragged_ssd_in_slots(
+            xs, dt, -jnp.exp(self.A_log[...].astype(jnp.float32)), B.reshape(num_tokens, m.n_groups, m.state_size),
+            C.reshape(num_tokens, m.n_groups, m.state_size), ssm_state, requests.slots, requests.has_state,
+            requests.write_slots, requests.query_start_loc, requests.num_seqs, m.chunk_size, chunk_terms_fn())
         y = y + self.D[...].astype(jnp.float32)[:, None] * xs
-        ssm_state = ssm_state.at[requests.write_slots].set(states.astype(ssm_state.dtype), mode="drop")
         gated = y.reshape(num_tokens, m.intermediate_size) * jax.nn.silu(z.reshape(num_tokens, -1).astype(jnp.float32))
         y = (self.norm.weight[...] * rms_normalize(gated, self.norm.eps)).astype(x.dtype)
         return jax.lax.optimization_barrier((self.out_proj(y), (conv_x, conv_bc, ssm_state)))
