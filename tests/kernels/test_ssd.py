@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jaxllm.kernels import pallas_ssd
-from jaxllm.kernels.ssd import chunk_layout, chunk_terms, chunk_terms_fn, max_chunks, ragged_ssd, scan_bytes
+from jaxllm.kernels.ssd import (chunk_layout, chunk_terms, chunk_terms_fn, max_chunks, ragged_ssd, ragged_ssd_in_slots,
+                                scan_bytes)
 
 H, P, G, N = 4, 3, 2, 5  # heads, head_dim, groups, state_size
 
@@ -93,6 +94,31 @@ def test_a_prefill_split_into_chunks_continues_from_each_chunks_state():
         np.testing.assert_allclose(y[:n], want_y[part], rtol=2e-4, atol=2e-4)
         start += n
     np.testing.assert_allclose(state, want_final, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("query_lens", [[3, 1, 7, 1], [1, 1, 1, 1]], ids=["mixed", "decodes"])
+def test_in_slots_a_step_reads_and_writes_its_requests_slots_alone(query_lens):
+    """A bfloat16 cache of more slots than requests, in no order: each request starts from its slot
+    (zeros without a state: its slot's contents unread), ends in it, and every other slot (NaN: a
+    read of one would show) is left as it was; against the naive recurrence from the same states."""
+    slots, has_state = [5, 2, 7, 0], [True, True, False, True]
+    x, dt, A, B, C, _ = random_batch(sum(query_lens), NUM_REQS, [1] * NUM_REQS)
+    cache = jnp.full((9, H, P, N), jnp.nan, jnp.bfloat16)
+    cache = cache.at[jnp.array(slots)].set(jax.random.normal(jax.random.key(1), (4, H, P, N)).astype(jnp.bfloat16))
+    padded_slots = np.array(slots + [1] * (NUM_REQS - 4), np.int32)  # padding reads a NaN slot, writes nothing
+    qsl = np.concatenate([[0], np.cumsum(query_lens), [sum(query_lens)] * (NUM_REQS - 4)]).astype(np.int32)
+    pad = ((0, NUM_TOKENS - x.shape[0]),)
+    x, dt, B, C = (jnp.pad(a, pad + ((0, 0),) * (a.ndim - 1)) for a in (x, dt, B, C))
+    in_slots = jax.jit(ragged_ssd_in_slots, static_argnums=(11,))
+    y, after = in_slots(x, dt, A, B, C, cache, padded_slots, np.array(has_state + [False] * (NUM_REQS - 4)),
+                        np.where(np.arange(NUM_REQS) < 4, padded_slots, cache.shape[0]), qsl, np.array([4], np.int32), 4)
+    initial = jnp.where(jnp.array(has_state)[:, None, None, None], cache[jnp.array(slots)].astype(jnp.float32), 0.0)
+    real = slice(0, sum(query_lens))
+    want_y, want_final = naive_ssd(x[real], dt[real], A, B[real], C[real], initial, query_lens)
+    np.testing.assert_allclose(y[real], want_y, rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(after[jnp.array(slots)].astype(jnp.float32), want_final, rtol=2e-2, atol=2e-2)
+    others = np.setdiff1d(np.arange(cache.shape[0]), slots)
+    assert np.isnan(np.asarray(after[others], np.float32)).all()
 
 
 @pytest.mark.parametrize("num_tokens, num_reqs, heads, head_dim, state_size, chunk_size", [
