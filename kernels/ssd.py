@@ -206,8 +206,8 @@ def ragged_ssd_in_slots(x, dt, A, B, C, states, slots, has_state, write_slots, q
     Only the step's requests' slots are read and written, and a decode step's states pass through
     memory about once each way: the update gathers its rows and scatters its new states, and the
     chunk scan's branch (which a decode step does not run) gathers its own. At Mamba2-2.7B's 256
-    requests a layer's states are 0.33 GB in bfloat16, so each extra pass over them is a fifth of
-    a millisecond per layer on an H100."""
+    requests a layer's states are 0.33 GB in bfloat16, so each extra pass over them costs about
+    0.13 ms per layer at an H100's 2.5 TB/s, 8.5 ms a step over its 64 layers."""
     num_tokens, num_reqs = x.shape[0], slots.shape[0]
     real = jnp.arange(num_reqs) < jnp.reshape(num_seqs, ())
     query_lens = jnp.where(real, query_start_loc[1:] - query_start_loc[:-1], 0)
