@@ -22,6 +22,9 @@ class AttentionMetadata:
     seq_lens: jax.Array         # [max_num_reqs] int32
     block_tables: jax.Array     # [num_groups, max_num_reqs, max_blocks_per_seq] int32
     num_seqs: jax.Array         # [1] int32
+    # Static: the host knows that every request of the step has one token (worker/model_runner.py
+    # gives such steps a forward of their own), so a Mamba layer runs its one-step update alone.
+    decodes_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def group(self, g: int) -> "AttentionMetadata":
         """The metadata of KV cache group `g`: its slot mapping [num_tokens] and block tables

@@ -198,10 +198,13 @@ def ragged_ssd(x, dt, A, B, C, initial_states, query_start_loc, num_seqs, chunk_
 
 
 def ragged_ssd_in_slots(x, dt, A, B, C, states, slots, has_state, write_slots, query_start_loc, num_seqs,
-                        chunk_size: int, terms=chunk_terms):
+                        chunk_size: int, terms=chunk_terms, decodes_only: bool = False):
     """ragged_ssd over a cache of states [S, H, P, N] (any float dtype; math in float32): request i
     starts from states[slots[i]] (zeros where not has_state[i]) and ends in states[write_slots[i]]
     (out of range: dropped). Returns (y [T, H, P] float32, the cache with the step's states written).
+    decodes_only: the caller knows every request has at most one token: the update alone runs, with
+    no conditional around the chunk scan (on a GPU, XLA's conditional waits on the host for its
+    branch index: a device-to-host round trip per layer and step).
 
     Only the step's requests' slots are read and written: the update gathers its rows and scatters
     its new states (a float32 copy of them between, read by the outputs and the scatter), and the
@@ -232,14 +235,18 @@ def ragged_ssd_in_slots(x, dt, A, B, C, states, slots, has_state, write_slots, q
             y, final = ssd_chunk_scan(x, dt, A, B, C, initial(), layout(), terms, usual)
             return y, final.astype(states.dtype)
         return run
-    none = (jnp.zeros(x.shape, jnp.float32), jnp.zeros((num_reqs, *states.shape[1:]), states.dtype))
-    which = jnp.where(needed == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes, jnp.int32), needed))
-    y, prefill_states = jax.lax.switch(which, [lambda: none] + [scan(n) for n in sizes])  # (one branch runs)
+    if decodes_only:
+        y = jnp.zeros(x.shape, jnp.float32)
+    else:
+        none = (jnp.zeros(x.shape, jnp.float32), jnp.zeros((num_reqs, *states.shape[1:]), states.dtype))
+        which = jnp.where(needed == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes, jnp.int32), needed))
+        y, prefill_states = jax.lax.switch(which, [lambda: none] + [scan(n) for n in sizes])  # (one branch runs)
     first = jnp.minimum(query_start_loc[:-1], num_tokens - 1)
     y_one, one_states = ssd_update(x[first], dt[first], A, B[first], C[first], initial())
     one = query_lens == 1
     y = y.at[jnp.where(one, first, num_tokens)].set(y_one, mode="drop")
     dropped = states.shape[0]
     states = states.at[jnp.where(one, write_slots, dropped)].set(one_states.astype(states.dtype), mode="drop")
-    states = states.at[jnp.where(query_lens >= 2, write_slots, dropped)].set(prefill_states, mode="drop")
+    if not decodes_only:
+        states = states.at[jnp.where(query_lens >= 2, write_slots, dropped)].set(prefill_states, mode="drop")
     return y, states

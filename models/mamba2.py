@@ -148,7 +148,8 @@ class Mamba2Mixer(nnx.Module):
         y, ssm_state = ragged_ssd_in_slots(
             xs, dt, -jnp.exp(self.A_log[...].astype(jnp.float32)), B.reshape(num_tokens, m.n_groups, m.state_size),
             C.reshape(num_tokens, m.n_groups, m.state_size), ssm_state, requests.slots, requests.has_state,
-            requests.write_slots, requests.query_start_loc, requests.num_seqs, m.chunk_size, chunk_terms_fn())
+            requests.write_slots, requests.query_start_loc, requests.num_seqs, m.chunk_size, chunk_terms_fn(),
+            md.decodes_only)
         y = y + self.D[...].astype(jnp.float32)[:, None] * xs
         gated = y.reshape(num_tokens, m.intermediate_size) * jax.nn.silu(z.reshape(num_tokens, -1).astype(jnp.float32))
         y = (self.norm.weight[...] * rms_normalize(gated, self.norm.eps)).astype(x.dtype)

@@ -50,9 +50,10 @@ class ExecutableKey:
     processed: bool = False         # SAMPLER: with the logits processors
     num_logprobs: int | None = None  # LOGPROBS: the top K
     stage: int | None = None         # STAGE: the pipeline stage
+    decodes_only: bool = False       # FORWARD, STAGE: a model with Mamba layers' step of one token a request
 
     def __str__(self) -> str:  # the executable's name in the store
-        parts = [self.kind, str(self.bucket)]
+        parts = [self.kind, str(self.bucket)] + (["decodes only"] if self.decodes_only else [])
         if self.mode is not None:
             parts += [self.mode.name.lower(), "processed" if self.processed else "plain"]
         if self.num_logprobs is not None:

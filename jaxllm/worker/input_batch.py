@@ -82,8 +82,9 @@ class BatchLayout:
         return {name: buffer[offset:offset + math.prod(shape)].reshape(shape)
                 for name, (offset, shape) in self.fields.items()}
 
-    def unpack(self, buffer: jax.Array) -> StepBatch:
-        """Inside the jitted step: the StepBatch that `buffer` [size] int32 holds."""
+    def unpack(self, buffer: jax.Array, decodes_only: bool = False) -> StepBatch:
+        """Inside the jitted step: the StepBatch that `buffer` [size] int32 holds (decodes_only: what
+        the host knows of it, AttentionMetadata.decodes_only)."""
         def field(name):
             offset, shape = self.fields[name]
             return buffer[offset:offset + math.prod(shape)].reshape(shape)
@@ -93,7 +94,7 @@ class BatchLayout:
             logits_indices=field("logits_indices"),
             attention=AttentionMetadata(slot_mapping=field("slot_mapping"), query_start_loc=field("query_start_loc"),
                                         seq_lens=field("seq_lens"), block_tables=field("block_tables"),
-                                        num_seqs=field("num_seqs")),
+                                        num_seqs=field("num_seqs"), decodes_only=decodes_only),
             sampling=field("sampling"), first_rows=field("first_rows"),
             next_token_ids=field("next_token_ids") if "next_token_ids" in self.fields else None,
             lora_slots=field("lora_slots") if "lora_slots" in self.fields else None)

@@ -273,7 +273,7 @@ class ModelRunner:
         if self.processor_rows.users and (added or removed):
             self.processor_rows.update_users(added, removed, failed)
         lora_slots = self.lora.prepare_step(sched, failed) if self.lora else None
-        token_bucket = self._token_bucket(sched.num_scheduled_tokens)
+        token_bucket, decodes_only = self._token_bucket(sched.num_scheduled_tokens), self._decodes_only(sched)
         buffer, views = self.host_buffers.next(token_bucket)
         first_rows = batching.pack(sched, rows, self.request_rows, views, self.block_size, self._table_width,
                                    lora_slots)
@@ -284,8 +284,8 @@ class ModelRunner:
                                                                         token_bucket)
         if self.step_replay is not None:
             self.step_replay.offer(len(sched.scheduled), sched.num_scheduled_tokens,
-                                   (token_bucket, buffer, mode, processed, num_logprobs))
-        forward = self._forward(token_bucket, buffer)
+                                   (token_bucket, buffer, mode, processed, num_logprobs, decodes_only))
+        forward = self._forward(token_bucket, buffer, decodes_only)
         pool_inputs = self.pooler.token_rows(sched, views) if self.pooler is not None else None
         pooling = StepPooling(self._pool(forward, pool_inputs[0]), pool_inputs[1]) if pool_inputs else None
         step = _Step(sched, rows, first_rows, forward, mode, processed, num_logprobs, prompt_inputs, prompt_segments,
@@ -320,11 +320,27 @@ class ModelRunner:
     def _token_bucket(self, num_tokens: int) -> int:
         return next(b for b in self.token_buckets if b >= num_tokens)
 
-    def _forward(self, token_bucket: int, buffer: np.ndarray) -> Forward:
+    @property
+    def decodes_only_buckets(self) -> list[int]:
+        """The token buckets a step of one token a request can take, which have a decodes-only forward (a
+        model with Mamba layers; AttentionMetadata.decodes_only): up to the one max_num_seqs requests take."""
+        if self.arch.mamba is None:
+            return []
+        widest = self._token_bucket(min(self.config.scheduler.max_num_seqs, self.token_buckets[-1]))
+        return [t for t in self.token_buckets if t <= widest]
+
+    def _decodes_only(self, sched: SchedulerOutput) -> bool:
+        """Whether the step takes its bucket's decodes-only forward: a model with Mamba layers, and one token
+        a request (AttentionMetadata.decodes_only)."""
+        return self.arch.mamba is not None and sched.num_scheduled_tokens == len(sched.scheduled)
+
+    def _forward(self, token_bucket: int, buffer: np.ndarray, decodes_only: bool = False) -> Forward:
         if self.pipeline:
-            greedy, logits, words, hidden, routing = self.pipeline.forward(self.executables, token_bucket, buffer)
+            greedy, logits, words, hidden, routing = self.pipeline.forward(self.executables, token_bucket, buffer,
+                                                                           decodes_only)
             return Forward(token_bucket, greedy, logits, words, hidden, None, hidden, routing)
-        forward = self.executables.get(ExecutableKey(FORWARD, token_bucket), lambda: self.lower_forward(token_bucket))
+        forward = self.executables.get(ExecutableKey(FORWARD, token_bucket, decodes_only=decodes_only),
+                                       lambda: self.lower_forward(token_bucket, decodes_only))
         with TraceAnnotation("dispatch"):
             greedy, logits, words, hidden, self.kv_cache.caches, routing, *drafter_inputs = forward(
                 self.weights.params, self.kv_cache.caches, self._prev_tokens, buffer, **self._lora_arg())
@@ -367,19 +383,20 @@ class ModelRunner:
         return sampled, logprobs, prompt_logprobs, table
 
     def dispatch(self, token_bucket: int, buffer: np.ndarray, mode: SampleMode, processed: bool = False,
-                  num_logprobs: int | None = None, prompt_inputs=(), token_rows: np.ndarray | None = None):
+                 num_logprobs: int | None = None, decodes_only: bool = False, prompt_inputs=(),
+                 token_rows: np.ndarray | None = None):
         """A whole step from a packed buffer, with no token masks (warm-up, a benchmark's replay),
         and a draft model's or EAGLE head's drafts after it; with `token_rows` [T] its pooling too."""
-        forward = self._forward(token_bucket, buffer)
+        forward = self._forward(token_bucket, buffer, decodes_only)
         pooled = None if token_rows is None else self._pool(forward, token_rows)
         return self._sample(forward, mode, processed, num_logprobs, None, prompt_inputs), pooled
 
-    def lower_forward(self, token_bucket: int) -> jax.stages.Lowered:
+    def lower_forward(self, token_bucket: int, decodes_only: bool = False) -> jax.stages.Lowered:
         buffer = self.host_buffers.first(token_bucket)
         if self.pipeline:
-            return self.pipeline.lower(self.pipeline.num_stages - 1, token_bucket, buffer)
+            return self.pipeline.lower(self.pipeline.num_stages - 1, token_bucket, buffer, decodes_only)
         return self.fns.forward.lower(self.weights.params, self.kv_cache.caches, self._prev_tokens, buffer,
-                                      token_bucket, **self._lora_arg())
+                                      token_bucket, decodes_only, **self._lora_arg())
 
     def _lora_arg(self) -> dict:
         return {} if self.lora is None else {"lora": self.lora.stacks}

@@ -120,18 +120,19 @@ class Pipeline:
         routing = (rep, rep) if self.num_experts else ()
         out = (forward_out_shardings(stage.mesh, kv_shardings) + (routing,) if stage.last
                else (rep, rep if self._moe_layers_before(stage.layers.stop) else None, kv_shardings))
-        return jax.jit(fn, donate_argnums=(1,), static_argnums=(5,), out_shardings=out)
+        return jax.jit(fn, donate_argnums=(1,), static_argnums=(5, 6), out_shardings=out)
 
     def _moe_layers_before(self, layer: int) -> int:
         """The MoE layers before decoder layer `layer` (whose expert ids a stage starting there receives)."""
         return sum(i in self.arch.moe.sparse_layers for i in range(layer)) if self.num_experts else 0
 
-    def key(self, stage: int, token_bucket: int) -> ExecutableKey:
+    def key(self, stage: int, token_bucket: int, decodes_only: bool = False) -> ExecutableKey:
         """The executable of a stage at a token bucket: the last stage's is the bucket's FORWARD."""
-        return ExecutableKey(FORWARD, token_bucket) if stage == self.num_stages - 1 else (
-            ExecutableKey(STAGE, token_bucket, stage=stage))
+        return ExecutableKey(FORWARD, token_bucket, decodes_only=decodes_only) if stage == self.num_stages - 1 else (
+            ExecutableKey(STAGE, token_bucket, stage=stage, decodes_only=decodes_only))
 
-    def lower(self, stage: int, token_bucket: int, buffer: np.ndarray) -> jax.stages.Lowered:
+    def lower(self, stage: int, token_bucket: int, buffer: np.ndarray,
+              decodes_only: bool = False) -> jax.stages.Lowered:
         s = self.stages[stage]
         x = routed = None
         if not s.first:
@@ -141,10 +142,12 @@ class Pipeline:
                 routed = jax.ShapeDtypeStruct((token_bucket, before, self.arch.moe.top_k), jnp.int32,
                                               sharding=replicated(s.mesh))
         caches = self.kv_cache.caches[self.kv_cache.stages[stage].slice]
-        return self.fns[stage].lower(self.params[stage], caches, x, routed, buffer, token_bucket)
+        return self.fns[stage].lower(self.params[stage], caches, x, routed, buffer, token_bucket, decodes_only)
 
-    def forward(self, executables: Executables, token_bucket: int, buffer: np.ndarray) -> tuple:
-        """Dispatch every stage of a step (buffer: its packed inputs); returns the last stage's (greedy ids,
+    def forward(self, executables: Executables, token_bucket: int, buffer: np.ndarray,
+                decodes_only: bool = False) -> tuple:
+        """Dispatch every stage of a step (buffer: its packed inputs; decodes_only: every request has one
+        token, AttentionMetadata.decodes_only); returns the last stage's (greedy ids,
         logits, sampling words, hidden states, a MoE model's routing), on their way. The KV caches are
         donated stage by stage."""
         offset, (num_tokens,) = self.layouts[token_bucket].fields["prev_rows"]
@@ -154,8 +157,8 @@ class Pipeline:
         x = routed = None
         caches = self.kv_cache.caches
         for stage in self.stages:
-            fn = executables.get(self.key(stage.index, token_bucket),
-                                 lambda: self.lower(stage.index, token_bucket, buffer))
+            fn = executables.get(self.key(stage.index, token_bucket, decodes_only),
+                                 lambda: self.lower(stage.index, token_bucket, buffer, decodes_only))
             part = self.kv_cache.stages[stage.index].slice
             if stage.last:
                 with TraceAnnotation("dispatch"):
@@ -172,14 +175,15 @@ class Pipeline:
 def make_stage_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching.BatchLayout], num_sampled: int,
                   stage: _Stage, tensors: tuple[int, ...], num_tensors: int, num_experts: int = 0, dbo: bool = False):
     """The jitted function of one stage (a closure, not a method: the runner is not kept alive by it)."""
-    def run(params, kv_caches, x, routed, buffer, token_bucket: int):
+    def run(params, kv_caches, x, routed, buffer, token_bucket: int, decodes_only: bool = False):
         """params: the stage's flat param list (placeholders for the other stages'); kv_caches: the arrays of
         its KV `tensors`; x: the residual stream from the stage before [T, hidden_size] (None on stage 0);
         routed: a MoE model's expert ids of the stages before [T, their MoE layers, k] (None where no MoE
-        layer came before); buffer [size] int32: the step's inputs, laid out as `token_bucket`'s BatchLayout.
-        Returns (x after the stage's layers, the expert ids so far, kv_caches), or on the last stage the
-        one-mesh forward's outputs (step_functions.py)."""
-        batch = layouts[token_bucket].unpack(buffer)
+        layer came before); buffer [size] int32: the step's inputs, laid out as `token_bucket`'s BatchLayout;
+        decodes_only: every request has one token (AttentionMetadata.decodes_only). Returns (x after the
+        stage's layers, the expert ids so far, kv_caches), or on the last stage the one-mesh forward's
+        outputs (step_functions.py)."""
+        batch = layouts[token_bucket].unpack(buffer, decodes_only)
         model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, params))
         if stage.first:
             x = model.embed(batch.input_ids)

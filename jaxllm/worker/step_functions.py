@@ -49,7 +49,7 @@ class StepFunctions:
         routing_shardings = (rep, rep) if num_experts else ()
         forward_shardings = forward_out_shardings(mesh, kv_shardings) + (routing_shardings,)
         drafter_outputs = (rep,) * ((drafter_block_size is not None) + bool(aux_layers))
-        self.forward = jax.jit(forward, donate_argnums=(1,), static_argnums=(4,),
+        self.forward = jax.jit(forward, donate_argnums=(1,), static_argnums=(4, 5),
                                out_shardings=forward_shardings + drafter_outputs)
         self.sample = jax.jit(functools.partial(sample_padded, num_sampled=num_sampled), static_argnums=(2,),
                               out_shardings=rep)
@@ -111,19 +111,20 @@ def make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batchi
                     aux_layers: tuple[int, ...] = (), drafter_block_size: int | None = None, num_experts: int = 0,
                     dbo: bool = False):
     """The jitted forward's function (a closure, not a method: the runner is not kept alive by its executables)."""
-    def step(params, kv_caches, prev_tokens, buffer, token_bucket: int, lora=None):
+    def step(params, kv_caches, prev_tokens, buffer, token_bucket: int, decodes_only: bool = False, lora=None):
         """params: flat weights; kv_caches: per KV tensor its arrays (worker/kv_cache.py);
         prev_tokens: the previous step's tokens on the device, its sampled ids [num_sampled] int32, or with a
         drafter its table (draft_inputs.py); buffer [size] int32: this step's inputs, laid out as
-        `token_bucket`'s BatchLayout; lora: with LoRA, each target module's stacked slots (jaxllm/lora/slots.py),
-        which the buffer's lora_slots index. Returns (the greedy ids [num_sampled] int32, the logits [L, vocab]
-        float32 at each sampled position (a request's last token, and its drafts'), their L rows of sampling
-        words, the final hidden states [T, hidden_size] (for prompt logprobs and an EAGLE head), kv_caches,
-        a MoE model's step_routing arrays (else ())),
+        `token_bucket`'s BatchLayout; decodes_only: every request of the step has one token
+        (AttentionMetadata.decodes_only); lora: with LoRA, each target module's stacked slots
+        (jaxllm/lora/slots.py), which the buffer's lora_slots index. Returns (the greedy ids [num_sampled]
+        int32, the logits [L, vocab] float32 at each sampled position (a request's last token, and its
+        drafts'), their L rows of sampling words, the final hidden states [T, hidden_size] (for prompt
+        logprobs and an EAGLE head), kv_caches, a MoE model's step_routing arrays (else ())),
         with a drafter the buffer [size] holding the tokens and positions the step ran (what the drafter
         reads), and with aux_layers the states entering them [T, len(aux_layers) * hidden_size]."""
         layout = layouts[token_bucket]
-        batch = layout.unpack(buffer)
+        batch = layout.unpack(buffer, decodes_only)
         if drafter_block_size is None:
             batch = dataclasses.replace(batch, input_ids=jnp.where(
                 batch.prev_rows >= 0, prev_tokens[jnp.maximum(batch.prev_rows, 0)], batch.input_ids))

@@ -15,7 +15,8 @@ class StepReplay:
         self.widest: tuple[tuple[int, int], tuple] | None = None  # (width, the dispatch's arguments)
 
     def offer(self, num_reqs: int, num_tokens: int, step: tuple) -> None:
-        """step: (token bucket, its packed buffer, SampleMode, with processors, number of logprobs)."""
+        """step: (token bucket, its packed buffer, SampleMode, with processors, number of logprobs, decodes
+        only): ModelRunner.dispatch's arguments."""
         width = (num_reqs, num_tokens)
         if num_tokens > num_reqs * self.max_tokens_per_request:  # a prefill
             return

@@ -33,7 +33,7 @@ def run_warm_up(runner, show_progress: bool = True) -> None:
     start = time.perf_counter()
     num_stages = runner.pipeline.num_stages if runner.pipeline else 1
     keys = warm_up_keys(runner.token_buckets, runner.layouts, runner.sampling.logprob_buckets, runner.draft is not None,
-                        runner.pooler is not None, num_stages)
+                        runner.pooler is not None, num_stages, runner.decodes_only_buckets)
     split = runner.executables.build(keys, lambda key, info: lower(runner, key, info), show_progress)
     compiled_s = time.perf_counter() - start
     if runner.kv_cache.step_reserve is not None and (warning := outgrown_reserve(runner.executables.compiled,
@@ -52,6 +52,8 @@ def run_warm_up(runner, show_progress: bool = True) -> None:
         jax.block_until_ready(runner.dispatch(token_bucket, buffer, SampleMode.GREEDY, False,
                                               num_logprobs=runner.sampling.num_logprobs, prompt_inputs=[(zeros, zeros)],
                                               token_rows=token_rows))
+        if token_bucket in runner.decodes_only_buckets:  # (a batch of padding alone: one token a request, or none)
+            jax.block_until_ready(runner.dispatch(token_bucket, buffer, SampleMode.GREEDY, decodes_only=True))
         num_rows = runner.layouts[token_bucket].num_rows
         if num_rows not in row_buckets:
             row_buckets.add(num_rows)
@@ -82,14 +84,19 @@ def _temp_bytes(compiled: jax.stages.Compiled) -> int | None:
         return None
 
 
-def warm_up_keys(token_buckets: list[int], layouts: dict, logprob_buckets: list[int],
-                 with_drafter: bool, with_pooler: bool = False, num_stages: int = 1) -> list[ExecutableKey]:
+def warm_up_keys(token_buckets: list[int], layouts: dict, logprob_buckets: list[int], with_drafter: bool,
+                 with_pooler: bool = False, num_stages: int = 1,
+                 decodes_only_buckets: list[int] = ()) -> list[ExecutableKey]:
     """Every executable warm-up builds, each forward (after the pipeline stages before it) before the
-    prompt logprobs (drafter, pooling) of its token bucket and the samplers and logprobs of its rows of logits."""
+    prompt logprobs (drafter, pooling) of its token bucket and the samplers and logprobs of its rows of logits;
+    in decodes_only_buckets the decodes-only forward (and stages) too."""
     keys, row_buckets = [], set()
     for token_bucket in token_buckets:
         keys += [ExecutableKey(STAGE, token_bucket, stage=s) for s in range(num_stages - 1)]
         keys += [ExecutableKey(FORWARD, token_bucket), ExecutableKey(PROMPT_LOGPROBS, token_bucket)]
+        if token_bucket in decodes_only_buckets:
+            keys += [ExecutableKey(STAGE, token_bucket, stage=s, decodes_only=True) for s in range(num_stages - 1)]
+            keys.append(ExecutableKey(FORWARD, token_bucket, decodes_only=True))
         if with_drafter:
             keys.append(ExecutableKey(DRAFT, token_bucket))
         if with_pooler:
@@ -110,9 +117,9 @@ def lower(runner, key: ExecutableKey, forward_info) -> jax.stages.Lowered:
     """The executable of `key`, lowered; forward_info: the out_info of the forward of its
     token bucket (for the others than a forward)."""
     if key.kind == FORWARD:
-        return runner.lower_forward(key.bucket)
+        return runner.lower_forward(key.bucket, key.decodes_only)
     if key.kind == STAGE:
-        return runner.pipeline.lower(key.stage, key.bucket, runner.host_buffers.first(key.bucket))
+        return runner.pipeline.lower(key.stage, key.bucket, runner.host_buffers.first(key.bucket), key.decodes_only)
     sampled, logits, words, hidden = forward_info[:4]
     fns = runner.fns
     if key.kind == DRAFT:  # after the KV caches and the routing: the inputs as run, then an EAGLE-3 head's states

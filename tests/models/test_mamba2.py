@@ -18,6 +18,7 @@ from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.fp8 import Fp8Linear
 from jaxllm.models.loader import abstract_params, create_model, iter_hf_weights
 from jaxllm.sharding import make_mesh
+from jaxllm.worker.executables import FORWARD
 from tests.conftest import tiny_model
 from tests.models.state_checks import (ATOL, assert_chunked_prompt_logprobs_are_hfs, chunked_logits,
                                        hf_prompt_logprobs, run_through_aborts_and_a_pause)
@@ -105,6 +106,26 @@ def test_waiting_preemption_and_aborts_leave_every_state_slot_free_and_the_other
                                                    lambda stats: stats["num_free_blocks"] == stats["num_blocks"])
     assert stats["num_preemptions"] > before["num_preemptions"]
     assert stats["num_free_blocks"] == stats["num_blocks"] == 3 and stats["num_cached_blocks"] == 0
+
+
+def test_decode_steps_take_a_forward_without_the_chunk_scans_conditional(llm):
+    """A step whose requests have one token each runs its bucket's decodes-only forward, in which no layer
+    has the chunk scan's conditional (on a GPU each waits on the host for its branch); a step with a
+    prefill chunk runs the bucket's forward, one conditional a layer. The goldens above pass through both."""
+    runner = llm.llm_engine.engine_core.core.executor.runner
+    assert runner.token_buckets == [16, 32] and runner.decodes_only_buckets == [16]  # 4 requests fit 16
+    num_layers = runner.arch.num_layers
+    conditionals = {str(key): compiled.as_text().count(" conditional(")
+                    for key, compiled in runner.executables.compiled.items() if key.kind == FORWARD}
+    assert conditionals == {"forward 16": num_layers, "forward 16 decodes only": 0, "forward 32": num_layers}
+    taken = []
+    get = runner.executables.get
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runner.executables, "get", lambda key, lower: taken.append(str(key)) or get(key, lower))
+        llm.generate([{"prompt_token_ids": [3, 4, 5, 6, 7]}, {"prompt_token_ids": [9, 8]}],
+                     SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    forwards = [name for name in taken if name.startswith("forward")]
+    assert forwards == ["forward 16"] + ["forward 16 decodes only"] * 3
 
 
 def test_bundled_mamba2_2_7b_has_its_size():
