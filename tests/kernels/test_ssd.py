@@ -96,11 +96,13 @@ def test_a_prefill_split_into_chunks_continues_from_each_chunks_state():
     np.testing.assert_allclose(state, want_final, rtol=2e-4, atol=2e-4)
 
 
-@pytest.mark.parametrize("query_lens", [[3, 1, 7, 1], [1, 1, 1, 1]], ids=["mixed", "decodes"])
-def test_in_slots_a_step_reads_and_writes_its_requests_slots_alone(query_lens):
+@pytest.mark.parametrize("query_lens, decodes_only", [([3, 1, 7, 1], False), ([1, 1, 1, 1], False),
+                                                      ([1, 1, 1, 1], True)], ids=["mixed", "decodes", "decodes-only"])
+def test_in_slots_a_step_reads_and_writes_its_requests_slots_alone(query_lens, decodes_only):
     """A bfloat16 cache of more slots than requests, in no order: each request starts from its slot
     (zeros without a state: its slot's contents unread), ends in it, and every other slot (NaN: a
-    read of one would show) is left as it was; against the naive recurrence from the same states."""
+    read of one would show) is left as it was; against the naive recurrence from the same states.
+    decodes_only: the update alone, with no chunk scan, as a step the host knows to be all decodes."""
     slots, has_state = [5, 2, 7, 0], [True, True, False, True]
     x, dt, A, B, C, _ = random_batch(sum(query_lens), NUM_REQS, [1] * NUM_REQS)
     cache = jnp.full((9, H, P, N), jnp.nan, jnp.bfloat16)
@@ -109,7 +111,7 @@ def test_in_slots_a_step_reads_and_writes_its_requests_slots_alone(query_lens):
     qsl = np.concatenate([[0], np.cumsum(query_lens), [sum(query_lens)] * (NUM_REQS - 4)]).astype(np.int32)
     pad = ((0, NUM_TOKENS - x.shape[0]),)
     x, dt, B, C = (jnp.pad(a, pad + ((0, 0),) * (a.ndim - 1)) for a in (x, dt, B, C))
-    in_slots = jax.jit(ragged_ssd_in_slots, static_argnums=(11,))
+    in_slots = jax.jit(functools.partial(ragged_ssd_in_slots, decodes_only=decodes_only), static_argnums=(11,))
     y, after = in_slots(x, dt, A, B, C, cache, padded_slots, np.array(has_state + [False] * (NUM_REQS - 4)),
                         np.where(np.arange(NUM_REQS) < 4, padded_slots, cache.shape[0]), qsl, np.array([4], np.int32), 4)
     initial = jnp.where(jnp.array(has_state)[:, None, None, None], cache[jnp.array(slots)].astype(jnp.float32), 0.0)
