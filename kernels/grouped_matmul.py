@@ -16,6 +16,12 @@ buffer of its own (XLA may hoist such a buffer's fill, making every MoE layer's 
 once). There are at most cdiv(M, BM) + G work items; the grid has that many, and those past the
 real ones return at once. A group with no rows costs nothing, so a decode step reads only the
 chosen experts' weights.
+
+mosaic_grouped_matmul computes the same (its rows after the last group not written) with JAX's
+Hopper kernel (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu: Mosaic GPU, TMA loads a few K
+chunks ahead, wgmma, one persistent program per SM). It takes 16-bit rows and weights only, and
+every group, empty or not, may cost a tile of its weight: it is for prefill's many rows, where
+every expert has some.
 """
 import dataclasses
 import functools
@@ -40,6 +46,26 @@ class GroupedTiles:
 
     def __post_init__(self):
         check_tiles(self, ("block_m", "block_n", "block_k"))
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTiles:
+    """A launch of the Mosaic GPU kernel: [block_m, block_n] output tiles, K in block_k chunks
+    (both fitted down to divisors of N and K), `steps` chunks loaded ahead, output column tiles walked
+    grid_block_n at a time (the order of the persistent loop)."""
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    steps: int = 4
+    grid_block_n: int = 1
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"MosaicTiles.{name} must be a power of two >= 16, got {value}")
+        if self.steps < 1 or self.grid_block_n < 1:
+            raise ValueError(f"MosaicTiles: steps and grid_block_n must be >= 1, got {self}")
 
 
 INTERPRET_TILES = GroupedTiles(16, 16, 16, 4, 1)  # small tiles: the interpreter runs every program in turn
@@ -117,3 +143,20 @@ def grouped_matmul(rows, weight, group_sizes, out_dtype=None, tiles: GroupedTile
         interpret=interpret,
     )(tile, group, starts, ends, x, weight)
     return out[:m]
+
+
+def mosaic_grouped_matmul(rows, weight, group_sizes, tiles: MosaicTiles | None = None):
+    """grouped_matmul through JAX's Mosaic GPU kernel (a Hopper GPU): rows [M, K] and weight [G, K, N]
+    of one 16-bit dtype -> [M, N] in it, summed in float32; rows after the last group not defined."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    t = tiles or MosaicTiles()
+    (m, k), (_, _, n) = rows.shape, weight.shape
+    if rows.dtype != weight.dtype or rows.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"mosaic_grouped_matmul: rows and weight of one 16-bit dtype, got {rows.dtype} and {weight.dtype}")
+    bn = divisor(n, tuple(c for c in (256, 128, 64, 32, 16) if c <= t.block_n))
+    bk = divisor(k, tuple(c for c in (128, 64, 32, 16) if c <= t.block_k))
+    if n % bn or k % bk:
+        raise ValueError(f"mosaic_grouped_matmul: N ({n}) and K ({k}) must be multiples of 16")
+    return ragged_dot_mgpu.ragged_dot(rows, weight, group_sizes=group_sizes.astype(jnp.int32), block_m=t.block_m,
+                                      block_n=bn, block_k=bk, max_concurrent_steps=t.steps,
+                                      grid_block_n=t.grid_block_n)

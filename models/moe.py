@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.kernels.grouped_matmul import grouped_matmul
+from jaxllm.kernels.grouped_matmul import grouped_matmul, mosaic_grouped_matmul
 from jaxllm.models.config import ModelArchConfig, MoeConfig
 from jaxllm.models.fp8 import quantize_rows
 from jaxllm.models.llama import INIT_STD, MLP, DecoderLayer, LlamaForCausalLM, Linear
@@ -114,16 +114,25 @@ def _stacked(weight):
 
 def grouped_matmul_kind() -> str:
     """The grouped GEMM a model traces with, JAXLLM_MOE_KERNEL: "pallas" (kernels/grouped_matmul.py,
-    the default on a GPU, where XLA's ragged_dot runs every row through every expert) or "ragged"
-    (jax.lax.ragged_dot, the default elsewhere)."""
+    the default on a GPU, where XLA's ragged_dot runs every row through every expert), "mosaic" (JAX's
+    Hopper kernel for the 16-bit GEMMs of steps with at least MOSAIC_MIN_ROWS rows, "pallas" for the
+    others) or "ragged" (jax.lax.ragged_dot, the default elsewhere)."""
     kind = os.environ.get("JAXLLM_MOE_KERNEL") or ("pallas" if jax.default_backend() == "gpu" else "ragged")
-    if kind not in ("pallas", "ragged"):
-        raise ValueError(f"JAXLLM_MOE_KERNEL must be 'pallas' or 'ragged', got {kind!r}")
+    if kind not in ("pallas", "mosaic", "ragged"):
+        raise ValueError(f"JAXLLM_MOE_KERNEL must be 'pallas', 'mosaic' or 'ragged', got {kind!r}")
     return kind
 
 
+# Fewer rows than this (a decode step's), and most experts have none: the Mosaic kernel may still
+# read a tile of each such expert's weight, where the Pallas kernel reads only the chosen ones.
+MOSAIC_MIN_ROWS = 1024
+
+
 def _grouped_matmul(rows, weight, group_sizes, out_dtype):
-    if grouped_matmul_kind() == "pallas":
+    kind = grouped_matmul_kind()
+    if kind == "mosaic" and rows.shape[0] >= MOSAIC_MIN_ROWS and rows.dtype == weight.dtype == out_dtype:
+        return mosaic_grouped_matmul(rows, weight, group_sizes)
+    if kind in ("pallas", "mosaic"):
         return grouped_matmul(rows, weight, group_sizes, out_dtype)
     return jax.lax.ragged_dot(rows, weight, group_sizes, preferred_element_type=out_dtype)
 

@@ -61,8 +61,9 @@
 #   eagle       bench step on the 8B shape at batch 1, 8 and 64 without drafts, then with a random-weight
 #               EAGLE-3 head of the 8B's published shape drafting k = DRAFT_TOKENS (default "2 4"), under
 #               asynchronous scheduling (the draft model's too in the draft part): the cost of a step
-#   moe-matmul  the grouped GEMM's gpu-marked tests, then bench moe-matmul at Qwen3-30B-A3B's experts (ragged_dot
-#               and the Pallas kernel, bf16 and FP8; MOE_MATMUL_ARGS adds flags: "--tokens 1,256 --variants pallas,dense")
+#   moe-matmul  the grouped GEMM's gpu-marked tests, then bench moe-matmul at Qwen3-30B-A3B's experts (ragged_dot,
+#               the Pallas and Mosaic kernels, bf16 and FP8; MOE_MATMUL_ARGS adds flags: "--tokens 1,256 --variants
+#               pallas,dense", "--tiles m128x128x64x4x1,...")
 #   ssd         the SSD scan's Pallas kernel: its gpu-marked tests, then bench ssd (Mamba2-2.7B's heads,
 #               plain JAX and the kernel, beside an attention layer over the same prompt)
 #   lora        bench serve 1000/1000 on the 8B shape: the base model on a server without LoRA, then 8

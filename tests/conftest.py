@@ -1,4 +1,5 @@
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -6,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 import warnings
 
 # Tests compile on a 2-core CPU: keep compiled executables between runs, in the checkout, every
@@ -68,6 +70,17 @@ def smollm2():
     with llm:
         _SESSION_CHILDREN.update(set(child_pids()) - before)  # its engine core lives as long as the session
         yield llm
+
+
+@pytest.fixture
+def interpreted_mosaic(monkeypatch):
+    """JAX's Mosaic GPU ragged dot in the Mosaic GPU interpreter: it takes no interpret argument, so
+    its module's plgpu.kernel is given one."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    interpreted = types.SimpleNamespace(**{name: getattr(plgpu, name) for name in dir(plgpu) if not name.startswith("_")})
+    interpreted.kernel = functools.partial(plgpu.kernel, interpret=plgpu.InterpretGPUParams())
+    monkeypatch.setattr(ragged_dot_mgpu, "plgpu", interpreted)
 
 
 # The longest files on a cold cache first: pytest-xdist hands out a file at a time, so a long one

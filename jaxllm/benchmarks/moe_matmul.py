@@ -5,6 +5,8 @@ decode's few tokens to a prefill's thousands (one table, last).
 For each token count T, the T * k (token, expert) rows of a uniform random routing, through:
 - ragged: jax.lax.ragged_dot as XLA lowers it (JAXLLM_MOE_KERNEL=ragged);
 - pallas: the Pallas grouped GEMM (kernels/grouped_matmul.py, JAXLLM_MOE_KERNEL=pallas);
+- mosaic: JAX's Mosaic GPU grouped GEMM (a Hopper GPU; mosaic_grouped_matmul) at every T, where
+  JAXLLM_MOE_KERNEL=mosaic takes it from MOSAIC_MIN_ROWS rows;
 - fp8, fp8-pallas: the experts in e4m3 as quantization="fp8" holds them, the rows scaled to e4m3
   per row, through either;
 - dense: the same rows through one expert's SwiGLU with jnp.dot, the same FLOPs: the rate a
@@ -17,8 +19,8 @@ then timed on the device (median_loop_s, two weight sets in rotation). The table
 time, its TFLOP/s and, against the bytes of the experts the routing chose, its GB/s: at small T
 the layer should read only those, so a rate far under the device's copy rate means it read the others.
 
---tiles BMxBNxBKxWARPSxSTAGES,... also times the Pallas kernel alone at each of those launches, on
-each projection of the layer (gate-up: K = hidden, N = 2I; down: K = I, N = hidden), against a
+--tiles BMxBNxBKxWARPSxSTAGES,... also times the Pallas kernel alone at each of those launches
+(mBMxBNxBKxSTEPSxGRIDN: the Mosaic kernel's, MosaicTiles), on each projection of the layer (gate-up: K = hidden, N = 2I; down: K = I, N = hidden), against a
 dense dot of the same rows (a second table): the sweep behind the kernel's default tiles.
 """
 import argparse
@@ -35,7 +37,7 @@ from jaxllm.benchmarks.device_timing import median_loop_s
 HELP = "the MoE grouped GEMM (ragged_dot, the Pallas kernel, FP8, a gather path) against a dense dot of the same FLOPs"
 MAX_ERROR = 1e-2
 FP8_MAX_ERROR = 0.1  # e4m3's rounding of the weights and of the rows, about 4% each
-VARIANTS = ("ragged", "pallas", "fp8", "fp8-pallas", "dense", "gather")
+VARIANTS = ("ragged", "pallas", "mosaic", "fp8", "fp8-pallas", "dense", "gather")
 
 
 def add_cli_args(parser) -> None:
@@ -48,17 +50,40 @@ def add_cli_args(parser) -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"a comma-separated subset of {', '.join(VARIANTS)} (default: all)")
     parser.add_argument("--tiles", type=_tile_list, default=[],
-                        help="also time the Pallas kernel per projection at these launches, e.g. 64x128x64x4x4,128x128x64x8x3")
+                        help="also time the kernels per projection at these launches, e.g. 64x128x64x4x4,128x128x64x8x3 "
+                             "(Pallas: BMxBNxBKxWARPSxSTAGES), m128x128x64x4x1 (Mosaic: mBMxBNxBKxSTEPSxGRIDN)")
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed loops, the median taken")
     parser.add_argument("--output-json", help="write the rows to this file")
 
 
 def _tile_list(text: str) -> list:
-    from jaxllm.kernels.grouped_matmul import GroupedTiles
+    from jaxllm.kernels.grouped_matmul import GroupedTiles, MosaicTiles
+
+    def tiles(item: str):
+        if item.startswith("m"):
+            return MosaicTiles(*map(int, item[1:].split("x")))
+        return GroupedTiles(*map(int, item.split("x")))
     try:
-        return [GroupedTiles(*map(int, item.split("x"))) for item in text.split(",") if item]
+        return [tiles(item) for item in text.split(",") if item]
     except (TypeError, ValueError) as err:
-        raise argparse.ArgumentTypeError(f"BMxBNxBKxWARPSxSTAGES items, comma-separated ({err})") from None
+        raise argparse.ArgumentTypeError(f"BMxBNxBKxWARPSxSTAGES or mBMxBNxBKxSTEPSxGRIDN items, comma-separated "
+                                         f"({err})") from None
+
+
+def _launch(tiles) -> str:
+    """A launch's name in the tables: its --tiles item."""
+    from jaxllm.kernels.grouped_matmul import MosaicTiles
+    if isinstance(tiles, MosaicTiles):
+        return f"m{tiles.block_m}x{tiles.block_n}x{tiles.block_k}x{tiles.steps}x{tiles.grid_block_n}"
+    return f"{tiles.block_m}x{tiles.block_n}x{tiles.block_k}x{tiles.num_warps}x{tiles.num_stages}"
+
+
+def _grouped_at(x, weight, sizes, tiles):
+    """The grouped GEMM of tiles' kernel at that launch."""
+    from jaxllm.kernels.grouped_matmul import MosaicTiles, grouped_matmul, mosaic_grouped_matmul
+    if isinstance(tiles, MosaicTiles):
+        return mosaic_grouped_matmul(x, weight, sizes, tiles)
+    return grouped_matmul(x, weight, sizes, tiles=tiles)
 
 
 def _routing(rng, t: int, e: int, k: int):
@@ -84,17 +109,17 @@ def _tile_sweep(ns, rng) -> tuple[list[dict], list[str]]:
             flops = 2 * t * k * kk * n
             dense_s = median_loop_s(lambda x, w: jnp.dot(x, w[0]), [(x, w) for w in weight_sets], reps=ns.repeats)
             for tiles in ns.tiles:
-                fn = lambda x, w, tiles=tiles: grouped_matmul(x, w, sizes, tiles=tiles)
+                fn = lambda x, w, tiles=tiles: _grouped_at(x, w, sizes, tiles)
                 try:
                     got = np.asarray(jax.jit(fn)(x, weight_sets[0]), np.float32)
                 except Exception as err:  # a launch this device cannot run (shared memory): said, not fatal
-                    print(f"{name} T={t} {tiles}: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+                    print(f"{name} T={t} {_launch(tiles)}: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
                     continue
                 error = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
                 if error > MAX_ERROR:
-                    failed.append(f"{name} T={t} {tiles}: relative error {error:.2e}")
+                    failed.append(f"{name} T={t} {_launch(tiles)}: relative error {error:.2e}")
                 s = median_loop_s(fn, [(x, w) for w in weight_sets], reps=ns.repeats)
-                launch = f"{tiles.block_m}x{tiles.block_n}x{tiles.block_k}x{tiles.num_warps}x{tiles.num_stages}"
+                launch = _launch(tiles)
                 rows_out.append({"projection": name, "tokens": t, "tiles": launch, "us": 1e6 * s,
                                  "TFLOPs": flops / s / 1e12, "vs_dense": dense_s / s})
                 print(*rows_out[-1].values(), flush=True)
@@ -110,6 +135,14 @@ def _gather_mlp(rows, experts, gate_up, down):
     g, hidden, _, inter = gate_up.shape
     gu = jnp.einsum("mh,mhn->mn", rows, gate_up[experts].reshape(-1, hidden, 2 * inter)).reshape(-1, 2, inter)
     return jnp.einsum("mi,mih->mh", jax.nn.silu(gu[:, 0]) * gu[:, 1], down[experts])
+
+
+def _mosaic_mlp(rows, sizes, gate_up, down):
+    """expert_mlp's two GEMMs through the Mosaic kernel whatever the number of rows."""
+    from jaxllm.kernels.grouped_matmul import mosaic_grouped_matmul
+    g, hidden, _, inter = gate_up.shape
+    gu = mosaic_grouped_matmul(rows, gate_up.reshape(g, hidden, 2 * inter), sizes).reshape(-1, 2, inter)
+    return mosaic_grouped_matmul(jax.nn.silu(gu[:, 0]) * gu[:, 1], down, sizes)
 
 
 def _dense_mlp(rows, gate_up, down):
@@ -157,7 +190,7 @@ def main(ns) -> int:
             return expert_mlp(x, experts, sizes, gu, d)
 
         variants = {"ragged": grouped, "pallas": grouped, "fp8": grouped, "fp8-pallas": grouped,
-                    "dense": lambda x, gu, d: _dense_mlp(x, gu[0], d[0])}
+                    "mosaic": lambda x, gu, d: _mosaic_mlp(x, sizes, gu, d), "dense": lambda x, gu, d: _dense_mlp(x, gu[0], d[0])}
         if t * k <= ns.gather_max_rows:
             variants["gather"] = lambda x, gu, d: _gather_mlp(x, experts, gu, d)
         with _moe_kernel("ragged"):

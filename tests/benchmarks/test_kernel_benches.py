@@ -165,19 +165,20 @@ def test_moe_matmul_checks_then_times_the_grouped_gemm_against_a_dense_dot(capsy
     assert printed[-1].startswith("wrong: T=1 gather: relative error 1.0")
 
 
-def test_moe_matmul_tiles_sweeps_the_kernel_launches_per_projection(capsys, tmp_path):
+def test_moe_matmul_tiles_sweeps_the_kernel_launches_per_projection(capsys, tmp_path, interpreted_mosaic):
     args = ["bench", "moe-matmul", "--experts", "8", "--top-k", "2", "--hidden-size", "64", "--intermediate-size",
-            "32", "--tokens", "5", "--variants", "", "--tiles", "16x16x16x4x1,32x64x32x4x1", "--repeats", "1"]
+            "32", "--tokens", "5", "--variants", "", "--tiles", "16x16x16x4x1,32x64x32x4x1,m64x32x32x2x1",
+            "--repeats", "1"]
     result, printed = run(capsys, tmp_path, args)
     assert result["rows"] == []  # --variants "": the sweep alone
     assert [(r["projection"], r["tokens"], r["tiles"]) for r in result["tiles"]] == [
-        ("gate-up", 5, "16x16x16x4x1"), ("gate-up", 5, "32x64x32x4x1"), ("down", 5, "16x16x16x4x1"),
-        ("down", 5, "32x64x32x4x1")]
+        (projection, 5, tiles) for projection in ("gate-up", "down") for tiles in ("16x16x16x4x1", "32x64x32x4x1",
+                                                                                   "m64x32x32x2x1")]
     assert all(r["us"] > 0 and r["vs_dense"] > 0 for r in result["tiles"])
-    assert printed[-5].split() == ["projection", "T", "tiles", "us", "TFLOP/s", "vs", "dense"]
+    assert printed[-7].split() == ["projection", "T", "tiles", "us", "TFLOP/s", "vs", "dense"]
     with pytest.raises(SystemExit):
         main(args[:-4] + ["--tiles", "64x100"])
-    assert "argument --tiles: BMxBNxBKxWARPSxSTAGES items" in capsys.readouterr().err
+    assert "argument --tiles: BMxBNxBKxWARPSxSTAGES or mBMxBNxBKxSTEPSxGRIDN items" in capsys.readouterr().err
 
 
 def test_ssd_checks_the_pallas_scan_then_times_it_beside_attention(capsys, tmp_path, monkeypatch):
