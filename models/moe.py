@@ -48,6 +48,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.kernels.grouped_matmul import grouped_matmul, mosaic_grouped_matmul
+from jaxllm.kernels.mosaic_attention import is_hopper
 from jaxllm.models.config import ModelArchConfig, MoeConfig
 from jaxllm.models.fp8 import quantize_rows
 from jaxllm.models.llama import INIT_STD, MLP, DecoderLayer, LlamaForCausalLM, Linear
@@ -120,6 +121,8 @@ def grouped_matmul_kind() -> str:
     kind = os.environ.get("JAXLLM_MOE_KERNEL") or ("pallas" if jax.default_backend() == "gpu" else "ragged")
     if kind not in ("pallas", "mosaic", "ragged"):
         raise ValueError(f"JAXLLM_MOE_KERNEL must be 'pallas', 'mosaic' or 'ragged', got {kind!r}")
+    if kind == "mosaic" and jax.default_backend() == "gpu" and not is_hopper():
+        raise ValueError(f"JAXLLM_MOE_KERNEL=mosaic needs a Hopper GPU (wgmma), not {jax.devices()[0].device_kind}")
     return kind
 
 
