@@ -135,12 +135,21 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
     return write_slots(k_cache, k, slot_mapping), write_slots(v_cache, v, slot_mapping)
 
 
+def scatter_index(index, keep, size: int):
+    """index [n] where keep, else a place of its own past `size`, which a scatter with mode="drop"
+    drops: the scatter may then promise unique_indices (the kept ones must be distinct). XLA's GPU
+    scatter stores the updates of unique indices; without the promise it updates every element by
+    an atomic read-modify-write."""
+    return jnp.where(keep, index, size + jnp.arange(index.shape[0], dtype=index.dtype))
+
+
 def write_slots(cache, x, slot_mapping):
     """cache [num_blocks, block_size, heads, dim] with new tokens' x [num_tokens, heads, dim] at their
-    slots (a negative slot: a padding token's, dropped)."""
+    slots (a negative slot: a padding token's, dropped; the others distinct)."""
     num_blocks, block_size = cache.shape[:2]
-    slot = jnp.where(slot_mapping < 0, num_blocks * block_size, slot_mapping)
-    return cache.at[slot // block_size, slot % block_size].set(to_cache_dtype(x, cache.dtype), mode="drop")
+    slot = scatter_index(slot_mapping, slot_mapping >= 0, num_blocks * block_size)
+    return cache.at[slot // block_size, slot % block_size].set(to_cache_dtype(x, cache.dtype), mode="drop",
+                                                               unique_indices=True)
 
 
 def to_cache_dtype(x, dtype):

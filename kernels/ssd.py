@@ -23,6 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxllm.kernels.reference import scatter_index
 from jaxllm.utils import cdiv
 
 
@@ -154,8 +155,8 @@ def ssd_chunk_scan(x, dt, A, B, C, initial_states, layout: ChunkLayout, terms=ch
         return y + jnp.einsum("cihn,chpn->cihp", _per_head(C[tokens], num_heads), before) * jnp.exp(cum)[..., None]
 
     y = _in_groups(from_before, group or tokens.shape[0], y, before, tokens, layout.mask)
-    out = jnp.zeros((num_tokens + 1, *x.shape[1:]), jnp.float32)
-    out = out.at[jnp.where(layout.mask, layout.tokens, num_tokens)].set(y)[:num_tokens]
+    place = scatter_index(layout.tokens.reshape(-1), layout.mask.reshape(-1), num_tokens)
+    out = jnp.zeros(x.shape, jnp.float32).at[place].set(y.reshape(-1, *x.shape[1:]), mode="drop", unique_indices=True)
     return out, states[layout.last]
 
 
@@ -199,7 +200,7 @@ def ragged_ssd(x, dt, A, B, C, initial_states, query_start_loc, num_seqs, chunk_
     P, N], a padding request's its initial state)."""
     num_reqs = initial_states.shape[0]
     slots = jnp.arange(num_reqs, dtype=jnp.int32)
-    write_slots = jnp.where(slots < jnp.reshape(num_seqs, ()), slots, num_reqs)  # padding's writes dropped
+    write_slots = scatter_index(slots, slots < jnp.reshape(num_seqs, ()), num_reqs)  # padding's writes dropped
     return ragged_ssd_in_slots(x, dt, A, B, C, initial_states, slots, jnp.ones(num_reqs, bool), write_slots,
                                query_start_loc, num_seqs, chunk_size, terms)
 
@@ -251,9 +252,11 @@ def ragged_ssd_in_slots(x, dt, A, B, C, states, slots, has_state, write_slots, q
     first = jnp.minimum(query_start_loc[:-1], num_tokens - 1)
     y_one, one_states = ssd_update(x[first], dt[first], A, B[first], C[first], initial())
     one = query_lens == 1
-    y = y.at[jnp.where(one, first, num_tokens)].set(y_one, mode="drop")
-    dropped = states.shape[0]
-    states = states.at[jnp.where(one, write_slots, dropped)].set(one_states.astype(states.dtype), mode="drop")
+    y = y.at[scatter_index(first, one, num_tokens)].set(y_one, mode="drop", unique_indices=True)
+    num_slots = states.shape[0]
+    states = states.at[scatter_index(write_slots, one, num_slots)].set(one_states.astype(states.dtype), mode="drop",
+                                                                      unique_indices=True)
     if not decodes_only:
-        states = states.at[jnp.where(query_lens >= 2, write_slots, dropped)].set(prefill_states, mode="drop")
+        states = states.at[scatter_index(write_slots, query_lens >= 2, num_slots)].set(
+            prefill_states, mode="drop", unique_indices=True)
     return y, states

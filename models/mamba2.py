@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.kernels.attention import AttentionMetadata
+from jaxllm.kernels.reference import scatter_index
 from jaxllm.kernels.ssd import chunk_terms_fn, ragged_ssd_in_slots
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.kv_layout import model_kv_layout
@@ -38,7 +39,7 @@ class Requests(NamedTuple):
     query_lens: jax.Array       # [R] int32, 0 for padding
     has_state: jax.Array        # [R] bool: tokens computed before this step, whose states the slot holds
     slots: jax.Array            # [R] int32: each request's state slot (its block in the group)
-    write_slots: jax.Array      # [R] int32: the same, out of range for padding (its writes dropped)
+    write_slots: jax.Array      # [R] int32: the same, out of range for padding (its writes dropped; scatter_index)
 
     @classmethod
     def of(cls, md: AttentionMetadata, num_slots: int) -> "Requests":
@@ -47,7 +48,7 @@ class Requests(NamedTuple):
         query_lens = jnp.where(real, qsl[1:] - qsl[:-1], 0)
         slots = md.block_tables[:, 0]
         return cls(qsl, num_seqs, query_lens, real & (md.seq_lens > query_lens), slots,
-                   jnp.where(real, slots, num_slots))
+                   scatter_index(slots, real, num_slots))
 
     def token_requests(self, num_tokens: int) -> jax.Array:
         """[num_tokens] int32: each token's request (a padding token: the last request)."""
@@ -72,7 +73,7 @@ def causal_conv(xbc, conv_state, weight, bias, requests: Requests):
     num_reqs = requests.query_lens.shape[0]
     last = requests.query_lens[:, None] - 1 + back[1:]  # [R, K - 1]: the inputs a request's state keeps
     kept = _inputs(xbc, conv_state, requests, jnp.arange(num_reqs)[:, None], last)
-    return out, conv_state.at[requests.write_slots].set(kept.astype(conv_state.dtype), mode="drop")
+    return out, conv_state.at[requests.write_slots].set(kept.astype(conv_state.dtype), mode="drop", unique_indices=True)
 
 
 def _inputs(xbc, conv_state, requests: Requests, req, rel):
