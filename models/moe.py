@@ -177,7 +177,7 @@ def experts_of_rows(rows, experts, gate_up, down, inner_over: str | None = None)
     order = jnp.argsort(experts, stable=True)
     sizes = jnp.bincount(experts, length=_stacked(gate_up).shape[0])
     out = expert_mlp(rows[order], experts[order], sizes, gate_up, down, inner_over)
-    return jnp.zeros_like(out).at[order].set(out)
+    return jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # (reference.scatter_index says why)
 
 
 def combine(pair_rows, weights, dtype):
@@ -230,14 +230,15 @@ def moe_expert_parallel(mesh, x, weights, ids, gate_up, down):
         device = expert // num_local
         sent = jnp.bincount(device, length=n)
         slot = jnp.arange(t * k) - (jnp.cumsum(sent) - sent)[device]
-        send_rows = jnp.zeros((n, capacity, x.shape[1]), x.dtype).at[device, slot].set(x[order // k])
-        send_experts = jnp.full((n, capacity), num_local, jnp.int32).at[device, slot].set(expert % num_local)
+        send_rows = jnp.zeros((n, capacity, x.shape[1]), x.dtype).at[device, slot].set(x[order // k], unique_indices=True)
+        send_experts = jnp.full((n, capacity), num_local, jnp.int32).at[device, slot].set(expert % num_local,
+                                                                                          unique_indices=True)
         # [n, capacity, ...]: block s of what arrives is what device s sent here
         rows = jax.lax.all_to_all(send_rows, axis, 0, 0)
         experts = jax.lax.all_to_all(send_experts, axis, 0, 0)
         out = experts_of_rows(rows.reshape(n * capacity, -1), experts.reshape(-1), gate_up, down)
         back = jax.lax.all_to_all(out.reshape(n, capacity, -1), axis, 0, 0)
-        pair_rows = jnp.zeros((t * k, x.shape[1]), back.dtype).at[order].set(back[device, slot])
+        pair_rows = jnp.zeros((t * k, x.shape[1]), back.dtype).at[order].set(back[device, slot], unique_indices=True)
         y = combine(pair_rows.reshape(t, k, -1), weights, x.dtype)
         return jax.lax.all_gather(y, axis, tiled=True)
 
