@@ -48,7 +48,6 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.kernels.grouped_matmul import grouped_matmul, mosaic_grouped_matmul
-from jaxllm.kernels.mosaic_attention import is_hopper
 from jaxllm.models.config import ModelArchConfig, MoeConfig
 from jaxllm.models.fp8 import quantize_rows
 from jaxllm.models.llama import INIT_STD, MLP, DecoderLayer, LlamaForCausalLM, Linear
@@ -121,9 +120,14 @@ def grouped_matmul_kind() -> str:
     kind = os.environ.get("JAXLLM_MOE_KERNEL") or ("pallas" if jax.default_backend() == "gpu" else "ragged")
     if kind not in ("pallas", "mosaic", "ragged"):
         raise ValueError(f"JAXLLM_MOE_KERNEL must be 'pallas', 'mosaic' or 'ragged', got {kind!r}")
-    if kind == "mosaic" and jax.default_backend() == "gpu" and not is_hopper():
+    if kind == "mosaic" and jax.default_backend() == "gpu" and not _is_hopper():
         raise ValueError(f"JAXLLM_MOE_KERNEL=mosaic needs a Hopper GPU (wgmma), not {jax.devices()[0].device_kind}")
     return kind
+
+
+def _is_hopper() -> bool:
+    from jaxllm.kernels.mosaic_attention import is_hopper  # (Mosaic GPU's modules: imported where used)
+    return is_hopper()
 
 
 # Fewer rows than this (a decode step's), and most experts have none: the Mosaic kernel may still
