@@ -152,7 +152,8 @@ def mosaic_grouped_matmul(rows, weight, group_sizes, tiles: MosaicTiles | None =
     t = tiles or MosaicTiles()
     (m, k), (_, _, n) = rows.shape, weight.shape
     if rows.dtype != weight.dtype or rows.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(f"mosaic_grouped_matmul: rows and weight of one 16-bit dtype, got {rows.dtype} and {weight.dtype}")
+        raise ValueError(f"mosaic_grouped_matmul: rows and weight of one 16-bit dtype, got {rows.dtype} and "
+                         f"{weight.dtype}")
     bn = divisor(n, tuple(c for c in (256, 128, 64, 32, 16) if c <= t.block_n))
     bk = divisor(k, tuple(c for c in (128, 64, 32, 16) if c <= t.block_k))
     if n % bn or k % bk:

@@ -234,7 +234,8 @@ def moe_expert_parallel(mesh, x, weights, ids, gate_up, down):
         device = expert // num_local
         sent = jnp.bincount(device, length=n)
         slot = jnp.arange(t * k) - (jnp.cumsum(sent) - sent)[device]
-        send_rows = jnp.zeros((n, capacity, x.shape[1]), x.dtype).at[device, slot].set(x[order // k], unique_indices=True)
+        send_rows = jnp.zeros((n, capacity, x.shape[1]), x.dtype).at[device, slot].set(x[order // k],
+                                                                                   unique_indices=True)
         send_experts = jnp.full((n, capacity), num_local, jnp.int32).at[device, slot].set(expert % num_local,
                                                                                           unique_indices=True)
         # [n, capacity, ...]: block s of what arrives is what device s sent here

@@ -78,7 +78,8 @@ def interpreted_mosaic(monkeypatch):
     its module's plgpu.kernel is given one."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-    interpreted = types.SimpleNamespace(**{name: getattr(plgpu, name) for name in dir(plgpu) if not name.startswith("_")})
+    interpreted = types.SimpleNamespace(**{name: getattr(plgpu, name) for name in dir(plgpu)
+                                           if not name.startswith("_")})
     interpreted.kernel = functools.partial(plgpu.kernel, interpret=plgpu.InterpretGPUParams())
     monkeypatch.setattr(ragged_dot_mgpu, "plgpu", interpreted)
 

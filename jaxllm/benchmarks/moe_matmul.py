@@ -20,8 +20,9 @@ time, its TFLOP/s and, against the bytes of the experts the routing chose, its G
 the layer should read only those, so a rate far under the device's copy rate means it read the others.
 
 --tiles BMxBNxBKxWARPSxSTAGES,... also times the Pallas kernel alone at each of those launches
-(mBMxBNxBKxSTEPSxGRIDN: the Mosaic kernel's, MosaicTiles), on each projection of the layer (gate-up: K = hidden, N = 2I; down: K = I, N = hidden), against a
-dense dot of the same rows (a second table): the sweep behind the kernel's default tiles.
+(mBMxBNxBKxSTEPSxGRIDN: the Mosaic kernel's, MosaicTiles), on each projection of the layer
+(gate-up: K = hidden, N = 2I; down: K = I, N = hidden), against a dense dot of the same rows (a
+second table): the sweep behind the kernels' default tiles.
 """
 import argparse
 import contextlib
@@ -190,7 +191,8 @@ def main(ns) -> int:
             return expert_mlp(x, experts, sizes, gu, d)
 
         variants = {"ragged": grouped, "pallas": grouped, "fp8": grouped, "fp8-pallas": grouped,
-                    "mosaic": lambda x, gu, d: _mosaic_mlp(x, sizes, gu, d), "dense": lambda x, gu, d: _dense_mlp(x, gu[0], d[0])}
+                    "mosaic": lambda x, gu, d: _mosaic_mlp(x, sizes, gu, d),
+                    "dense": lambda x, gu, d: _dense_mlp(x, gu[0], d[0])}
         if t * k <= ns.gather_max_rows:
             variants["gather"] = lambda x, gu, d: _gather_mlp(x, experts, gu, d)
         with _moe_kernel("ragged"):
