@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxllm.kernels.tiling import check_tiles, divisor, pad_rows
+from jaxllm.kernels.tiling import check_tile_sizes, check_tiles, divisor, pad_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +60,7 @@ class MosaicTiles:
     grid_block_n: int = 1
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"MosaicTiles.{name} must be a power of two >= 16, got {value}")
+        check_tile_sizes(self, ("block_m", "block_n", "block_k"))
         if self.steps < 1 or self.grid_block_n < 1:
             raise ValueError(f"MosaicTiles: steps and grid_block_n must be >= 1, got {self}")
 

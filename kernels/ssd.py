@@ -200,7 +200,7 @@ def ragged_ssd(x, dt, A, B, C, initial_states, query_start_loc, num_seqs, chunk_
     P, N], a padding request's its initial state)."""
     num_reqs = initial_states.shape[0]
     slots = jnp.arange(num_reqs, dtype=jnp.int32)
-    write_slots = scatter_index(slots, slots < jnp.reshape(num_seqs, ()), num_reqs)  # padding's writes dropped
+    write_slots = jnp.where(slots < jnp.reshape(num_seqs, ()), slots, num_reqs)  # padding's writes dropped
     return ragged_ssd_in_slots(x, dt, A, B, C, initial_states, slots, jnp.ones(num_reqs, bool), write_slots,
                                query_start_loc, num_seqs, chunk_size, terms)
 

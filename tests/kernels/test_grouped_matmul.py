@@ -63,6 +63,10 @@ def test_bfloat16_and_e4m3_rows_sum_in_float32():
 def test_tiles_are_checked():
     with pytest.raises(ValueError, match="block_n must be a power of two"):
         GroupedTiles(block_n=24)
+    with pytest.raises(ValueError, match="MosaicTiles.block_n must be a power of two"):
+        MosaicTiles(block_n=24)
+    with pytest.raises(ValueError, match="MosaicTiles: steps and grid_block_n must be >= 1"):
+        MosaicTiles(steps=0)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
