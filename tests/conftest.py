@@ -94,6 +94,26 @@ LONGEST_FILES = ("engine/test_structured_outputs.py", "engine/test_core_process.
                  "models/test_granite_hybrid.py", "benchmarks/test_gpu_run.py", "engine/test_data_parallel.py")
 
 
+# The files that use the session's SmolLM2 engine (the smollm2 fixture): one worker runs them all, so
+# that one engine is started and warmed up (about 30 s), not one a worker.
+SMOLLM2_FILES = ("engine/test_structured_outputs.py", "engine/test_kv_cache_dtype.py", "engine/test_prompt_checks.py",
+                 "engine/test_smollm2.py", "models/test_fp8.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under --dist loadfile, SMOLLM2_FILES are one unit of work."""
+    from xdist.scheduler import LoadFileScheduling
+    if config.getoption("dist") != "loadfile":
+        return None
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return "smollm2" if file.removeprefix("tests/") in SMOLLM2_FILES else file
+    return Scheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].removeprefix("tests/"), len(rank)))

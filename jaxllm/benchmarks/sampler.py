@@ -1,9 +1,9 @@
 """`jaxllm bench sampler`: the sampler's pieces on the device at one request bucket (default
 [256, 128256], the 8B's vocabulary at batch 256), each jitted alone on random float32 logits,
 with the argmax (greedy) as the baseline: the random draw, the top-k / top-p / min-p filters
-(and the top-p filter's search at other bits a pass), a sort and lax.top_k alone, the logprobs,
-the logits processors (the token mask, logit bias, min_tokens and the penalties) and counting
-the sampled ids.
+(and on a GPU the top-p filter's search at other bits a pass; a CPU's searches one bit a pass),
+a sort and lax.top_k alone, the logprobs, the logits processors (the token mask, logit bias,
+min_tokens and the penalties) and counting the sampled ids.
 
 Timing: the host's clock around each call and its block_until_ready, the median of --iters
 calls after one warm-up (device_timing.median_s); each figure includes the call's dispatch
@@ -27,7 +27,7 @@ def add_cli_args(parser) -> None:
 
 
 def with_search_bits(bits: int, fn):
-    """fn traced with the top-p filter's search deciding `bits` bits a pass (a variant to time)."""
+    """fn traced with the top-p filter's search deciding `bits` bits a pass on a GPU (a variant to time)."""
     from jaxllm.sample import sampler
 
     def traced(*args):

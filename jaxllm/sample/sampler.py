@@ -168,23 +168,29 @@ def _ordered_bits(x: jax.Array) -> jax.Array:
 _SEARCH_BITS = 3  # bits decided per pass: 7 candidate thresholds, summed in one pass over the row
 
 
+def _searches_in_a_loop() -> bool:
+    return jax.default_backend() == "cpu"
+
+
 def _search(ok, num_bits: int, num_rows: int) -> jax.Array:
     """The largest t [R] uint32 below 2**num_bits with ok(t) [R] bool, for an ok that holds
-    up to some t and not above it, and holds at 0. Decides _SEARCH_BITS bits per pass from
-    the top: of the candidate prefixes, as many hold as the next digit's value. The passes
-    are unrolled on a GPU (a loop there syncs with the host each pass); on a CPU, where XLA
-    takes seconds to compile the ~150 unrolled reductions of a filtered sampler, the passes
-    after the first run in a loop."""
-    def one_pass(prefix, shift, step: int):
+    up to some t and not above it, and holds at 0. On a GPU, decides _SEARCH_BITS bits per pass
+    from the top (of the candidate prefixes, as many hold as the next digit's value), the passes
+    unrolled: a loop there syncs with the host each pass. On a CPU, where XLA compiles each
+    unrolled reduction as a kernel of its own (most of a filtered sampler's compile), one bit a
+    pass in a loop: one reduction to compile."""
+    if _searches_in_a_loop():
+        def one_bit(i, prefix):
+            candidate = prefix + (jnp.uint32(1) << (num_bits - 1 - i).astype(jnp.uint32))
+            return jnp.where(ok(candidate), candidate, prefix)
+        return jax.lax.fori_loop(0, num_bits, one_bit, jnp.zeros(num_rows, jnp.uint32))
+
+    def one_pass(prefix, shift: int, step: int):
         holds = jnp.stack([ok(prefix + (jnp.uint32(j) << shift)) for j in range(1, 2 ** step)], -1)
         return prefix + (holds.sum(-1, dtype=jnp.uint32) << shift)
 
     first = num_bits % _SEARCH_BITS or _SEARCH_BITS  # the top pass decides the bits left over
-    prefix = one_pass(jnp.zeros(num_rows, jnp.uint32), jnp.uint32(num_bits - first), first)
-    num_passes = (num_bits - first) // _SEARCH_BITS
-    if jax.default_backend() == "cpu":
-        return jax.lax.fori_loop(0, num_passes, lambda i, p: one_pass(
-            p, (num_passes - 1 - i).astype(jnp.uint32) * _SEARCH_BITS, _SEARCH_BITS), prefix)
-    for i in reversed(range(num_passes)):
-        prefix = one_pass(prefix, jnp.uint32(i * _SEARCH_BITS), _SEARCH_BITS)
+    prefix = one_pass(jnp.zeros(num_rows, jnp.uint32), num_bits - first, first)
+    for i in reversed(range((num_bits - first) // _SEARCH_BITS)):
+        prefix = one_pass(prefix, i * _SEARCH_BITS, _SEARCH_BITS)
     return prefix

@@ -138,7 +138,9 @@ def sorted_filter(logits, top_k, top_p, min_p):
     return np.where(logits >= ranked[max(keep.sum(), 1) - 1], logits, -np.inf)
 
 
-def test_the_filter_keeps_what_a_sort_keeps():
+@pytest.mark.parametrize("in_a_loop", [True, False])  # a CPU's search, a GPU's
+def test_the_filter_keeps_what_a_sort_keeps(in_a_loop, monkeypatch):
+    monkeypatch.setattr(sampler, "_searches_in_a_loop", lambda: in_a_loop)
     rng = np.random.default_rng(7)
     n, vocab = 64, 500
     logits = (rng.standard_normal((n, vocab)) * rng.uniform(0.3, 4, (n, 1))).astype(np.float32)
