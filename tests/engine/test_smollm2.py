@@ -7,7 +7,7 @@ import os
 import pytest
 
 from jaxllm import RequestOutputKind, SamplingParams
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, SMOLLM2_FILES
 
 with open(os.path.join(FIXTURES, "smollm2_golden.json")) as f:
     GOLDEN = json.load(f)
@@ -82,3 +82,11 @@ def test_streamed_deltas_never_show_part_of_a_stop_string(llm):
     while engine.has_unfinished_requests():
         pieces += [o.outputs[0].text for o in engine.step()]
     assert "".join(pieces) == full[:full.index(stop)]
+
+
+def test_every_file_that_uses_the_session_engine_is_in_its_unit_of_work(request):
+    """The suite's workers run SMOLLM2_FILES as one unit (tests/conftest.py): a file missing from it
+    would start the engine on a second worker. (It sees the session's tests: all of them in the suite.)"""
+    using = {item.nodeid.split("::")[0].removeprefix("tests/") for item in request.session.items
+             if "smollm2" in getattr(item, "fixturenames", ())}
+    assert using <= set(SMOLLM2_FILES), using - set(SMOLLM2_FILES)
