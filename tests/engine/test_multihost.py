@@ -2,14 +2,13 @@
 serves, host 1 follows) with one process's outputs: TP = 8 over 4 devices each, and a pipeline of two
 stages, one per host, each TP = 2."""
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from tests.conftest import host_devices_flags
+from tests.conftest import free_ports, host_devices_flags
 from tests.engine.test_tensor_parallel import write_model
 
 ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, num_gpu_blocks_override=32,
@@ -19,26 +18,6 @@ PARAMS = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
           SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)]
 
 
-def free_port() -> int:
-    """A port with the four above it free too (the step broadcast, its handshake, and each host's
-    transfer server under pipeline parallelism)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port < 65000 and all(_free(port + i) for i in (1, 2, 3, 4)):
-            return port
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 def generate(llm):
     return [[o.outputs[0].token_ids for o in llm.generate(PROMPTS, p, use_tqdm=False)] for p in PARAMS]
 
@@ -46,7 +25,9 @@ def generate(llm):
 def run_on_two_hosts(model: str, monkeypatch, devices_per_host: int, **parallel) -> tuple[list, dict]:
     """generate() on an engine over two processes with `devices_per_host` CPU devices each (host 0 this
     process's engine core, host 1 a `jaxllm worker`): the outputs, and the engine's stats at the end."""
-    address = f"127.0.0.1:{free_port()}"
+    # The coordinator's port, and the four above it: the step broadcast, its handshake, and each host's
+    # transfer server under pipeline parallelism.
+    address = f"127.0.0.1:{free_ports(5)}"
     multihost = dict(distributed_executor_backend="multihost", num_hosts=2, coordinator_address=address, **parallel)
     env = dict(os.environ, XLA_FLAGS=host_devices_flags(devices_per_host), JAX_PLATFORMS="cpu")
     monkeypatch.setenv("XLA_FLAGS", env["XLA_FLAGS"])  # host 0's engine core: as many devices

@@ -5,7 +5,6 @@ the tests ended."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import _SESSION_CHILDREN, tiny_llama_with_tokenizer
+from tests.conftest import _SESSION_CHILDREN, free_ports, tiny_llama_with_tokenizer
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 512  # long enough that a request outlives the disconnect of its client
@@ -24,15 +23,9 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}|{% 
 _START_TIMEOUT_S = 240
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RemoteServer:
     def __init__(self, model: str, log_path: str, *args: str):
-        self.port = free_port()
+        self.port = free_ports()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
