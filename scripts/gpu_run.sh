@@ -67,7 +67,8 @@
 #   ssd         the SSD scan's Pallas kernel: its gpu-marked tests, then bench ssd (Mamba2-2.7B's heads,
 #               plain JAX and the kernel, beside an attention layer over the same prompt)
 #   lora        bench serve 1000/1000 on the 8B shape: the base model on a server without LoRA, then 8
-#               random rank-16 adapters mixed uniformly on a server with them (the throughput ratio)
+#               random rank-16 adapters mixed uniformly on a server with them (the throughput ratio, and
+#               each server's start-up); LORA_PROMPTS requests (default 500)
 #   embed       bench throughput --runner pooling on the 8B shape: 1000 prompts of 512 tokens embedded
 #   tools       a server with --enable-auto-tool-choice --tool-call-parser hermes on the 8B shape: bench serve
 #               of chat requests (512 in, 128 out) at concurrency 1 and 64, without tools and with
@@ -456,7 +457,8 @@ part_serve() {
   run "${JAXLLM[@]}" bench report serve --dir "$D" --raw-dir "$raw" --concurrencies "$(IFS=,; echo "${conc[*]}")"
 }
 part_lora() {
-  local in=1000 out=1000 max_len=2048 prompts=500 conc=256 seqs=256 batched=8192 port=${PORT:-8766} rank=16 num=8
+  local in=1000 out=1000 max_len=2048 prompts=${LORA_PROMPTS:-500} conc=256 seqs=256 batched=8192 port=${PORT:-8766}
+  local rank=16 num=8
   [ $TINY = 1 ] && in=32 out=32 max_len=512 prompts=32 conc=16 seqs=16 batched=512 rank=4 num=2
   local tok=/tmp/wordtok adapters=/tmp/lora-adapters modules="" names=() mode
   run "$PY" -m jaxllm.benchmarks.dummy_tokenizer word "$tok" --model "$MODEL8" || return 1
@@ -483,6 +485,7 @@ part_lora() {
     elif [ "$(( $(left) - 20 ))" -lt 150 ]; then
       echo "SKIPPED the $mode server: $(left) s left"
     elif start_server; then
+      grep -m1 -o "start-up: .*" /tmp/server.log
       step 120 "bench serve, $mode" "${bench[@]}" 2>&1 | tail -22
       stop_server
     fi
