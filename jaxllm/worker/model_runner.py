@@ -91,6 +91,11 @@ class ModelRunner:
             parallel.tensor_parallel_size, device_ids=parallel.device_ids)
         compilation.install_compile_counter()
         compilation.enable_persistent_cache()
+        # A step's outputs start for the host as soon as it is dispatched, so that reading them waits for the
+        # step alone. Not on a CPU, where they are in host memory already: there a copy's completion could
+        # still be running in XLA's thread when a script's interpreter exits, and it aborts the process
+        # ("terminate called without an active exception").
+        self._copies_ahead = self.mesh.devices.flat[0].platform != "cpu"
 
         start = time.perf_counter()
         self._repeat = kv_heads.kv_head_repeat(mc.arch, config.parallel.tensor_parallel_size)
@@ -313,8 +318,9 @@ class ModelRunner:
                             step.prompt_segments, step.failed, table, step.pooling, routed, counts)
         if self.pipeline and self.pipeline.output_elsewhere:
             output = self.pipeline.to_first_stage(output)
-        for array in output.device_arrays():
-            array.copy_to_host_async()
+        if self._copies_ahead:
+            for array in output.device_arrays():
+                array.copy_to_host_async()
         return output
 
     def _token_bucket(self, num_tokens: int) -> int:
@@ -356,7 +362,8 @@ class ModelRunner:
             self.fns.pool.lower(fwd.hidden, token_rows, num_rows)))
         with TraceAnnotation("dispatch"):
             sums = pool(fwd.hidden, token_rows)
-        sums.copy_to_host_async()
+        if self._copies_ahead:
+            sums.copy_to_host_async()
         return sums
 
     def _propose(self, fwd: Forward, sampled: jax.Array) -> jax.Array | None:
