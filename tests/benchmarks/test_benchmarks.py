@@ -17,7 +17,7 @@ from tests.conftest import tiny_model
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("warm_up_every_engine")]
 ENGINE_FLAGS = ["--model", tiny_model("llama"), "--skip-tokenizer-init", "--max-model-len", "64",
-                "--no-enable-multiprocessing"]
+                "--no-enable-multiprocessing", "--max-num-seqs", "16"]
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN, RATIO = 12, 16, 8, 0.5
 BATCH_SIZE, NUM_ITERS = 3, 3
 # Two full blocks of 16 shared, then each prompt's own 8 tokens; one request at a time, so
