@@ -406,7 +406,7 @@ part_fp8() {
 part_prefix() {
   local engine=(--max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 8192)
   local work=(--prefix-len 1024 --input-len 128 --output-len 128 --num-prompts 1000) mode
-  [ $TINY = 1 ] && engine=(--max-model-len 512 --max-num-seqs 64 --max-num-batched-tokens 1024) \
+  [ $TINY = 1 ] && engine=(--max-model-len 512 --max-num-seqs 16 --max-num-batched-tokens 256) \
     work=(--prefix-len 64 --input-len 16 --output-len 16 --num-prompts 64)
   for mode in no-enable-prefix-caching enable-prefix-caching; do
     step 30 "prefix caching: --$mode" timeout -k 20 200 "${JAXLLM[@]}" bench throughput "${M8[@]}" "${engine[@]}" \
