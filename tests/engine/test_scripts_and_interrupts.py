@@ -90,7 +90,8 @@ def test_ctrl_c_stops_generate_aborts_its_requests_and_leaves_the_llm_usable(tmp
     body = f"""
     import time
     from jaxllm import LLM, SamplingParams
-    llm = LLM({tiny_model("llama")!r}, skip_tokenizer_init=True, max_model_len=256, show_progress=False)
+    llm = LLM({tiny_model("llama")!r}, skip_tokenizer_init=True, max_model_len=256, max_num_seqs=16,
+              show_progress=False)
     long = SamplingParams(max_tokens=250, ignore_eos=True)
     print("GENERATING", flush=True)
     start = time.monotonic()
@@ -132,8 +133,8 @@ def test_a_logits_processor_class_defined_in_the_script_runs_in_the_core_process
         def apply(self, state, logits):
             return jnp.where(jnp.arange(logits.shape[-1]) == FORCED, logits, -jnp.inf)
 
-    llm = LLM({tiny_model("llama")!r}, skip_tokenizer_init=True, max_model_len=128, show_progress=False,
-              logits_processors=[OnlyForced])
+    llm = LLM({tiny_model("llama")!r}, skip_tokenizer_init=True, max_model_len=128, max_num_seqs=16,
+              show_progress=False, logits_processors=[OnlyForced])
     out = llm.generate({{"prompt_token_ids": [1, 2, 3]}}, SamplingParams(max_tokens=3, ignore_eos=True),
                        use_tqdm=False)
     print("TOKENS", out[0].outputs[0].token_ids)
