@@ -1,11 +1,16 @@
 """The LoRA adapters' part of a step: y = x @ W + (x @ A[s]) @ B[s] for each token's adapter slot s.
 
-Each target module holds every slot's adapter stacked, padded to the engine's max rank r, with
-the adapter's scaling folded into B:
+Each target module holds, per layer, every slot's adapter stacked, padded to the engine's max rank
+r, with the adapter's scaling folded into B:
 
-    A [num_layers, in, num_slots, r]     B [num_layers, num_slots, r, out]
+    A [in, num_slots, r]     B [num_slots, r, out]     (one array of each per layer)
 
-and a step says which slot each token reads as a one-hot mask [T, num_slots] (all zeros: the
+Arrays of their own per layer, as the base weights are, not one [num_layers, ...] array sliced in
+the step: a layer's slice, fused into its matmuls, can make them computations of their own for XLA's
+GPU autotuner (one autotuning per layer and module, in every token bucket), where per-layer arrays
+give every layer the same ones.
+
+A step says which slot each token reads as a one-hot mask [T, num_slots] (all zeros: the
 base model alone). The delta is then two plain matmuls whose shapes depend only on the slot
 count and r, never on which adapters are loaded: every slot's x @ A is computed and the other
 slots' zeroed, so the second matmul reads only the token's own slot:
@@ -47,23 +52,26 @@ def lora_module_dims(arch: ModelArchConfig) -> dict[str, ModuleDims]:
 
 
 def lora_stack_axes(dims: ModuleDims) -> tuple[tuple, tuple]:
-    """The logical axes of a module's stacked A [layers, in, slots, r] and B [layers, slots, r, out]."""
-    return (None, dims.in_axis, None, None), (None, None, None, dims.out_axis)
+    """The logical axes of a module's stacked A [in, slots, r] and B [slots, r, out] of one layer."""
+    return (dims.in_axis, None, None), (None, None, dims.out_axis)
+
+
+# Per target module, each layer's stacked (A, B) (above): ([A of layer 0, A of layer 1, ...], [B of layer 0, ...]).
+Stacks = dict[str, tuple[list[jax.Array], list[jax.Array]]]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LoRABatch:
-    """A step's adapters, inside the jitted step: per target module its stacked (A, B) (above),
-    and each token's slot as a mask [T, num_slots]."""
-    stacks: dict[str, tuple[jax.Array, jax.Array]]
+    """A step's adapters, inside the jitted step: the Stacks, and each token's slot as a mask [T, num_slots]."""
+    stacks: Stacks
     mask: jax.Array
 
     @classmethod
-    def of(cls, stacks: dict[str, tuple[jax.Array, jax.Array]], token_slots: jax.Array) -> "LoRABatch":
+    def of(cls, stacks: Stacks, token_slots: jax.Array) -> "LoRABatch":
         """token_slots [T] int32: each token's slot, -1 for none (one_hot of -1 is all zeros)."""
-        a, _ = next(iter(stacks.values()))
-        return cls(stacks, jax.nn.one_hot(token_slots, a.shape[2], dtype=a.dtype))
+        a = next(iter(stacks.values()))[0][0]
+        return cls(stacks, jax.nn.one_hot(token_slots, a.shape[1], dtype=a.dtype))
 
     def layer(self, layer: int) -> "LayerLoRA":
         return LayerLoRA(self, layer)

@@ -1,7 +1,7 @@
 """LoRASlots: the runner's max_loras device slots of adapters, and which adapter each holds.
 
-Each target module's slots are stacked arrays (models/lora.py) made once at start-up; loading
-an adapter writes one slot of every module in one jitted, donated update whose slot index is
+Each target module's slots are stacked arrays per layer (models/lora.py) made once at start-up; loading
+an adapter writes one slot of every module and layer in one jitted, donated update whose slot index is
 an argument, so neither loading nor the step ever compiles anew. A step's adapters must all be
 in slots (the scheduler runs at most max_loras distinct adapters in one step): one that is not
 takes a free slot, else the least recently used slot of an adapter the step does not run.
@@ -20,21 +20,20 @@ from jaxllm.lora.adapter import AdapterWeights, check_adapter, read_adapter
 from jaxllm.lora.config import LoRAConfig
 from jaxllm.lora.request import LoRARequest
 from jaxllm.models.config import ModelArchConfig
-from jaxllm.models.lora import lora_module_dims, lora_stack_axes
+from jaxllm.models.lora import Stacks, lora_module_dims, lora_stack_axes
 from jaxllm.sharding import named_sharding
 
 logger = logging.getLogger(__name__)
-
-Stacks = dict[str, tuple[jax.Array, jax.Array]]  # module -> (A, B) of models/lora.py
 
 
 def _write_slot(stacks: Stacks, slot: jax.Array, values: dict[str, tuple[jax.Array, jax.Array]]) -> Stacks:
     """stacks with slot `slot` (int32 scalar) of each module set to values' (A [layers, in, r], B [layers, r, out])."""
     out = {}
-    for module, (a, b) in stacks.items():
+    for module, (a_layers, b_layers) in stacks.items():
         new_a, new_b = values[module]
-        out[module] = (jax.lax.dynamic_update_slice(a, new_a[:, :, None], (0, 0, slot, 0)),
-                       jax.lax.dynamic_update_slice(b, new_b[:, None], (0, slot, 0, 0)))
+        out[module] = ([jax.lax.dynamic_update_slice(a, new_a[i, :, None], (0, slot, 0))
+                        for i, a in enumerate(a_layers)],
+                       [jax.lax.dynamic_update_slice(b, new_b[i, None], (slot, 0, 0)) for i, b in enumerate(b_layers)])
     return out
 
 
@@ -50,10 +49,11 @@ class LoRASlots:
         shardings, self.stacks = {}, {}
         for module, d in self._dims.items():
             a_axes, b_axes = lora_stack_axes(d)
-            shardings[module] = (named_sharding(mesh, a_axes), named_sharding(mesh, b_axes))
-            self.stacks[module] = (
-                jax.device_put(np.zeros((arch.num_layers, d.in_dim, num_slots, rank), dtype), shardings[module][0]),
-                jax.device_put(np.zeros((arch.num_layers, num_slots, rank, d.out_dim), dtype), shardings[module][1]))
+            a_sharding, b_sharding = named_sharding(mesh, a_axes), named_sharding(mesh, b_axes)
+            shardings[module] = ([a_sharding] * arch.num_layers, [b_sharding] * arch.num_layers)
+            a, b = np.zeros((d.in_dim, num_slots, rank), dtype), np.zeros((num_slots, rank, d.out_dim), dtype)
+            self.stacks[module] = ([jax.device_put(a, a_sharding) for _ in range(arch.num_layers)],
+                                   [jax.device_put(b, b_sharding) for _ in range(arch.num_layers)])
         self._write = jax.jit(_write_slot, donate_argnums=(0,), out_shardings=shardings)
         self._zeros = {m: (np.zeros((arch.num_layers, d.in_dim, rank), dtype),
                            np.zeros((arch.num_layers, rank, d.out_dim), dtype)) for m, d in self._dims.items()}
@@ -157,6 +157,5 @@ class LoRASlots:
         return list(self._host)
 
     def delete(self) -> None:
-        for a, b in self.stacks.values():
-            a.delete()
-            b.delete()
+        for array in jax.tree.leaves(self.stacks):
+            array.delete()

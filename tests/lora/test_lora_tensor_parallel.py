@@ -18,9 +18,10 @@ def test_adapters_over_four_devices_give_peft_tokens():
              max_loras=3) as llm:
         outputs = llm.generate(prompts * len(models), greedy(), use_tqdm=False,
                                lora_request=[None if m == "base" else lora_request(m) for m in models for _ in prompts])
-        for mod, (a, b) in llm.llm_engine.engine_core.core.executor.runner.lora.stacks.items():
+        for mod, (a_layers, b_layers) in llm.llm_engine.engine_core.core.executor.runner.lora.stacks.items():
             column_parallel = mod not in ("o_proj", "down_proj")  # B shards its out axis, else A its in axis
-            assert (b if column_parallel else a).sharding.spec[3 if column_parallel else 1] == "model", mod
+            for a, b in zip(a_layers, b_layers):
+                assert (b if column_parallel else a).sharding.spec[2 if column_parallel else 0] == "model", mod
     for k, model in enumerate(models):
         assert_golden(outputs[k * len(prompts):(k + 1) * len(prompts)], model, range(len(prompts)))
 
