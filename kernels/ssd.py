@@ -224,8 +224,9 @@ def ragged_ssd_in_slots(x, dt, A, B, C, states, slots, has_state, write_slots, q
     query_lens = jnp.where(real, query_start_loc[1:] - query_start_loc[:-1], 0)
     chunk = min(chunk_size, num_tokens)
 
-    def initial():
-        return jnp.where(has_state[:, None, None, None], states[slots].astype(jnp.float32), 0.0)
+    # The cache is read once, its requests' slots, before it is written: where two reads feed the
+    # outputs and the writes, XLA copies the whole cache so that a write cannot come first.
+    start = jnp.where(has_state[:, None, None, None], states[slots].astype(jnp.float32), 0.0)
 
     # The chunk scan runs over as many chunk slots as it needs, of a few sizes: none without a prefill
     # request (a decode step), the bucket's full chunks and a few partial ones (a step of a few prefill
@@ -240,7 +241,7 @@ def ragged_ssd_in_slots(x, dt, A, B, C, states, slots, has_state, write_slots, q
         layout = functools.partial(chunk_layout, query_lens, query_start_loc, num_tokens, chunk, num_chunks)
 
         def run():
-            y, final = ssd_chunk_scan(x, dt, A, B, C, initial(), layout(), terms, usual)
+            y, final = ssd_chunk_scan(x, dt, A, B, C, start, layout(), terms, usual)
             return y, final.astype(states.dtype)
         return run
     if decodes_only:
@@ -250,7 +251,7 @@ def ragged_ssd_in_slots(x, dt, A, B, C, states, slots, has_state, write_slots, q
         which = jnp.where(needed == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes, jnp.int32), needed))
         y, prefill_states = jax.lax.switch(which, [lambda: none] + [scan(n) for n in sizes])  # (one branch runs)
     first = jnp.minimum(query_start_loc[:-1], num_tokens - 1)
-    y_one, one_states = ssd_update(x[first], dt[first], A, B[first], C[first], initial())
+    y_one, one_states = ssd_update(x[first], dt[first], A, B[first], C[first], start)
     one = query_lens == 1
     y = y.at[scatter_index(first, one, num_tokens)].set(y_one, mode="drop", unique_indices=True)
     num_slots = states.shape[0]

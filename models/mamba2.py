@@ -63,27 +63,29 @@ def causal_conv(xbc, conv_state, weight, bias, requests: Requests):
     weight [D, 1, K] (HF's Conv1d); bias [D] or None. Returns (out [T, D] float32, before the
     activation; conv_state with each request's last K - 1 inputs)."""
     num_tokens, k = xbc.shape[0], weight.shape[-1]
+    # The cache is read once, its requests' rows, and written after: where two reads feed the
+    # outputs and the write, XLA copies the whole cache so that the write cannot come first.
+    held = jnp.where(requests.has_state[:, None, None], conv_state[requests.slots], 0)  # [R, K - 1, D]
     req = requests.token_requests(num_tokens)
     back = jnp.arange(k) - (k - 1)  # the window of a token: the K inputs ending at it
     rel = (jnp.arange(num_tokens) - requests.query_start_loc[req])[:, None] + back  # [T, K]: in its step's tokens
-    window = _inputs(xbc, conv_state, requests, req[:, None], rel)
+    window = _inputs(xbc, held, requests.query_start_loc, req[:, None], rel)
     out = jnp.einsum("tkd,dk->td", window.astype(jnp.float32), weight[:, 0].astype(jnp.float32))
     if bias is not None:
         out = out + bias.astype(jnp.float32)
     num_reqs = requests.query_lens.shape[0]
     last = requests.query_lens[:, None] - 1 + back[1:]  # [R, K - 1]: the inputs a request's state keeps
-    kept = _inputs(xbc, conv_state, requests, jnp.arange(num_reqs)[:, None], last)
+    kept = _inputs(xbc, held, requests.query_start_loc, jnp.arange(num_reqs)[:, None], last)
     return out, conv_state.at[requests.write_slots].set(kept.astype(conv_state.dtype), mode="drop", unique_indices=True)
 
 
-def _inputs(xbc, conv_state, requests: Requests, req, rel):
+def _inputs(xbc, held, query_start_loc, req, rel):
     """The inputs at places rel [n, m] of requests req [n, 1] in their step: this step's token, or
-    (rel < 0) the state's input -rel back before it (zero for a request without a state) -> [n, m, D]."""
-    k1 = conv_state.shape[1]
+    (rel < 0) the input -rel back before it in the request's held state [R, K - 1, D] -> [n, m, D]."""
+    k1 = held.shape[1]
     num_tokens = xbc.shape[0]
-    from_step = xbc[jnp.clip(requests.query_start_loc[req] + rel, 0, num_tokens - 1)]
-    from_state = conv_state[requests.slots[req], jnp.clip(rel + k1, 0, k1 - 1)]
-    from_state = jnp.where(requests.has_state[req][..., None], from_state, 0)
+    from_step = xbc[jnp.clip(query_start_loc[req] + rel, 0, num_tokens - 1)]
+    from_state = held[req, jnp.clip(rel + k1, 0, k1 - 1)]
     return jnp.where((rel >= 0)[..., None], from_step, from_state)
 
 
