@@ -189,6 +189,20 @@ def chunk_terms_fn():
     return functools.partial(pallas_ssd.chunk_terms, interpret=jax.default_backend() != "gpu")
 
 
+def state_update_fn():
+    """The decode steps' state update a model runs: with JAXLLM_SSD_UPDATE=pallas the Pallas kernel that
+    updates the cache in place (kernels/pallas_ssd.py; in the interpreter off a GPU), else None
+    ("reference", the default until the kernel is measured on a GPU): ssd_update between a gather and
+    a scatter of the requests' slots."""
+    choice = os.environ.get("JAXLLM_SSD_UPDATE", "reference")
+    if choice not in ("reference", "pallas"):
+        raise ValueError(f"JAXLLM_SSD_UPDATE must be 'reference' or 'pallas', got {choice!r}")
+    if choice == "reference":
+        return None
+    from jaxllm.kernels import pallas_ssd
+    return functools.partial(pallas_ssd.state_update, interpret=jax.default_backend() != "gpu")
+
+
 def ragged_ssd(x, dt, A, B, C, initial_states, query_start_loc, num_seqs, chunk_size: int, terms=chunk_terms):
     """Every request's SSM over its tokens of the step: the chunk scan for requests of two tokens
     or more, the update for those of one.
@@ -206,22 +220,30 @@ def ragged_ssd(x, dt, A, B, C, initial_states, query_start_loc, num_seqs, chunk_
 
 
 def ragged_ssd_in_slots(x, dt, A, B, C, states, slots, has_state, write_slots, query_start_loc, num_seqs,
-                        chunk_size: int, terms=chunk_terms, decodes_only: bool = False):
+                        chunk_size: int, terms=chunk_terms, decodes_only: bool = False, update=None):
     """ragged_ssd over a cache of states [S, H, P, N] (any float dtype; math in float32): request i
     starts from states[slots[i]] (zeros where not has_state[i]) and ends in states[write_slots[i]]
     (out of range: dropped). Returns (y [T, H, P] float32, the cache with the step's states written).
     decodes_only: the caller knows every request has at most one token: the update alone runs, with
     no conditional around the chunk scan (on a GPU, XLA's conditional waits on the host for its
-    branch index: a device-to-host round trip per layer and step).
+    branch index: a device-to-host round trip per layer and step). update: with decodes_only, the
+    in-place state update that takes the plain one's place (state_update_fn).
 
-    Only the step's requests' slots are read and written: the update gathers its rows for the
-    outputs and again for the new states it scatters (ssd_update), and the chunk scan's branch
-    (which a decode step does not run) gathers its own. At Mamba2-2.7B's 256 requests a layer's
+    Only the step's requests' slots are read and written: one gather of their rows feeds the update
+    (ssd_update, its new states scattered into their slots) and the chunk scan's branch (which a
+    decode step does not run). At Mamba2-2.7B's 256 requests a layer's
     states are 0.33 GB in bfloat16, so each extra pass over them costs about 0.13 ms per layer at
     an H100's 2.5 TB/s, 8.5 ms a step over its 64 layers."""
-    num_tokens, num_reqs = x.shape[0], slots.shape[0]
+    num_tokens, num_reqs, num_slots = x.shape[0], slots.shape[0], states.shape[0]
     real = jnp.arange(num_reqs) < jnp.reshape(num_seqs, ())
     query_lens = jnp.where(real, query_start_loc[1:] - query_start_loc[:-1], 0)
+    first = jnp.minimum(query_start_loc[:-1], num_tokens - 1)
+    one = query_lens == 1
+    if decodes_only and update is not None:
+        y_one, states = update(x[first], dt[first], A, B[first], C[first], states, slots, has_state,
+                               jnp.where(one, write_slots, num_slots))
+        return jnp.zeros(x.shape, jnp.float32).at[scatter_index(first, one, num_tokens)].set(
+            y_one, mode="drop", unique_indices=True), states
     chunk = min(chunk_size, num_tokens)
 
     # The cache is read once, its requests' slots, before it is written: where two reads feed the
@@ -250,11 +272,8 @@ def ragged_ssd_in_slots(x, dt, A, B, C, states, slots, has_state, write_slots, q
         none = (jnp.zeros(x.shape, jnp.float32), jnp.zeros((num_reqs, *states.shape[1:]), states.dtype))
         which = jnp.where(needed == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes, jnp.int32), needed))
         y, prefill_states = jax.lax.switch(which, [lambda: none] + [scan(n) for n in sizes])  # (one branch runs)
-    first = jnp.minimum(query_start_loc[:-1], num_tokens - 1)
     y_one, one_states = ssd_update(x[first], dt[first], A, B[first], C[first], start)
-    one = query_lens == 1
     y = y.at[scatter_index(first, one, num_tokens)].set(y_one, mode="drop", unique_indices=True)
-    num_slots = states.shape[0]
     states = states.at[scatter_index(write_slots, one, num_slots)].set(one_states.astype(states.dtype), mode="drop",
                                                                       unique_indices=True)
     if not decodes_only:

@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxllm.kernels.attention import AttentionMetadata
 from jaxllm.kernels.reference import scatter_index
-from jaxllm.kernels.ssd import chunk_terms_fn, ragged_ssd_in_slots
+from jaxllm.kernels.ssd import chunk_terms_fn, ragged_ssd_in_slots, state_update_fn
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.models.llama import Linear, LlamaForCausalLM, RMSNorm, _param, rms_normalize
@@ -152,7 +152,7 @@ class Mamba2Mixer(nnx.Module):
             xs, dt, -jnp.exp(self.A_log[...].astype(jnp.float32)), B.reshape(num_tokens, m.n_groups, m.state_size),
             C.reshape(num_tokens, m.n_groups, m.state_size), ssm_state, requests.slots, requests.has_state,
             requests.write_slots, requests.query_start_loc, requests.num_seqs, m.chunk_size, chunk_terms_fn(),
-            md.decodes_only)
+            md.decodes_only, state_update_fn())
         y = y + self.D[...].astype(jnp.float32)[:, None] * xs
         gated = y.reshape(num_tokens, m.intermediate_size) * jax.nn.silu(z.reshape(num_tokens, -1).astype(jnp.float32))
         y = (self.norm.weight[...] * rms_normalize(gated, self.norm.eps)).astype(x.dtype)

@@ -54,7 +54,7 @@ def test_another_config_is_another_key(first, tmp_path):
 
 
 def test_a_kernel_chosen_by_the_environment_is_another_key(first, tmp_path):
-    """JAXLLM_MOE_KERNEL, JAXLLM_SSD_KERNEL and JAXLLM_MLA_PREFILL change what a model traces."""
+    """JAXLLM_MOE_KERNEL, JAXLLM_SSD_KERNEL, JAXLLM_SSD_UPDATE and JAXLLM_MLA_PREFILL change what a model traces."""
     store_dir = shutil.copytree(first[0], tmp_path / "store")
     other = "expanded" if os.environ.get("JAXLLM_MLA_PREFILL") == "absorbed" else "absorbed"
     assert start(store_dir, env={"JAXLLM_MLA_PREFILL": other})["stored"] == 0

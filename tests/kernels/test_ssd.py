@@ -9,7 +9,7 @@ import pytest
 
 from jaxllm.kernels import pallas_ssd
 from jaxllm.kernels.ssd import (chunk_layout, chunk_terms, chunk_terms_fn, max_chunks, ragged_ssd, ragged_ssd_in_slots,
-                                scan_bytes)
+                                scan_bytes, ssd_update, state_update_fn)
 
 H, P, G, N = 4, 3, 2, 5  # heads, head_dim, groups, state_size
 
@@ -96,13 +96,16 @@ def test_a_prefill_split_into_chunks_continues_from_each_chunks_state():
     np.testing.assert_allclose(state, want_final, rtol=2e-4, atol=2e-4)
 
 
-@pytest.mark.parametrize("query_lens, decodes_only", [([3, 1, 7, 1], False), ([1, 1, 1, 1], False),
-                                                      ([1, 1, 1, 1], True)], ids=["mixed", "decodes", "decodes-only"])
-def test_in_slots_a_step_reads_and_writes_its_requests_slots_alone(query_lens, decodes_only):
+@pytest.mark.parametrize("query_lens, decodes_only, update", [
+    ([3, 1, 7, 1], False, None), ([1, 1, 1, 1], False, None), ([1, 1, 1, 1], True, None),
+    ([1, 1, 1, 1], True, functools.partial(pallas_ssd.state_update, interpret=True)),
+], ids=["mixed", "decodes", "decodes-only", "decodes-only, the pallas update"])
+def test_in_slots_a_step_reads_and_writes_its_requests_slots_alone(query_lens, decodes_only, update):
     """A bfloat16 cache of more slots than requests, in no order: each request starts from its slot
     (zeros without a state: its slot's contents unread), ends in it, and every other slot (NaN: a
     read of one would show) is left as it was; against the naive recurrence from the same states.
-    decodes_only: the update alone, with no chunk scan, as a step the host knows to be all decodes."""
+    decodes_only: the update alone, with no chunk scan, as a step the host knows to be all decodes;
+    update: the in-place kernel in its place."""
     slots, has_state = [5, 2, 7, 0], [True, True, False, True]
     x, dt, A, B, C, _ = random_batch(sum(query_lens), NUM_REQS, [1] * NUM_REQS)
     cache = jnp.full((9, H, P, N), jnp.nan, jnp.bfloat16)
@@ -111,7 +114,8 @@ def test_in_slots_a_step_reads_and_writes_its_requests_slots_alone(query_lens, d
     qsl = np.concatenate([[0], np.cumsum(query_lens), [sum(query_lens)] * (NUM_REQS - 4)]).astype(np.int32)
     pad = ((0, NUM_TOKENS - x.shape[0]),)
     x, dt, B, C = (jnp.pad(a, pad + ((0, 0),) * (a.ndim - 1)) for a in (x, dt, B, C))
-    in_slots = jax.jit(functools.partial(ragged_ssd_in_slots, decodes_only=decodes_only), static_argnums=(11,))
+    in_slots = jax.jit(functools.partial(ragged_ssd_in_slots, decodes_only=decodes_only, update=update),
+                       static_argnums=(11,))
     y, after = in_slots(x, dt, A, B, C, cache, padded_slots, np.array(has_state + [False] * (NUM_REQS - 4)),
                         np.where(np.arange(NUM_REQS) < 4, padded_slots, cache.shape[0]), qsl, np.array([4], np.int32), 4)
     initial = jnp.where(jnp.array(has_state)[:, None, None, None], cache[jnp.array(slots)].astype(jnp.float32), 0.0)
@@ -165,6 +169,15 @@ def test_the_pallas_chunk_terms_equal_the_plain_jax_ones_at_a_kernel_sized_shape
         np.testing.assert_allclose(o, w, rtol=1e-5, atol=1e-5)
 
 
+def test_the_models_state_update_follows_jaxllm_ssd_update(monkeypatch):
+    assert state_update_fn() is None
+    monkeypatch.setenv("JAXLLM_SSD_UPDATE", "pallas")
+    assert state_update_fn().func is pallas_ssd.state_update
+    monkeypatch.setenv("JAXLLM_SSD_UPDATE", "triton")
+    with pytest.raises(ValueError, match="JAXLLM_SSD_UPDATE must be 'reference' or 'pallas', got 'triton'"):
+        state_update_fn()
+
+
 def test_the_models_chunk_terms_follow_jaxllm_ssd_kernel(monkeypatch):
     assert chunk_terms_fn() is chunk_terms
     monkeypatch.setenv("JAXLLM_SSD_KERNEL", "pallas")
@@ -192,3 +205,47 @@ def test_the_compiled_pallas_chunk_terms_equal_the_plain_jax_ones_at_mamba2s_sha
     got = pallas_ssd.chunk_terms(xc, dtc, cum, bc, cc)
     for w, o in zip(want, got):
         np.testing.assert_allclose(o, w, rtol=2e-3, atol=2e-3)
+
+
+def update_case(num_reqs, heads, head_dim, groups, state_size, num_slots, real, dtype=jnp.bfloat16):
+    """A decode step's update inputs: the first `real` requests in distinct slots (the second without
+    a state), the rest padding; every other slot NaN, so that a read of one shows."""
+    keys = jax.random.split(jax.random.key(3), 6)
+    x = jax.random.normal(keys[0], (num_reqs, heads, head_dim))
+    dt = jax.nn.softplus(jax.random.normal(keys[1], (num_reqs, heads)) - 1.0)
+    A = -jnp.exp(jax.random.normal(keys[2], (heads,)))
+    B, C = (jax.random.normal(k, (num_reqs, groups, state_size)) for k in keys[3:5])
+    slots = np.concatenate([np.random.default_rng(0).permutation(num_slots)[:real], np.zeros(num_reqs - real)])
+    slots = slots.astype(np.int32)
+    has_state = np.arange(num_reqs) != 1
+    cache = jnp.full((num_slots, heads, head_dim, state_size), jnp.nan, dtype)
+    cache = cache.at[slots[:real]].set(jax.random.normal(keys[5], (real, heads, head_dim, state_size)).astype(dtype))
+    write_slots = np.where(np.arange(num_reqs) < real, slots, num_slots).astype(np.int32)
+    return (x, dt, A, B, C, cache, slots, has_state, write_slots), slots[:real]
+
+
+def assert_update_in_place_is_ssd_update(args, used, interpret, tol):
+    x, dt, A, B, C, cache, slots, has_state, write_slots = args
+    real = len(used)
+    initial = jnp.where(jnp.asarray(has_state)[:, None, None, None], cache[slots].astype(jnp.float32), 0.0)
+    want_y, want_states = ssd_update(x, dt, A, B, C, initial)
+    y, after = pallas_ssd.state_update(*args[:5], cache.copy(), slots, has_state, write_slots, interpret=interpret)
+    np.testing.assert_allclose(y[:real], want_y[:real], rtol=tol, atol=tol)
+    assert not np.asarray(y[real:]).any()  # padding: zeros
+    np.testing.assert_allclose(after[used].astype(jnp.float32), want_states[:real].astype(after.dtype).astype(jnp.float32),
+                               rtol=1e-2, atol=1e-2)
+    others = np.setdiff1d(np.arange(cache.shape[0]), used)
+    assert np.isnan(np.asarray(after[others], np.float32)).all()  # untouched
+
+
+def test_the_pallas_state_update_writes_the_requests_slots_in_place_as_the_plain_update():
+    args, used = update_case(num_reqs=6, heads=4, head_dim=8, groups=2, state_size=16, num_slots=9, real=4)
+    assert_update_in_place_is_ssd_update(args, used, interpret=True, tol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_the_compiled_pallas_state_update_equals_the_plain_one_at_mamba2s_shape():
+    """Mamba2-2.7B's heads (80 of head_dim 64, state 128, one group), a bucket of 16 with 3 real requests."""
+    args, used = update_case(num_reqs=16, heads=80, head_dim=64, groups=1, state_size=128, num_slots=256, real=3)
+    assert_update_in_place_is_ssd_update(args, used, interpret=False, tol=1e-4)

@@ -93,6 +93,14 @@ def test_greedy_tokens_and_logprobs_match_hf_and_nothing_compiles_after_warm_up(
     assert llm.llm_engine.get_stats()["num_compilations"] == before
 
 
+def test_the_pallas_state_update_gives_hfs_greedy_tokens_and_logprobs(monkeypatch):
+    """JAXLLM_SSD_UPDATE=pallas: decode steps update the states in place in kernels/pallas_ssd.py's kernel
+    (interpreted here)."""
+    monkeypatch.setenv("JAXLLM_SSD_UPDATE", "pallas")
+    with LLM(MODEL, **ENGINE) as llm:
+        assert_greedy_is_hfs(llm, "mamba2")
+
+
 def test_chunked_prefills_of_any_split_give_hfs_prompt_logprobs(llm):
     """The 100-token prompt in chunks of the 32-token budget, alone and behind other requests that
     move its chunks' boundaries; the 33-token one likewise."""
