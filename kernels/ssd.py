@@ -176,14 +176,19 @@ def ssd_update(x, dt, A, B, C, states):
     return y, decay[..., None, None] * states + dtx[..., None] * b[:, :, None, :]
 
 
+def _pallas_chosen(variable: str) -> bool:
+    """Whether the environment variable picks the Pallas kernel ("pallas") over plain JAX ("reference", unset)."""
+    choice = os.environ.get(variable, "reference")
+    if choice not in ("reference", "pallas"):
+        raise ValueError(f"{variable} must be 'reference' or 'pallas', got {choice!r}")
+    return choice == "pallas"
+
+
 def chunk_terms_fn():
     """The chunk terms' implementation a model runs: with JAXLLM_SSD_KERNEL=pallas the Pallas kernel
     (kernels/pallas_ssd.py; in the interpreter off a GPU), else ("reference", the default until the
     kernel is measured on a GPU) chunk_terms."""
-    choice = os.environ.get("JAXLLM_SSD_KERNEL", "reference")
-    if choice not in ("reference", "pallas"):
-        raise ValueError(f"JAXLLM_SSD_KERNEL must be 'reference' or 'pallas', got {choice!r}")
-    if choice == "reference":
+    if not _pallas_chosen("JAXLLM_SSD_KERNEL"):
         return chunk_terms
     from jaxllm.kernels import pallas_ssd
     return functools.partial(pallas_ssd.chunk_terms, interpret=jax.default_backend() != "gpu")
@@ -194,10 +199,7 @@ def state_update_fn():
     updates the cache in place (kernels/pallas_ssd.py; in the interpreter off a GPU), else None
     ("reference", the default until the kernel is measured on a GPU): ssd_update between a gather and
     a scatter of the requests' slots."""
-    choice = os.environ.get("JAXLLM_SSD_UPDATE", "reference")
-    if choice not in ("reference", "pallas"):
-        raise ValueError(f"JAXLLM_SSD_UPDATE must be 'reference' or 'pallas', got {choice!r}")
-    if choice == "reference":
+    if not _pallas_chosen("JAXLLM_SSD_UPDATE"):
         return None
     from jaxllm.kernels import pallas_ssd
     return functools.partial(pallas_ssd.state_update, interpret=jax.default_backend() != "gpu")

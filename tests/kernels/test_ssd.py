@@ -169,22 +169,16 @@ def test_the_pallas_chunk_terms_equal_the_plain_jax_ones_at_a_kernel_sized_shape
         np.testing.assert_allclose(o, w, rtol=1e-5, atol=1e-5)
 
 
-def test_the_models_state_update_follows_jaxllm_ssd_update(monkeypatch):
-    assert state_update_fn() is None
-    monkeypatch.setenv("JAXLLM_SSD_UPDATE", "pallas")
-    assert state_update_fn().func is pallas_ssd.state_update
-    monkeypatch.setenv("JAXLLM_SSD_UPDATE", "triton")
-    with pytest.raises(ValueError, match="JAXLLM_SSD_UPDATE must be 'reference' or 'pallas', got 'triton'"):
-        state_update_fn()
-
-
-def test_the_models_chunk_terms_follow_jaxllm_ssd_kernel(monkeypatch):
-    assert chunk_terms_fn() is chunk_terms
-    monkeypatch.setenv("JAXLLM_SSD_KERNEL", "pallas")
-    assert chunk_terms_fn().func is pallas_ssd.chunk_terms
-    monkeypatch.setenv("JAXLLM_SSD_KERNEL", "triton")
-    with pytest.raises(ValueError, match="JAXLLM_SSD_KERNEL must be 'reference' or 'pallas', got 'triton'"):
-        chunk_terms_fn()
+@pytest.mark.parametrize("variable, choose, default, kernel", [
+    ("JAXLLM_SSD_KERNEL", chunk_terms_fn, chunk_terms, pallas_ssd.chunk_terms),
+    ("JAXLLM_SSD_UPDATE", state_update_fn, None, pallas_ssd.state_update)])
+def test_the_models_ssd_kernels_follow_the_environment(monkeypatch, variable, choose, default, kernel):
+    assert choose() is default
+    monkeypatch.setenv(variable, "pallas")
+    assert choose().func is kernel
+    monkeypatch.setenv(variable, "triton")
+    with pytest.raises(ValueError, match=f"{variable} must be 'reference' or 'pallas', got 'triton'"):
+        choose()
 
 
 @pytest.mark.gpu
