@@ -64,8 +64,9 @@
 #   moe-matmul  the grouped GEMM's gpu-marked tests, then bench moe-matmul at Qwen3-30B-A3B's experts (ragged_dot,
 #               the Pallas and Mosaic kernels, bf16 and FP8; MOE_MATMUL_ARGS adds flags: "--tokens 1,256 --variants
 #               pallas,dense", "--tiles m128x128x64x4x1,...")
-#   ssd         the SSD scan's Pallas kernel: its gpu-marked tests, then bench ssd (Mamba2-2.7B's heads,
-#               plain JAX and the kernel, beside an attention layer over the same prompt)
+#   ssd         the SSD scan's Pallas kernels: their gpu-marked tests, then bench ssd (Mamba2-2.7B's heads:
+#               the decode update plain and in place at batch 1, 64 and 256; the prefill scan, plain JAX
+#               and the kernel, beside an attention layer over the same prompt)
 #   lora        bench serve 1000/1000 on the 8B shape: the base model on a server without LoRA, then 8
 #               random rank-16 adapters mixed uniformly on a server with them (the throughput ratio, and
 #               each server's start-up); LORA_PROMPTS requests (default 500)
@@ -245,7 +246,8 @@ part_tput2048() { throughput 120 2048 128 2176; }
 
 part_ssd() {
   local ssd=()
-  [ $TINY = 1 ] && ssd=(--lengths 64 --chunk-sizes 16 --num-heads 4 --head-dim 16 --state-size 16)
+  [ $TINY = 1 ] && ssd=(--lengths 64 --chunk-sizes 16 --num-heads 4 --head-dim 16 --state-size 16 --decode-batches 2
+                        --num-slots 8 --layers 2)
   step 60 "SSD kernel tests" timeout 120 "$PY" -m pytest -q -m gpu tests/kernels/test_ssd.py 2>&1 | quiet 5
   # (its Pallas kernel took 8.7 ms for a 1,024-token prompt on an H100, and the 4,096-token run
   # outlasted a 400 s call: the bench gets 180 s)

@@ -7,8 +7,17 @@ One request's prompt of L tokens, from a zero state, at each chunk size. The Pal
 checked against the reference (relative L2 error over 1e-3: the bench exits 1), then each is timed
 on the device (device_timing.median_loop_s, two input sets in rotation). The table (last) gives
 each one's ms, its tokens/s and its time over the attention layer's at that L.
+
+And a decode step's state update (kernels/ssd.py, ragged_ssd_in_slots with decodes_only) over a
+cache of --num-slots bfloat16 states: each of --decode-batches real requests in a bucket of at
+least 16 (the rest padding), plain JAX (a gather, the update, a scatter) against the Pallas kernel
+that writes the cache in place (JAXLLM_SSD_UPDATE=pallas). Each is timed as --layers updates of
+one cache in a loop on the device (the cache carried, as a step's layers update theirs), after a
+check that both leave the same states; the second table gives ms per layer.
 """
 import functools
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +26,8 @@ import numpy as np
 from jaxllm.benchmarks.common import positive_int, positive_ints, write_json
 from jaxllm.benchmarks.device_timing import median_loop_s
 
-HELP = "Mamba2's prefill scan, plain JAX and the Pallas kernel, beside an attention layer over the same tokens"
+HELP = ("Mamba2's prefill scan, plain JAX and the Pallas kernel, beside an attention layer over the same tokens; "
+        "its decode update, plain JAX and in place")
 MAX_ERROR = 1e-3
 ATTENTION_SCALE = 128 ** -0.5  # the attention layer's head dim's
 
@@ -29,6 +39,10 @@ def add_cli_args(parser) -> None:
     parser.add_argument("--head-dim", type=positive_int, default=64)
     parser.add_argument("--state-size", type=positive_int, default=128)
     parser.add_argument("--groups", type=positive_int, default=1)
+    parser.add_argument("--decode-batches", type=positive_ints, default="1,64,256",
+                        help="real requests of the decode update's steps")
+    parser.add_argument("--num-slots", type=positive_int, default=256, help="the decode update's state slots")
+    parser.add_argument("--layers", type=positive_int, default=64, help="updates a timed decode loop runs")
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed loops, the median taken")
     parser.add_argument("--output-json", help="write the rows to this file")
 
@@ -52,6 +66,53 @@ def _attention_inputs(key, length: int):
     return (q, k, v, *meta)
 
 
+def _decode_rows(ns, A, interpret: bool, failed: list) -> list[dict]:
+    """The decode update's rows: plain JAX and the Pallas kernel at each batch (see the docstring)."""
+    from jaxllm.kernels import pallas_ssd
+    from jaxllm.kernels.ssd import ragged_ssd_in_slots
+    rows = []
+    for batch in ns.decode_batches:
+        bucket = max(16, 1 << (batch - 1).bit_length())
+        x, dt, B, C = _ssd_inputs(jax.random.key(20), bucket, ns.num_heads, ns.head_dim, ns.state_size, ns.groups)
+        slots = np.arange(bucket, dtype=np.int32) % ns.num_slots
+        write = np.where(np.arange(bucket) < batch, slots, ns.num_slots).astype(np.int32)
+        qsl = np.minimum(np.arange(bucket + 1), batch).astype(np.int32)
+        has_state, num_seqs = np.ones(bucket, bool), np.array([batch], np.int32)
+        kernel = functools.partial(pallas_ssd.state_update, interpret=interpret)
+        finals = {}
+        for name, update in (("reference", None), ("pallas", kernel)):
+            @functools.partial(jax.jit, donate_argnums=0)
+            def layers(states, update=update):
+                def layer(_, carry):
+                    states, total = carry
+                    y, states = ragged_ssd_in_slots(x, dt, A, B, C, states, slots, has_state, write, qsl, num_seqs,
+                                                    ns.chunk_sizes[0], decodes_only=True, update=update)
+                    return states, total + y[0, 0, 0]
+                return jax.lax.fori_loop(0, ns.layers, layer, (states, 0.0))
+            states = jnp.zeros((ns.num_slots, ns.num_heads, ns.head_dim, ns.state_size), jnp.bfloat16)
+            try:
+                states, _ = jax.block_until_ready(layers(states))
+            except Exception as err:  # a lowering this device lacks: said
+                print(f"decode batch={batch} {name}: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+                continue
+            finals[name] = np.asarray(states[:batch].astype(jnp.float32))
+            times = []
+            for _ in range(ns.repeats):
+                start = time.perf_counter()
+                states, _ = jax.block_until_ready(layers(states))
+                times.append(time.perf_counter() - start)
+            error = None
+            if name != "reference" and "reference" in finals:
+                want = finals["reference"]
+                error = float(np.linalg.norm(finals[name] - want) / max(np.linalg.norm(want), 1e-30))
+                if error > 1e-2:  # bfloat16 states, rounded at every layer
+                    failed.append(f"decode batch={batch} {name}: relative error {error:.2e}")
+            rows.append({"batch": batch, "bucket": bucket, "variant": name, "ms": 1e3 * statistics.median(times)
+                         / ns.layers, "error": error})
+            print(*rows[-1].values(), flush=True)
+    return rows
+
+
 def main(ns) -> int:
     from jaxllm.kernels import pallas_ssd
     from jaxllm.kernels.attention import default_backend, get_attention_fn
@@ -65,6 +126,7 @@ def main(ns) -> int:
     num_seqs = jnp.array([1], jnp.int32)
     attention = get_attention_fn(default_backend(), make_mesh(1))
     rows, failed = [], []
+    decode = _decode_rows(ns, A, interpret, failed)  # first: the prefill kernel's long runs may outlast a call
     for length in ns.lengths:
         states = jnp.zeros((1, ns.num_heads, ns.head_dim, ns.state_size))
         qsl = jnp.array([0, length], jnp.int32)
@@ -96,7 +158,8 @@ def main(ns) -> int:
                 rows.append({"length": length, "variant": name, "chunk": chunk, "ms": 1e3 * s, "error": error})
                 print(*rows[-1].values(), flush=True)  # as it comes, in case the call is cut short
     write_json(ns.output_json, {"device": device, "num_heads": ns.num_heads, "head_dim": ns.head_dim,
-                                "state_size": ns.state_size, "groups": ns.groups, "rows": rows})
+                                "state_size": ns.state_size, "groups": ns.groups, "rows": rows,
+                                "decode_rows": decode})
     print(f"\nSSM: {ns.num_heads} heads of {ns.head_dim} x {ns.state_size}, {ns.groups} group(s); attention: "
           "32 q / 8 KV heads of 128, bf16")
     print(f"{'L':>6} {'variant':>9} {'chunk':>5} {'ms':>9} {'Mtok/s':>7} {'vs attn':>7}")
@@ -104,6 +167,10 @@ def main(ns) -> int:
     for r in rows:
         print(f"{r['length']:>6} {r['variant']:>9} {r['chunk'] or '-':>5} {r['ms']:>9.3f} "
               f"{r['length'] / r['ms'] / 1e3:>7.2f} {r['ms'] / attn[r['length']]:>7.2f}")
+    print(f"\ndecode update, {ns.num_slots} bfloat16 state slots, ms per layer")
+    print(f"{'batch':>6} {'bucket':>6} {'variant':>9} {'ms':>9}")
+    for r in decode:
+        print(f"{r['batch']:>6} {r['bucket']:>6} {r['variant']:>9} {r['ms']:>9.4f}")
     for line in failed:
         print("wrong:", line)
     return 1 if failed else 0

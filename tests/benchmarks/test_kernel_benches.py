@@ -181,16 +181,25 @@ def test_moe_matmul_tiles_sweeps_the_kernel_launches_per_projection(capsys, tmp_
     assert "argument --tiles: BMxBNxBKxWARPSxSTAGES or mBMxBNxBKxSTEPSxGRIDN items" in capsys.readouterr().err
 
 
-def test_ssd_checks_the_pallas_scan_then_times_it_beside_attention(capsys, tmp_path, monkeypatch):
+def test_ssd_checks_the_pallas_scan_and_update_then_times_them(capsys, tmp_path, monkeypatch):
+    """The prefill scan beside attention, then the decode update plain and in place, each Pallas
+    kernel checked against plain JAX first."""
     args = ["bench", "ssd", "--lengths", "48", "--chunk-sizes", "16", "--num-heads", "4", "--head-dim", "16",
-            "--state-size", "16", "--groups", "2", "--repeats", "1"]
+            "--state-size", "16", "--groups", "2", "--repeats", "1", "--decode-batches", "20", "--num-slots", "40",
+            "--layers", "2"]
     result, printed = run(capsys, tmp_path, args)
     assert [(r["length"], r["variant"], r["chunk"]) for r in result["rows"]] == [
         (48, "attention", None), (48, "reference", 16), (48, "pallas", 16)]
     assert all(r["ms"] > 0 for r in result["rows"]) and result["rows"][2]["error"] < 1e-5
-    assert printed[-4].split() == ["L", "variant", "chunk", "ms", "Mtok/s", "vs", "attn"]
+    assert [(r["batch"], r["bucket"], r["variant"]) for r in result["decode_rows"]] == [
+        (20, 32, "reference"), (20, 32, "pallas")]  # 12 padding requests
+    assert all(r["ms"] > 0 for r in result["decode_rows"]) and result["decode_rows"][1]["error"] < 1e-2
+    assert printed[-9].split() == ["L", "variant", "chunk", "ms", "Mtok/s", "vs", "attn"]
+    assert printed[-3].split() == ["batch", "bucket", "variant", "ms"]
     from jaxllm.kernels import pallas_ssd
-    plain = pallas_ssd.chunk_terms
-    monkeypatch.setattr(pallas_ssd, "chunk_terms", lambda *a, **k: tuple(t * 1.1 for t in plain(*a, **k)))
+    terms, update = pallas_ssd.chunk_terms, pallas_ssd.state_update
+    monkeypatch.setattr(pallas_ssd, "chunk_terms", lambda *a, **k: tuple(t * 1.1 for t in terms(*a, **k)))
+    monkeypatch.setattr(pallas_ssd, "state_update", lambda x, *a, **k: update(x * 1.5, *a, **k))
     result, printed = run(capsys, tmp_path, args, status=1)
+    assert printed[-2].startswith("wrong: decode batch=20 pallas: relative error")
     assert printed[-1].startswith("wrong: L=48 chunk=16 pallas: relative error")
