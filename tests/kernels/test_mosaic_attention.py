@@ -20,14 +20,16 @@ from tests.kernels.ragged_batch import HEADS, assert_matches, make_batch, random
 
 # The interpreter runs each warpgroup as a thread that executes XLA computations of its own,
 # which block in callbacks until the other warpgroups reach a barrier. Under load, a warpgroup's
-# computation can wait to start behind those blocked ones, and the kernel never ends: the mixed
-# batches' test hung so three times in suite runs on 2 cores (in a worker, and in a child beside 3
-# workers), never alone; forced onto one core (taskset) it hangs every time: two warpgroups wait
-# at a barrier in their callbacks, and two in XLA's execute for an input of theirs to be ready
-# (gdb; XLA's thread pools idle). That is the interpreter's scheduling, not the kernel's barriers
-# (the GPU runs every warpgroup at once). So the interpreted tests run in a child process, started
-# by the last test, where a hang ends the child at the timeout below with every thread's stack,
-# and the child runs once more; a second hang fails.
+# computation could wait to start behind those blocked ones, and the kernel never ended: the mixed
+# batches' test hung so in suite runs on 2 cores (once twice in a row in one run), never alone;
+# forced onto one core (taskset) it hung every time: two warpgroups waiting at a barrier in their
+# callbacks, two in XLA's execute. XLA:CPU's concurrency-optimized scheduler orders a computation
+# for its independent thunks to run at once on XLA's thread pool, so a warpgroup's callbacks can
+# hold pool threads its own other thunks wait for; with the plain scheduler
+# (INTERPRETER_XLA_FLAGS) the interpreted tests pass on one core, also three children at once on
+# two cores. They still run in a child process, started by the last test, where a hang would end
+# the child at the timeout below with every thread's stack, and the child run once more.
+INTERPRETER_XLA_FLAGS = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 pytestmark = pytest.mark.timeout(90, method="thread")
 IN_CHILD = os.environ.get("JAXLLM_INTERPRETER_CHILD") == "1"
 
@@ -174,5 +176,6 @@ def test_gpu_kernel_lowers_on_any_machine(tile, stages, block_size, head_dim, wi
 @pytest.mark.skipif(IN_CHILD, reason="the child's own tests run")
 @pytest.mark.timeout(1260, method="signal")
 def test_the_interpreted_tests_in_a_fresh_process():
-    run_in_child(__file__, "interpreter", "10 passed", 600, {"JAXLLM_INTERPRETER_CHILD": "1"},
+    xla_flags = f"{os.environ.get('XLA_FLAGS', '')} {INTERPRETER_XLA_FLAGS}".strip()
+    run_in_child(__file__, "interpreter", "10 passed", 600, {"JAXLLM_INTERPRETER_CHILD": "1", "XLA_FLAGS": xla_flags},
                  again_after="+++++ Timeout +++++")
