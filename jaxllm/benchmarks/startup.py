@@ -41,7 +41,7 @@ def run_startup_bench(engine_args) -> dict:
     finally:
         llm.shutdown()
     digest = hashlib.sha256(json.dumps([o.outputs[0].token_ids for o in outs]).encode()).hexdigest()[:16]
-    return {"startup_s": round(startup_s, 1), "outputs": digest, "description": description}
+    return {"startup_s": round(startup_s, 3), "outputs": digest, "description": description}
 
 
 def main(ns, engine_args) -> int:
