@@ -97,14 +97,24 @@ def tiles(m: int, n: int) -> MatmulTiles:
 
 # ---- matmul ----
 
-def _matmul_kernel(x_ref, w_ref, o_ref, *, block_k: int, num_k: int):
+def _matmul_kernel(x_ref, w_ref, o_ref, *, t: MatmulTiles, block_k: int, num_k: int):
+    # Whole refs: the program's [block_m, block_n] tile at (i, j). Where the rows are fewer than a tile
+    # (a bucket of 16 or 32 tokens against 64-row tiles) the missing rows load as zeros and store
+    # nowhere: no padded copy of x, and no read of its padding by every program.
+    i, j = pl.program_id(0), pl.program_id(1)
+    rows, columns = pl.ds(i * t.block_m, t.block_m), pl.ds(j * t.block_n, t.block_n)
+    num_rows = x_ref.shape[0]
+    real = None
+    if num_rows % t.block_m:
+        real = i * t.block_m + jax.lax.broadcasted_iota(jnp.int32, (t.block_m, 1), 0) < num_rows
+
     def body(k, acc):
-        x = x_ref[:, pl.ds(k * block_k, block_k)]
-        w = w_ref[pl.ds(k * block_k, block_k), :]
+        x = plgpu.load(x_ref.at[rows, pl.ds(k * block_k, block_k)], mask=real, other=None if real is None else 0)
+        w = w_ref[pl.ds(k * block_k, block_k), columns]
         return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
 
-    acc = jax.lax.fori_loop(0, num_k, body, jnp.zeros(o_ref.shape, jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
+    acc = jax.lax.fori_loop(0, num_k, body, jnp.zeros((t.block_m, t.block_n), jnp.float32))
+    plgpu.store(o_ref.at[rows, columns], acc.astype(o_ref.dtype), mask=real)
 
 
 def pallas_matmul(x, w, t: MatmulTiles, out_dtype):
@@ -112,17 +122,13 @@ def pallas_matmul(x, w, t: MatmulTiles, out_dtype):
     m, k = x.shape
     n = w.shape[1]
     bk = divisor(k, (BLOCK_K, 32, 16, 8))
-    xp = pad_rows(x, t.block_m)
-    out = pl.pallas_call(
-        functools.partial(_matmul_kernel, block_k=bk, num_k=k // bk),
-        out_shape=jax.ShapeDtypeStruct((xp.shape[0], n), out_dtype),
-        grid=(xp.shape[0] // t.block_m, n // t.block_n),
-        in_specs=[pl.BlockSpec((t.block_m, k), lambda i, j: (i, 0)), pl.BlockSpec((k, t.block_n), lambda i, j: (0, j))],
-        out_specs=pl.BlockSpec((t.block_m, t.block_n), lambda i, j: (i, j)),
+    return pl.pallas_call(
+        functools.partial(_matmul_kernel, t=t, block_k=bk, num_k=k // bk),
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(pl.cdiv(m, t.block_m), n // t.block_n),
         compiler_params=plgpu.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=_interpret(),
-    )(xp, w)
-    return out[:m]
+    )(x, w)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

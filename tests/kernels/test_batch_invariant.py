@@ -65,3 +65,16 @@ def test_the_gpu_tiles_keep_64_rows_a_tile_and_divide_every_weight(monkeypatch):
 def test_bad_matmul_tiles_name_their_field(fields, message):
     with pytest.raises(ValueError, match=message):
         batch_invariant.MatmulTiles(*fields)
+
+
+def test_a_call_of_fewer_rows_than_a_tile_pads_nothing_and_gives_the_padded_calls_bits():
+    """A bucket of 16 tokens against the GPU's 64-row tiles: the kernel masks the missing rows (no
+    padded copy of x for every Linear, and none of its zero rows read by every program)."""
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((16, 128)).astype(np.float32), rng.standard_normal((128, 64)).astype(np.float32)
+    t = batch_invariant.MatmulTiles(64, 32, 4, 3)
+    call = lambda a: batch_invariant.pallas_matmul(a, w, t, jnp.float32)
+    assert "pad" not in {e.primitive.name for e in jax.make_jaxpr(call)(x).jaxpr.eqns}
+    y = np.asarray(jax.jit(call)(x))
+    np.testing.assert_allclose(y, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
+    assert np.array_equal(y, np.asarray(jax.jit(call)(np.pad(x, ((0, 48), (0, 0)))))[:16])
