@@ -38,7 +38,10 @@ def split_metadata(md: AttentionMetadata, middle: int) -> tuple[AttentionMetadat
 def decode_two_halves(model, x, positions, kv_caches, md: AttentionMetadata, attn_fn, layers: range):
     """model.decode_layers over `layers` (LlamaForCausalLM's interface), each layer on the first half of the
     tokens then on the second. x [num_tokens, hidden_size]; positions [num_tokens] int32. Returns (x after
-    the layers, kv_caches as a list)."""
+    the layers, kv_caches as a list). A step of one token (the one-token bucket) runs whole."""
+    if x.shape[0] < 2:
+        x, kv_caches, _ = model.decode_layers(x, positions, kv_caches, md, attn_fn, layers)
+        return x, list(kv_caches)
     middle = x.shape[0] // 2
     first_md, second_md = split_metadata(md, middle)
     halves = [[x[:middle], positions[:middle], first_md], [x[middle:], positions[middle:], second_md]]

@@ -44,6 +44,8 @@
 #               (its wheels in the wheel folder's plot/)
 #   kernels     the gpu-marked kernel tests, then bench attention (ATTENTION_ARGS adds flags:
 #               "--tune", "--skip-check --sections prefill")
+#   long        bench step on the 8B shape at batch 1 and contexts LONG_LENS (default "1000 32000 100000"),
+#               without and with the one-token bucket (JAXLLM_SINGLE_TOKEN_BUCKET=0 / 1)
 #   check       the gpu-marked kernel tests alone (CHECK=WORD: those whose name has it)
 #   hybrid      the gpu-marked check of the hybrid KV cache and prefix hits through each backend
 #   weights     bench weights on the 8B shape at half the device's memory (the trainer's half
@@ -114,7 +116,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 ALL_PARTS=" smoke step tput tput1000 tput2048 qwen startup fp8 prefix prefill serve sampling hf-compare kernels"
-ALL_PARTS+=" check hybrid weights invariant spec draft eagle moe-matmul ssd lora embed tools models kv-dtype quant sampler"
+ALL_PARTS+=" long check hybrid weights invariant spec draft eagle moe-matmul ssd lora embed tools models kv-dtype quant sampler"
 ALL_PARTS+=" multi-gpu "
 [ ${#PARTS[@]} -gt 0 ] || { echo "name at least one part" >&2; usage 2 >&2; }
 expanded=()
@@ -230,6 +232,21 @@ part_step() {
   step 150 "bench step, context ~1k, profiled" "${JAXLLM[@]}" bench step "${M8[@]}" "${NUMERICS[@]}" --max-model-len 2048 \
     --max-num-seqs 256 --max-num-batched-tokens 8192 "${shape[@]}" --profile-dir /tmp/profile \
     --output-json "$D/step.json" 2>&1 | quiet 40
+}
+
+# A lone request's decode step at long contexts, with and without the one-token bucket (whose
+# attention splits the context over every SM): the long-context targets' figures.
+part_long() {
+  local lens=${LONG_LENS:-1000 32000 100000} len single
+  [ $TINY = 1 ] && lens="64 400"
+  for len in $lens; do
+    for single in 0 1; do
+      step 75 "bench step, batch 1, context $len, one-token bucket $single" env JAXLLM_SINGLE_TOKEN_BUCKET=$single \
+        "${JAXLLM[@]}" bench step "${M8[@]}" "${NUMERICS[@]}" --max-model-len $(( len + 1024 )) --max-num-seqs 16 \
+        --max-num-batched-tokens 8192 --batch-sizes 1 --input-len "$len" --output-len 64 \
+        --output-json "$D/step_${len}_single$single.json" 2>&1 | quiet 6
+    done
+  done
 }
 
 # throughput EST IN OUT MAX_MODEL_LEN: bench throughput at MAX_SEQS sequences and 16384 batched tokens.

@@ -216,8 +216,14 @@ def sampling_row(new: NewRequestData) -> np.ndarray:
     return row
 
 
-def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
-    buckets, b = [], smallest
+SMALLEST_BUCKET = 16
+
+
+def token_buckets(max_num_batched_tokens: int, single_token: bool = False) -> list[int]:
+    """Powers of two from SMALLEST_BUCKET, then max_num_batched_tokens; single_token: a bucket of one
+    token first, for a lone request's decode step (its attention splits the context over the whole
+    GPU where a bucket of 16 request slots would plan for 16 requests, pallas_attention.plan)."""
+    buckets, b = [1] if single_token and max_num_batched_tokens > 1 else [], SMALLEST_BUCKET
     while b < max_num_batched_tokens:
         buckets.append(b)
         b *= 2

@@ -28,6 +28,7 @@ lookup (worker/ngram_drafter.py) makes the next step's drafts on the device, in 
 its own after the sampling, from the tokens each request took (and the head from the forward's
 hidden states).
 """
+import os
 import time
 from typing import NamedTuple
 
@@ -59,6 +60,17 @@ from jaxllm.worker.step_output import Logprobs, StepOutput
 from jaxllm.worker.step_sampling import Forward, StepSampling
 from jaxllm.worker.step_replay import StepReplay
 from jaxllm.worker.warm_up import executable_store, run_warm_up
+
+
+def single_token_bucket(mesh) -> bool:
+    """Whether the runner has a bucket of one token (batching.token_buckets): on a GPU, where a lone
+    request's decode attention then splits its context over every SM, not over the programs a bucket of
+    16 request slots plans for (pallas_attention.plan: a sixteenth of them working, at batch 1). It
+    costs two more executables (its forward and prompt logprobs). JAXLLM_SINGLE_TOKEN_BUCKET=1 or 0
+    turns it on or off anywhere (an A/B, a test); off on a CPU, where no kernel plans by the bucket. Never
+    for a model with Mamba layers (ModelRunner): every step of one token is its decodes-only forward's."""
+    chosen = os.environ.get("JAXLLM_SINGLE_TOKEN_BUCKET")
+    return mesh.devices.flat[0].platform == "gpu" if chosen is None else chosen == "1"
 
 
 class _Step(NamedTuple):
@@ -105,13 +117,16 @@ class ModelRunner:
         self._param_specs: model_loader.ParamSpecs | None = None  # what update_weights takes: made at the first
         self.kv_layout = model_kv_layout(self.arch)  # the KV cache groups: one block table each
         num_groups = len(self.kv_layout.groups)
-        self.token_buckets = batching.token_buckets(sc.max_num_batched_tokens)
+        self.token_buckets = batching.token_buckets(sc.max_num_batched_tokens,
+                                                    single_token_bucket(self.mesh) and self.arch.mamba is None)
         num_spec = config.num_speculative_tokens
         eagle = config.speculative is not None and config.speculative.method in EAGLE_METHODS
+        rows = [batching.logit_rows(t, sc.max_num_seqs, num_spec) for t in self.token_buckets]
+        if len(rows) > 1 and self.token_buckets[0] == 1:  # the one-token bucket samples with the next bucket's samplers
+            rows[0] = rows[1]
         layouts = {t: batching.BatchLayout(t, batching.request_bucket(t, sc.max_num_seqs), self.max_blocks_per_seq,
-                                           num_groups, batching.logit_rows(t, sc.max_num_seqs, num_spec), eagle,
-                                           config.lora is not None)
-                   for t in self.token_buckets}
+                                           num_groups, num_rows, eagle, config.lora is not None)
+                   for t, num_rows in zip(self.token_buckets, rows)}
         self.layouts = layouts
         attn_fn = get_attention_fn(config.attention_backend, self.mesh, config.batch_invariant,
                                    latent=self.arch.mla is not None)
