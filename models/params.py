@@ -15,16 +15,18 @@ A wrong name, shape or dtype, or an array on a device outside the mesh, raises V
 naming the param (and both shapes) before any param is placed.
 """
 import functools
+import math
 from collections.abc import Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.loader import (MAMBA_PARTS, ParamPath, checkpoint_params, hf_axes, hf_tensors, mamba_rows,
                                   path_to_hf_names)
-from jaxllm.sharding import StageMeshes, replicated
+from jaxllm.sharding import StageMeshes
 
 ENGINE, HF = "engine", "hf"
 
@@ -117,11 +119,36 @@ def place(params: Mapping, layout: str, abstract: dict, shardings: dict, arch: M
     hf_abstract = _hf_abstract(abstract, arch)
     for path, _ in checkpoint_params(arch, hf_abstract, ((name, params[name]) for name in params
                                                          if name != "lm_head.weight" or not arch.tie_word_embeddings)):
-        parts = [jax.device_put(params[name], replicated(shardings[path].mesh))
+        packing, axes = _packing(path, arch), hf_axes(path, abstract[path])
+        parts = [jax.device_put(params[name], _part_sharding(packing, axes, shardings[path], np.shape(params[name])))
                  for name in path_to_hf_names(path, arch)]
-        pack = _packer(_packing(path, arch), hf_axes(path, abstract[path]), arch.num_kv_heads, arch.head_dim, repeat,
-                       abstract[path].dtype, shardings[path])
+        pack = _packer(packing, axes, arch.num_kv_heads, arch.head_dim, repeat, abstract[path].dtype, shardings[path])
         yield path, pack(*parts)
+
+
+def _part_sharding(packing: str | tuple | None, axes: tuple[int, ...], sharding: NamedSharding,
+                   shape: tuple[int, ...]) -> NamedSharding:
+    """Where one HF part of a param goes before _packer packs it: the param's own split, read back
+    through the transposition and the packing onto the part's axes, so that each device holds about
+    its share of the part, not the whole of it (a part replicated on every device would hold a
+    whole tensor on each, tensor parallelism's memory gone for a moment). An axis the split does
+    not divide evenly stays whole."""
+    spec = (*sharding.spec, *(None,) * (len(axes) - len(sharding.spec)))
+    packed = [None] * len(axes)  # the packed HF-layout tensor's split: the param is it transposed by axes
+    for param_axis, packed_axis in enumerate(axes):
+        packed[packed_axis] = spec[param_axis]
+    if packing == "gate_up_proj":  # gate and up stacked on axis 1
+        packed = packed[:1] + packed[2:]
+    elif packing == "experts.down_proj":  # the experts stacked on axis 0
+        packed = packed[1:]
+    elif packing == "experts.gate_up_proj":  # the experts on axis 0, each one's gate and up on axis 2
+        packed = packed[1:2] + packed[3:]
+    elif isinstance(packing, tuple) and packing[0] == "zxdt_proj":  # [heads, a head's z, x and dt rows, ...]
+        packed = packed[:1] + packed[2:]  # cut from [rows, ...]: a split of the heads splits the rows
+    def devices(split) -> int:  # a split over one mesh axis, or over several
+        return math.prod(sharding.mesh.shape[a] for a in (split if isinstance(split, tuple) else (split,)))
+    part = [split if split is not None and size % devices(split) == 0 else None for split, size in zip(packed, shape)]
+    return NamedSharding(sharding.mesh, PartitionSpec(*part))
 
 
 def _packing(path: ParamPath, arch: ModelArchConfig) -> str | tuple | None:

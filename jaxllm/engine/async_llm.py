@@ -201,8 +201,8 @@ class AsyncLLM(FrontEnd):
         await self.engine_core.call_utility_async("resume")
 
     async def update_weights(self, path: str) -> None:
-        """New weights from a checkpoint's path (an HF folder or a .gguf file: device arrays do not
-        cross to the core's process), without a restart; see LLMEngine.update_weights."""
+        """New weights from a checkpoint's path (an HF folder, a .gguf file or an orbax folder: device
+        arrays do not cross to the core's process), without a restart; see LLMEngine.update_weights."""
         if not isinstance(path, str):
             raise TypeError("AsyncLLM.update_weights takes a checkpoint's path: its engine core runs in a "
                             "process of its own; for params in memory use LLM(params=..., mesh=...)")

@@ -272,9 +272,9 @@ class LLMEngine(FrontEnd):
 
     def update_weights(self, source) -> None:
         """New weights without a restart (same executables): params in memory, in the engine's
-        layout or HF names (an engine core in this process), or a checkpoint's path (an HF folder
-        or a .gguf file). Checked whole first; the prefix cache is forgotten. Raises ValueError
-        while requests run unless generation is paused."""
+        layout or HF names (an engine core in this process), or a checkpoint's path (an HF folder,
+        a .gguf file or an orbax folder). Checked whole first; the prefix cache is forgotten.
+        Raises ValueError while requests run unless generation is paused."""
         if not isinstance(source, str):
             self._in_process_core("update_weights with params in memory")
         self.engine_core.call_utility("update_weights", source)

@@ -17,6 +17,7 @@ from jaxllm.models.eagle import eagle_weights
 from jaxllm.models.eagle_config import EagleArchConfig
 from jaxllm.models.loader import (ParamPath, abstract_params, checkpoint_params, create_model, fp8_scale, hf_axes,
                                   iter_weights, param_shardings, place_source, quantize_fn, quantize_model)
+from jaxllm.models.orbax_checkpoint import is_orbax_checkpoint, restore_model, restore_params
 from jaxllm.sharding import StageMeshes
 from jaxllm.worker import kv_heads
 
@@ -86,7 +87,6 @@ def load_weights(mc: ModelConfig, arch: ModelArchConfig, mesh: jax.sharding.Mesh
         if repeat > 1:
             raise ValueError(f"an orbax checkpoint restores at tensor_parallel_size <= its KV heads "
                              f"({mc.arch.num_kv_heads}); load its source (HF or GGUF) for more devices")
-        from jaxllm.models.orbax_checkpoint import restore_model
         model = restore_model(mc.path, mc.arch, dtype=mc.dtype, mesh=mesh)  # straight into the shardings
     else:
         weights = None
@@ -117,13 +117,21 @@ class ParamSpecs:
 def new_params(config: Config, arch: ModelArchConfig, mesh: jax.sharding.Mesh | StageMeshes, repeat: int,
                specs: ParamSpecs, source: Mapping | str) -> Iterator[tuple[ParamPath, jax.Array]]:
     """(path, array) of the model's unquantized params from `source`: params in memory (either
-    layout), or a checkpoint's path (an HF folder or a .gguf file). The whole source is checked
-    first: a bad one raises ValueError before any param comes."""
+    layout), or a checkpoint's path (an HF folder, a .gguf file, or an orbax checkpoint's folder,
+    read a layer at a time). The whole source is checked first: a bad one raises ValueError before
+    any param comes. A checkpoint's params are cast to the engine's dtype, as at start-up."""
     mc = config.model
     if mc.quantization is not None and mc.quantization.from_checkpoint:
         raise ValueError(f"update_weights takes unquantized weights; this model runs its {mc.quantization.method} "
                          "checkpoint's quantized ones")
     abstract, shardings = specs.abstract, specs.shardings
+    if isinstance(source, str) and is_orbax_checkpoint(source):
+        if repeat > 1:  # the checkpoint holds the model's KV heads, the engine each one `repeat` times
+            raise ValueError(f"an orbax checkpoint restores at tensor_parallel_size <= its KV heads "
+                             f"({mc.arch.num_kv_heads}); update from its source (HF or GGUF) for more devices")
+        yield from restore_params(source, {path: jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=shardings[path])
+                                           for path, var in abstract.items()}, by_layer=True)
+        return
     if isinstance(source, str):
         fmt = "gguf" if source.endswith(".gguf") else "hf"
         weights = kv_heads.replicate_kv_weights(iter_weights(source, fmt), mc.arch.num_kv_heads, repeat)

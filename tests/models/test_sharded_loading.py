@@ -16,11 +16,13 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from jaxllm.config import EngineArgs
+from jaxllm.models import params as memory_params
 from jaxllm.models.config import ModelArchConfig
-from jaxllm.models.loader import create_model, iter_hf_weights
+from jaxllm.models.loader import abstract_params, create_model, iter_hf_weights, param_shardings
 from jaxllm.sharding import make_mesh, named_sharding
-from jaxllm.worker.kv_heads import RepeatedHeads, replicate_kv_weights, replicated_arch
-from tests.conftest import run_with_host_devices
+from jaxllm.worker.kv_heads import RepeatedHeads, kv_head_repeat, replicate_kv_weights, replicated_arch
+from tests.conftest import run_with_host_devices, tiny_model
 from tests.models.test_llama import random_hf_tensors, unpacked_hf_tensors
 
 pytestmark = pytest.mark.timeout(300)
@@ -188,6 +190,33 @@ def test_repeated_heads_read_as_np_repeat_of_the_whole_tensor(rows):
     source = RepeatedHeads(weight, head_dim, repeat)
     assert source.shape == repeated.shape
     np.testing.assert_array_equal(source[(rows, slice(1, 4))], repeated[rows, 1:4])
+
+
+@pytest.mark.usefixtures("eight_devices")
+@pytest.mark.parametrize("model, tp", [("qwen2 with biases", 2), ("qwen2 with biases", 8), ("qwen2_moe", 2),
+                                       ("mamba2", 2)])
+def test_hf_named_params_in_memory_are_placed_as_the_loader_places_them_each_part_split(checkpoint, model, tp,
+                                                                                       monkeypatch):
+    """models/params.py's placement of HF-named arrays (LLM(params=...), update_weights) gives the loader's
+    params in the loader's shardings; each HF part reaches the mesh split as its param is, never whole
+    on every device (fused, stacked, transposed or cut into rows as the param is made of it)."""
+    folder, arch = (checkpoint, ARCH) if model == "qwen2 with biases" else (
+        tiny_model(model), EngineArgs(model=tiny_model(model)).create_config().model.arch)
+    repeat = kv_head_repeat(arch, tp)
+    mesh, run_arch = make_mesh(tp), replicated_arch(arch, repeat)
+    loaded = flat_params(create_model(run_arch, dtype=jnp.float32, mesh=mesh, weights=replicate_kv_weights(
+        iter_hf_weights(folder), arch.num_kv_heads, repeat)))
+    _, abstract = abstract_params(run_arch, jnp.float32)
+    hf = load_file(os.path.join(folder, "model.safetensors"))
+    parts, part_sharding = [], memory_params._part_sharding
+    monkeypatch.setattr(memory_params, "_part_sharding", lambda packing, axes, sharding, shape: parts.append(
+        (sharding, part_sharding(packing, axes, sharding, shape))) or parts[-1][1])
+    placed = dict(memory_params.place(hf, memory_params.check(hf, abstract, arch, mesh), abstract,
+                                      param_shardings(abstract, mesh), arch, repeat))
+    assert placed.keys() == loaded.keys()
+    for path, value in loaded.items():
+        assert placed[path].sharding == value.sharding and np.array_equal(placed[path], value), path
+    assert parts and all(part.is_fully_replicated == param.is_fully_replicated for param, part in parts)
 
 
 def traced_host_bytes_per_tensor(weights, transient_bytes: list):
