@@ -35,11 +35,16 @@ def split_metadata(md: AttentionMetadata, middle: int) -> tuple[AttentionMetadat
     return first, second
 
 
+def in_halves(num_tokens: int) -> bool:
+    """Whether decode_two_halves cuts a step of num_tokens tokens (one token runs whole)."""
+    return num_tokens >= 2
+
+
 def decode_two_halves(model, x, positions, kv_caches, md: AttentionMetadata, attn_fn, layers: range):
     """model.decode_layers over `layers` (LlamaForCausalLM's interface), each layer on the first half of the
     tokens then on the second. x [num_tokens, hidden_size]; positions [num_tokens] int32. Returns (x after
     the layers, kv_caches as a list). A step of one token (the one-token bucket) runs whole."""
-    if x.shape[0] < 2:
+    if not in_halves(x.shape[0]):
         x, kv_caches, _ = model.decode_layers(x, positions, kv_caches, md, attn_fn, layers)
         return x, list(kv_caches)
     middle = x.shape[0] // 2

@@ -30,7 +30,7 @@ from jax.profiler import TraceAnnotation
 
 from jaxllm.kernels.attention import get_attention_fn
 from jaxllm.models.config import ModelArchConfig
-from jaxllm.models.dual_batch import decode_two_halves
+from jaxllm.models.dual_batch import decode_two_halves, in_halves
 from jaxllm.models.moe import recording_routing
 from jaxllm.sharding import StageMeshes, replicated
 from jaxllm.worker import input_batch as batching
@@ -197,7 +197,8 @@ def make_stage_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batching
                 x, every, _ = model.decode_layers(x, batch.positions, every, batch.attention, attn_fn, stage.layers)
         kv_caches = [every[t] for t in tensors]
         if recorded:  # this stage's MoE layers' after the earlier stages'
-            routed = jnp.concatenate(([] if routed is None else [routed]) + [layer_routing(recorded, dbo)], axis=1)
+            halves = dbo and in_halves(x.shape[0])
+            routed = jnp.concatenate(([] if routed is None else [routed]) + [layer_routing(recorded, halves)], axis=1)
         if not stage.last:
             return x, routed, kv_caches
         routing = step_routing(routed, batch.logits_indices, batch.attention, num_experts) if num_experts else ()

@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxllm.kernels import batch_invariant
 from jaxllm.kernels.attention import AttentionMetadata
-from jaxllm.models.dual_batch import decode_two_halves
+from jaxllm.models.dual_batch import decode_two_halves, in_halves
 from jaxllm.models.lora import LoRABatch
 from jaxllm.models.moe import recording_routing
 from jaxllm.sample import processors
@@ -89,10 +89,10 @@ def traced_invariant(fn):
     return traced
 
 
-def layer_routing(recorded: list, dbo: bool):
-    """Each MoE layer's expert ids [T, k] as recording_routing recorded them -> [T, moe_layers, k] (under
-    dual-batch overlap each layer routed the first half of the tokens, then the second)."""
-    if dbo:
+def layer_routing(recorded: list, halves: bool):
+    """Each MoE layer's expert ids [T, k] as recording_routing recorded them -> [T, moe_layers, k] (halves:
+    the step ran in two halves, models/dual_batch.py, and each layer routed the first, then the second)."""
+    if halves:
         recorded = [jnp.concatenate(recorded[i:i + 2]) for i in range(0, len(recorded), 2)]
     return jnp.stack(recorded, axis=1)
 
@@ -143,7 +143,8 @@ def make_forward_fn(graphdef, params_treedef, attn_fn, layouts: dict[int, batchi
                                                **with_lora)
             else:
                 hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, md, attn_fn, **with_lora)
-        routing = () if not num_experts else step_routing(layer_routing(recorded, dbo), batch.logits_indices, md,
+        halves = dbo and in_halves(batch.input_ids.shape[0])
+        routing = () if not num_experts else step_routing(layer_routing(recorded, halves), batch.logits_indices, md,
                                                           num_experts)
         outputs = sampled_rows(model, hidden, batch, num_sampled) + (kv_caches, routing)
         if drafter_block_size is not None:

@@ -90,3 +90,13 @@ def test_dual_batch_overlap_runs_the_one_token_step_whole(single_token, without)
         assert "forward 1" in taken
     [want] = [outputs(o) for o in without.generate([TARGET], PARAMS, use_tqdm=False)]
     assert alone[0] == want[0]
+
+
+def test_a_one_token_step_under_dual_batch_overlap_returns_each_layers_routed_experts(single_token):
+    """Run whole, a one-token step's MoE layers route once each (not a first half and a second)."""
+    from tests.models.test_moe import assert_routed_experts_are_a_plain_forwards
+    prompt = [5, 17, 99, 3, 250, 41, 8]
+    with LLM(tiny_model("qwen3_moe"), enable_dbo=True, **{**ENGINE, "dtype": "float32"}) as llm:
+        outs = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+            max_tokens=6, temperature=0, ignore_eos=True, return_routed_experts=True), use_tqdm=False)
+    assert_routed_experts_are_a_plain_forwards("qwen3_moe", [prompt], outs)
