@@ -385,7 +385,8 @@ class EngineArgs:
         tp, moe = self.tensor_parallel_size, arch.moe
         if moe is None:
             _check(not self.enable_expert_parallel, "enable_expert_parallel is for mixture-of-experts models "
-                   f"(Qwen2-MoE, Qwen3-MoE, Mixtral), not {arch.architecture!r}")
+                   "(Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V2 and V3, Granite 4.0-H with experts); this "
+                   f"{arch.architecture} model has none")
             return arch
         _check(quantization is None or quantization.scheme != INT4,
                f"a {quantization and quantization.method} {arch.architecture} checkpoint does not load yet (its "

@@ -1,8 +1,8 @@
-"""Mixture-of-experts models over 2, 4 and 8 devices, the experts whole on each device
-(enable_expert_parallel) or split as a dense MLP, the attention tensor parallel: the same greedy
-tokens and logprobs as one device, the experts placed by the rules, and nothing compiled after
-warm-up. The tests need 8 devices; in a process with fewer, the last test runs them in a child
-with 8 forced host devices."""
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3, Granite 4.0-H) over 2, 4 and
+8 devices, the experts whole on each device (enable_expert_parallel) or split as a dense MLP, the
+attention and Mamba layers tensor parallel: the same greedy tokens and logprobs as one device, the
+experts placed by the rules, and nothing compiled after warm-up. The tests need 8 devices; in a
+process with fewer, the last test runs them in a child with 8 forced host devices."""
 import json
 import os
 
@@ -24,16 +24,19 @@ def run(name, tp, expert_parallel=True):
 
 @pytest.fixture(scope="module")
 def one_device():
-    return {name: run(name, 1, expert_parallel=False) for name in ("qwen3_moe", "qwen2_moe")}
+    return {name: run(name, 1, expert_parallel=False)
+            for name in ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "granite_hybrid")}
 
 
 @needs_8
 def test_expert_parallelism_gives_one_devices_tokens_and_logprobs(one_device):
     """Qwen3-MoE (a dense layer between two sparse ones) over 2, 4 and 8 devices: 4, 2 and 1 of its
-    8 experts on each; Qwen2-MoE (its shared expert tensor parallel) over 8."""
+    8 experts on each; Qwen2-MoE (its shared expert tensor parallel) over 8; DeepSeek-V3 (routed in
+    groups, its latent attention's heads split) over 4; Granite 4.0-H (its Mamba heads split) over 2."""
     for tp in (2, 4, 8):
         assert_same_outputs(run("qwen3_moe", tp), one_device["qwen3_moe"], f"qwen3_moe, expert parallel over {tp}")
-    assert_same_outputs(run("qwen2_moe", 8), one_device["qwen2_moe"], "qwen2_moe, expert parallel over 8")
+    for name, tp in (("qwen2_moe", 8), ("deepseek_v3", 4), ("granite_hybrid", 2)):
+        assert_same_outputs(run(name, tp), one_device[name], f"{name}, expert parallel over {tp}")
 
 
 @needs_8
@@ -43,10 +46,11 @@ def test_experts_split_as_a_dense_mlp_give_one_devices_tokens_and_logprobs(one_d
 
 @needs_8
 @pytest.mark.usefixtures("warm_up")
-def test_each_device_holds_its_whole_experts_and_nothing_compiles_after_warm_up():
+def test_each_device_holds_its_whole_experts_gives_one_devices_outputs_and_compiles_nothing_after_warm_up(one_device):
+    """Mixtral over 4 devices."""
     with LLM(tiny_model("mixtral"), tensor_parallel_size=4, enable_expert_parallel=True, **ENGINE) as llm:
         before = llm.llm_engine.get_stats()["num_compilations"]
-        outputs(llm)
+        assert_same_outputs(outputs(llm), one_device["mixtral"], "mixtral, expert parallel over 4")
         assert llm.llm_engine.get_stats()["num_compilations"] == before
         experts = llm.llm_engine.engine_core.core.executor.runner.weights.model().layers[0].mlp.experts
         # 8 experts over 4 devices: 2 whole ones each (hidden 32, intermediate 16)

@@ -2,7 +2,8 @@
 same tokens and logprobs as one device, each stage's layers and KV arrays on its own devices, one
 step per stage in flight with no request in two of them, nothing lost under chunked prefill,
 preemption and prefix caching, nothing compiled after warm-up, and a killed core an EngineDeadError.
-Dual-batch overlap (enable_dbo), with and without stages, gives one device's outputs too, and so do
+Dual-batch overlap (enable_dbo), with and without stages, gives one device's outputs too (and under
+expert parallelism, the routed experts and outputs of whole steps), and so do
 MoE (with their routed experts), latent-attention and Mamba models, FP8, n-gram speculation, params
 in memory and weight updates under stages.
 The tests need 8 devices; in a process with fewer, the last test runs them in a child with 8 forced
@@ -221,6 +222,25 @@ def test_dual_batch_overlap_gives_one_devices_outputs_and_compiles_nothing_after
 
 
 @needs_8
+def test_dual_batch_overlap_under_expert_parallelism_gives_the_whole_steps_outputs():
+    """Qwen3-MoE's experts whole on each of 2 devices (each half's all-to-alls free to overlap the other
+    half's compute) with enable_dbo and without: the same tokens and routed experts, logprobs within float
+    rounding (the 22-token prompt straddles the middle of the 16-token bucket)."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2, return_routed_experts=True)
+
+    def run(dbo):
+        with LLM(tiny_model("qwen3_moe"), tensor_parallel_size=2, enable_expert_parallel=True, enable_dbo=dbo,
+                 **ENGINE) as llm:
+            outs = llm.generate(PROMPTS, params, use_tqdm=False)
+            return outputs_of(outs), [o.outputs[0].routed_experts for o in outs]
+
+    (got, got_routed), (want, want_routed) = run(True), run(False)
+    assert_same_outputs(got, want, "qwen3_moe, expert parallel over 2, dbo")
+    for g, w in zip(got_routed, want_routed):
+        np.testing.assert_array_equal(g, w)
+
+
+@needs_8
 def test_killing_a_pipeline_parallel_core_raises_engine_dead_error(four_layers):
     args = EngineArgs(model=four_layers, pipeline_parallel_size=2, **{**ARGS, "enable_multiprocessing": True})
     engine = LLMEngine.from_engine_args(args, show_progress=False)
@@ -277,4 +297,4 @@ def test_pipeline_parallel_over_eight_forced_devices():
     if jax.device_count() >= 8:
         pytest.skip("this process has the devices: the tests above run here")
     run_with_host_devices(__file__, "not eight_forced and not clear_error and not vllm_splits and not environment",
-                          8, "10 passed", timeout_s=900)
+                          8, "11 passed", timeout_s=900)

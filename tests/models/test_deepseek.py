@@ -29,7 +29,8 @@ from jaxllm.models.yarn import yarn_attention_factor
 from jaxllm.utils import cdiv
 from tests.conftest import engines_warmed_up, run_with_host_devices, tiny_model
 from tests.models.test_llama import assert_logits_match_hf, load_fixture
-from tests.models.test_moe import ENGINE, assert_greedy_is_hfs, fixture_hf_config
+from tests.models.test_moe import (ENGINE, assert_greedy_is_hfs, assert_routed_experts_are_a_plain_forwards,
+                                   fixture_hf_config)
 
 MODELS = ("deepseek_v2", "deepseek_v3")
 # A pool of 12 blocks of 16 tokens, where 4 requests of up to 80 tokens want 20: the run preempts.
@@ -101,6 +102,15 @@ def test_v3_greedy_tokens_and_logprobs_match_hf_transformers_and_nothing_compile
     before = v3_engine.llm_engine.get_stats()["num_compilations"]
     assert_greedy_is_hfs(v3_engine, "deepseek_v3")
     assert v3_engine.llm_engine.get_stats()["num_compilations"] == before
+
+
+def test_routed_experts_are_the_grouped_routers_choices_in_a_plain_forward(v3_engine):
+    """V3's sigmoid scores with their bias, in the 2 best of 4 groups: the 3 experts of each generated token
+    at its 2 sparse layers (the first is dense), a 40-token prompt prefilled in two chunks."""
+    prompts = [list(range(3, 43)), [5, 17, 99, 3, 250, 41, 8]]
+    asks = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, return_routed_experts=True)
+    outputs = v3_engine.generate([{"prompt_token_ids": p} for p in prompts], asks, use_tqdm=False)
+    assert_routed_experts_are_a_plain_forwards("deepseek_v3", prompts, outputs)
 
 
 def test_the_kv_cache_holds_one_latent_a_token_and_layer(v3_engine):

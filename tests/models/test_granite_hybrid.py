@@ -16,18 +16,18 @@ from flax import nnx
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineArgs
+from jaxllm.device_facts import DeviceFacts
 from jaxllm.engine.processor import Processor
 from jaxllm.entrypoints.openai.metrics import ServerMetrics
-from jaxllm.kernels.attention import AttentionMetadata, get_attention_fn
+from jaxllm.kernels.attention import get_attention_fn
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.kv_layout import model_kv_layout, model_kv_specs
 from jaxllm.models.loader import abstract_params, create_model, iter_hf_weights
-from jaxllm.models.moe import recording_routing
 from jaxllm.sharding import make_mesh
 from tests.conftest import tiny_model
 from tests.models.state_checks import (ATOL, assert_chunked_prompt_logprobs_are_hfs, chunked_logits,
                                        hf_prompt_logprobs, run_through_aborts_and_a_pause)
-from tests.models.test_moe import assert_greedy_is_hfs
+from tests.models.test_moe import assert_greedy_is_hfs, assert_routed_experts_are_a_plain_forwards
 
 pytestmark = pytest.mark.usefixtures("warm_up_every_engine")
 
@@ -153,33 +153,22 @@ def test_a_bad_granite_config_names_its_key(change, message):
         ModelArchConfig.from_hf_config({**hf_config(), **change})
 
 
-def test_a_granite_model_on_several_devices_is_a_clear_error():
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineArgs(model=MODEL, tensor_parallel_size=2).create_config()
+def test_granite_over_several_devices_takes_tensor_and_expert_parallelism_and_refuses_dual_batch_overlap():
+    """Over 8 devices, tensor_parallel_size=2 with or without enable_expert_parallel passes the checks
+    (their outputs: tests/engine/test_tensor_parallel.py, test_expert_parallel.py); enable_dbo does not
+    run Mamba layers yet."""
+    eight = DeviceFacts("cpu", 8, "reference")
+    assert not EngineArgs(model=MODEL, tensor_parallel_size=2).create_config(eight).model.arch.moe.expert_parallel
+    config = EngineArgs(model=MODEL, tensor_parallel_size=2, enable_expert_parallel=True).create_config(eight)
+    assert config.parallel.tensor_parallel_size == 2 and config.model.arch.moe.expert_parallel
+    with pytest.raises(ValueError, match="enable_dbo does not run with a Mamba model yet"):
+        EngineArgs(model=MODEL, tensor_parallel_size=2, enable_dbo=True).create_config(eight)
 
 
 def test_routed_experts_are_the_routers_choices_in_a_plain_forward_and_only_for_requests_that_ask(llm):
     """Two requests that ask (the 33-token prompt prefilled in two chunks, and the golden one) beside one that
     does not: each generated token's row is what every MoE layer chose at the token before it (the forward
     that sampled it) in the model's plain forward over the whole sequence; nothing compiles after warm-up."""
-    config = ModelArchConfig.from_hf_config(hf_config())
-    model = create_model(config, dtype=jnp.float32, mesh=make_mesh(1), weights=iter_hf_weights(MODEL))
-    graphdef, state = nnx.split(model)
-    caches = [tuple(jnp.zeros(a.shape, a.dtype) for a in spec.arrays(1, jnp.float32, jnp.float32))
-              for spec in model_kv_specs(config, 128)]
-
-    @jax.jit
-    def plain_routing(token_ids):
-        """[n, moe_layers, k]: every layer's choice at each of the n tokens, as one prefill."""
-        n = token_ids.shape[0]
-        md = AttentionMetadata(slot_mapping=jnp.tile(jnp.arange(n, dtype=jnp.int32), (2, 1)),
-                               query_start_loc=jnp.array([0, n], jnp.int32), seq_lens=jnp.array([n], jnp.int32),
-                               block_tables=jnp.zeros((2, 1, 1), jnp.int32), num_seqs=jnp.array([1], jnp.int32))
-        with recording_routing() as recorded:
-            nnx.merge(graphdef, state)(token_ids, jnp.arange(n, dtype=jnp.int32), caches, md,
-                                       get_attention_fn("reference"))
-        return jnp.stack(recorded, axis=1)
-
     before = llm.llm_engine.get_stats()["num_compilations"]
     asks = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, return_routed_experts=True)
     prompts = [GOLDEN["prompt_33"].tolist(), GOLDEN["greedy_prompt"].tolist(), [3, 4, 5]]
@@ -187,12 +176,7 @@ def test_routed_experts_are_the_routers_choices_in_a_plain_forward_and_only_for_
                            [asks, asks, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)], use_tqdm=False)
     assert llm.llm_engine.get_stats()["num_compilations"] == before
     assert outputs[2].outputs[0].routed_experts is None
-    for prompt, out in zip(prompts, outputs[:2]):
-        tokens = list(out.outputs[0].token_ids)
-        routed = out.outputs[0].routed_experts
-        assert routed.shape == (6, 4, 2) and routed.dtype == np.int32
-        plain = np.asarray(plain_routing(jnp.asarray(prompt + tokens[:-1], jnp.int32)))
-        np.testing.assert_array_equal(routed, plain[len(prompt) - 1:])
+    assert_routed_experts_are_a_plain_forwards("granite_hybrid", prompts[:2], outputs[:2])
 
 
 def test_routed_experts_of_a_model_without_experts_are_refused_at_the_request():

@@ -2,9 +2,11 @@
 
 Parity is against HF transformers' fp32 outputs stored in tests/fixtures/tiny/<name>/golden.npz
 (scripts/make_fixtures.py): the logits of whole prompts, and a greedy continuation with each
-token's logprob. The layer's expert-parallel and tensor-parallel forms are checked against a
-per-token reference over 1, 2, 4 and 8 devices; in a process with fewer, the last test runs
-those in a child with 8 forced host devices.
+token's logprob. The experts returned with the samples (return_routed_experts) are checked against
+a plain forward of the whole sequence (assert_routed_experts_are_a_plain_forwards, which the
+DeepSeek and Granite tests use too). The layer's expert-parallel and tensor-parallel forms are
+checked against a per-token reference over 1, 2, 4 and 8 devices; in a process with fewer, the last
+test runs those in a child with 8 forced host devices.
 """
 import json
 import os
@@ -13,15 +15,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineArgs
+from jaxllm.kernels.attention import AttentionMetadata, get_attention_fn
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.fp8 import Fp8Linear, quantize_experts
+from jaxllm.models.kv_layout import model_kv_layout, model_kv_specs
 from jaxllm.models.llama import Linear
-from jaxllm.models.loader import abstract_params
-from jaxllm.models.moe import moe_expert_parallel, moe_one_device, moe_tensor_parallel, route
+from jaxllm.models.loader import abstract_params, create_model, iter_hf_weights
+from jaxllm.models.moe import moe_expert_parallel, moe_one_device, moe_tensor_parallel, recording_routing, route
 from jaxllm.sharding import make_mesh, named_sharding, replicated
 from tests.conftest import run_with_host_devices, tiny_model
 from tests.models.test_llama import assert_logits_match_hf, load_fixture
@@ -55,6 +60,44 @@ def assert_greedy_is_hfs(llm, name, logprobs_too=True):
         np.testing.assert_allclose(logprobs, golden["greedy_logprobs"], atol=1e-4)
 
 
+def plain_forward_routing(name: str):
+    """fn(token_ids [n] int32) -> [n, moe_layers, k] int32: what every MoE layer's router chose at each
+    token in one plain forward of the whole sequence (the checkpoint's weights on one device, one
+    block of 128 tokens or one state slot per KV tensor, the reference attention)."""
+    config = ModelArchConfig.from_hf_config(fixture_hf_config(name))
+    model = create_model(config, dtype=jnp.float32, mesh=make_mesh(1), weights=iter_hf_weights(tiny_model(name)))
+    graphdef, state = nnx.split(model)
+    num_groups = len(model_kv_layout(config).groups)
+    caches = [tuple(jnp.zeros(a.shape, a.dtype) for a in spec.arrays(1, jnp.float32, jnp.float32))
+              for spec in model_kv_specs(config, 128)]
+
+    @jax.jit
+    def routing(token_ids):
+        n = token_ids.shape[0]
+        md = AttentionMetadata(slot_mapping=jnp.tile(jnp.arange(n, dtype=jnp.int32), (num_groups, 1)),
+                               query_start_loc=jnp.array([0, n], jnp.int32), seq_lens=jnp.array([n], jnp.int32),
+                               block_tables=jnp.zeros((num_groups, 1, 1), jnp.int32),
+                               num_seqs=jnp.array([1], jnp.int32))
+        with recording_routing() as recorded:
+            nnx.merge(graphdef, state)(token_ids, jnp.arange(n, dtype=jnp.int32), caches, md,
+                                       get_attention_fn("reference"))
+        return jnp.stack(recorded, axis=1)
+    return routing
+
+
+def assert_routed_experts_are_a_plain_forwards(name: str, prompts: list[list[int]], outputs) -> None:
+    """Each generated token's row of routed_experts [tokens, moe_layers, k] is what every MoE layer chose
+    at the token before it (the forward that sampled it) in the plain forward of prompt + tokens."""
+    config = ModelArchConfig.from_hf_config(fixture_hf_config(name))
+    routing = plain_forward_routing(name)
+    for prompt, out in zip(prompts, outputs):
+        tokens, routed = list(out.outputs[0].token_ids), out.outputs[0].routed_experts
+        assert routed.shape == (len(tokens), len(config.moe.sparse_layers), config.moe.top_k)
+        assert routed.dtype == np.int32
+        plain = np.asarray(routing(jnp.asarray(prompt + tokens[:-1], jnp.int32)))
+        np.testing.assert_array_equal(routed, plain[len(prompt) - 1:])
+
+
 @pytest.mark.parametrize("name", MOE_MODELS)
 @pytest.mark.usefixtures("warm_up")
 def test_greedy_tokens_and_logprobs_match_hf_transformers_and_nothing_compiles_after_warm_up(name):
@@ -62,6 +105,19 @@ def test_greedy_tokens_and_logprobs_match_hf_transformers_and_nothing_compiles_a
         before = llm.llm_engine.get_stats()["num_compilations"]
         assert_greedy_is_hfs(llm, name)
         assert llm.llm_engine.get_stats()["num_compilations"] == before
+
+
+def test_routed_experts_are_the_routers_choices_in_a_plain_forward():
+    """Qwen3-MoE (a dense layer between its two sparse ones): a 40-token prompt prefilled in two chunks of
+    the 32-token budget and a short one ask, beside one that does not."""
+    prompts = [list(range(3, 43)), [5, 17, 99, 3, 250, 41, 8], [7, 8, 9]]
+    asks = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, return_routed_experts=True)
+    with LLM(tiny_model("qwen3_moe"), **ENGINE) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               [asks, asks, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)],
+                               use_tqdm=False)
+    assert outputs[2].outputs[0].routed_experts is None
+    assert_routed_experts_are_a_plain_forwards("qwen3_moe", prompts[:2], outputs[:2])
 
 
 @pytest.mark.parametrize("layout", ["engine", "hf"])
@@ -130,7 +186,8 @@ def test_route_takes_the_most_probable_experts_renormalized_where_the_model_asks
 
 
 @pytest.mark.parametrize("args, message", [
-    (dict(model=tiny_model("llama"), enable_expert_parallel=True), "mixture-of-experts models"),
+    (dict(model=tiny_model("llama"), enable_expert_parallel=True),
+     r"models \(Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V2 and V3, Granite 4.0-H with experts\); this llama model"),
     (dict(model=tiny_model("qwen3_moe"), batch_invariant=True), "batch_invariant"),
 ])
 def test_engine_args_the_experts_cannot_take_are_a_clear_error(args, message):
