@@ -2,7 +2,8 @@
 __call__, no engine state (a KV scratch of its own, the plain-JAX reference attention), a
 pure function of the params that jax.grad can differentiate. In batch-invariant mode
 (kernels/batch_invariant.py) its logprobs are bitwise the engine's, whatever batch the
-engine ran the sequence in."""
+engine ran the sequence in: its attention is then the engine's (on a GPU the Pallas kernel,
+differentiated as the reference)."""
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -25,7 +26,7 @@ def make_logprobs_fn(runner):
     specs = model_kv_specs(runner.arch, block_size)
     dtypes = runner.config.cache.cache_dtype, runner.config.model.dtype
     invariant = runner.config.batch_invariant
-    attention = _attention(invariant)
+    attention = _attention(invariant, runner.config.attention_backend)
 
     def logprobs(params, token_ids):
         flat = flatten(params)
@@ -57,9 +58,14 @@ def make_logprobs_fn(runner):
     return logprobs
 
 
-def _attention(invariant: bool):
-    """The reference attention (the batch-invariant one's if `invariant`), walking every block:
-    a loop of static length, which reverse-mode differentiation goes through."""
+def _attention(invariant: bool, backend: str):
+    """The reference attention, walking every block: a loop of static length, which reverse-mode
+    differentiation goes through. In batch-invariant mode the engine's own attention (the reference's
+    blocks of tokens, or the Pallas kernel's one launch shape, kernels/attention.py) with the
+    reference's gradient, so that the logprobs are bitwise the engine's on any backend."""
+    if invariant and backend != "reference":
+        return batch_invariant.with_reference_gradient(batch_invariant.pallas_attention)
+
     def attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs, **kwargs):
         if invariant:
             return batch_invariant.reference_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,

@@ -383,15 +383,33 @@ def test_batch_invariant_outputs_are_bitwise_alone_and_among_others_at_every_pos
                 assert tokens_and_logprobs(outs[position]) == alone, (k, position)
 
 
-def test_batch_invariant_logprobs_equal_the_plain_forwards_bitwise(invariant):
+def assert_plain_logprobs_are_the_engines_bitwise(llm, max_tokens=10):
     prompt = [5, 6, 7, 8, 9, 10, 11]
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0, prompt_logprobs=0)
-    out = invariant.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
     sequence = prompt + out.outputs[0].token_ids
-    plain = np.asarray(jax.jit(invariant.get_logprobs_fn())(invariant.get_params(), jnp.array(sequence, jnp.int32)))
+    plain = np.asarray(jax.jit(llm.get_logprobs_fn())(llm.get_params(), jnp.array(sequence, jnp.int32)))
     engine = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])]
     engine += [d[t].logprob for d, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
     assert plain.dtype == np.float32 and plain.tolist() == engine
+    return sequence
+
+
+def test_batch_invariant_logprobs_equal_the_plain_forwards_bitwise(invariant):
+    assert_plain_logprobs_are_the_engines_bitwise(invariant)
+
+
+def test_over_the_pallas_kernel_the_plain_forward_is_the_engines_bitwise_and_differentiates_as_the_reference(
+        invariant):
+    """A GPU's batch-invariant engine attends through the Pallas kernel (here in its interpreter): the plain
+    forward runs that kernel too, and takes the reference attention's gradient."""
+    with LLM(tiny_model("llama"), batch_invariant=True, attention_backend="pallas", **ENGINE) as llm:
+        sequence = jnp.array(assert_plain_logprobs_are_the_engines_bitwise(llm, max_tokens=4), jnp.int32)
+        loss = lambda fn: jax.jit(jax.grad(lambda p: fn(p, sequence).sum()))
+        kernel = jax.tree.leaves(loss(llm.get_logprobs_fn())(llm.get_params()))
+    reference = jax.tree.leaves(loss(invariant.get_logprobs_fn())(invariant.get_params()))
+    for got, want in zip(kernel, reference):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_the_plain_forward_is_close_to_the_engine_without_batch_invariance(llm):
