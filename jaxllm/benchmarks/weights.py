@@ -44,7 +44,8 @@ def _device_bytes() -> int | None:
 
 def _invariance(llm, num_others: int, output_len: int) -> dict:
     """The first token where a greedy request among others leaves its solo run (None: never),
-    and the largest difference of their sampled tokens' logprobs."""
+    the largest difference of their sampled tokens' logprobs, and that of the solo run's against
+    the plain forward's (llm.get_logprobs_fn: 0 in batch-invariant mode)."""
     from jaxllm import SamplingParams
     vocab = llm.llm_engine.config.model.arch.vocab_size
     rng = np.random.default_rng(0)
@@ -58,8 +59,12 @@ def _invariance(llm, num_others: int, output_len: int) -> dict:
     diverged = next((i for i, (a, b) in enumerate(zip(alone.token_ids, together.token_ids)) if a != b), None)
     agree = diverged if diverged is not None else output_len
     lp = lambda c: [d[t].logprob for d, t in zip(c.logprobs[:agree], c.token_ids[:agree])]
+    sequence = np.asarray(target["prompt_token_ids"] + list(alone.token_ids), np.int32)
+    plain = np.asarray(jax.jit(llm.get_logprobs_fn())(llm.get_params(), sequence))[len(target["prompt_token_ids"]) - 1:]
+    engine = [d[t].logprob for d, t in zip(alone.logprobs, alone.token_ids)]
     return {"num_others": num_others, "first_divergent_token": diverged,
-            "max_logprob_diff": float(max(abs(a - b) for a, b in zip(lp(alone), lp(together)))) if agree else 0.0}
+            "max_logprob_diff": float(max(abs(a - b) for a, b in zip(lp(alone), lp(together)))) if agree else 0.0,
+            "plain_forward_max_diff": float(np.max(np.abs(plain - np.asarray(engine, np.float32))))}
 
 
 def main(ns, engine_args) -> int:
@@ -102,5 +107,7 @@ def main(ns, engine_args) -> int:
     print("memory (GiB):", result.get("memory_gib"), "| compilations:", result["compiles"])
     print("invariance:", result["invariance"], "after wake:", result["invariance_after_wake"])
     write_json(ns.output_json, result)
-    return report_failures([f"{result['compiles']} compilations in the updates, sleeps and wakes"]
-                           if result["compiles"] else [])
+    failures = [f"{result['compiles']} compilations in the updates, sleeps and wakes"] if result["compiles"] else []
+    if engine.config.batch_invariant and result["invariance"]["plain_forward_max_diff"]:
+        failures.append("batch-invariant, yet the plain forward's logprobs are not the engine's bit for bit")
+    return report_failures(failures)

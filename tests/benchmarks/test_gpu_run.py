@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("warm_up_every_engine")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUNNER = os.path.join(ROOT, "scripts", "gpu_run.sh")
 PARTS = ["smoke", "step", "tput", "tput1000", "tput2048", "qwen", "startup", "fp8", "prefix", "prefill", "serve",
-         "sampling", "hf-compare", "kernels", "check", "hybrid", "weights", "invariant", "spec", "draft", "eagle",
+         "sampling", "hf-compare", "kernels", "long", "check", "hybrid", "weights", "invariant", "spec", "draft", "eagle",
          "moe-matmul", "ssd", "lora", "embed", "tools", "models", "kv-dtype", "quant", "sampler", "multi-gpu"]
 ENGINE_8B = "--model llama-3.1-8b --load-format dummy --dtype bfloat16"
 
