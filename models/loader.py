@@ -372,7 +372,7 @@ def _part_shapes(config: ModelArchConfig, path: ParamPath, hf_shape: tuple[int, 
         rows = (2 * m.intermediate_size + 2 * m.group_dim + m.num_heads if MAMBA_PARTS[path[-2]] == "in_proj"
                 else m.conv_dim)
         return [(rows, *hf_shape[2:])] if path[-2] == "zxdt_proj" else [(rows, *hf_shape[1:])]
-    granite = _granite_linear(config, path)
+    granite = granite_linear(config, path)
     if granite:  # input_linear: [..., I, 2, H] from one [..., 2I, H]
         return [(*hf_shape[:-3], 2 * hf_shape[-3], hf_shape[-1])] if granite == "input_linear" else [hf_shape]
     if path[-2:-1] == ("experts",):  # [E, *an expert's]: gate_up's [E, I, 2, H] from each expert's gate and up [I, H]
@@ -398,7 +398,7 @@ def _packed(config: ModelArchConfig, path: ParamPath, parts: list[tuple[str, Ten
         if path[-2] == "zxdt_proj":
             return MambaHeadsSource(sources[0], m.num_heads, m.head_dim, 2 * m.group_dim)
         return RowsSource(sources[0], *mamba_rows(m, path[-2]))
-    granite = _granite_linear(config, path)
+    granite = granite_linear(config, path)
     if granite:
         return StackedGateUpSource(sources[0]) if granite == "input_linear" else sources[0]
     if path[-2:-1] == ("experts",):
@@ -429,7 +429,7 @@ def path_to_hf_names(path: ParamPath, config: ModelArchConfig) -> list[str]:
     """The HF tensors a param of `config`'s model is read from: its one, or a fused param's parts in
     packing order (a MoE layer's stacked experts: expert by expert, each one's parts)."""
     *module, leaf = path
-    granite = _granite_linear(config, path)
+    granite = granite_linear(config, path)
     if granite:  # block_sparse_moe.experts.gate_up_proj -> block_sparse_moe.input_linear.weight, and so
         return [_hf_name((*module[:-1], granite, "kernel"))]  # shared_mlp.gate_up_proj.kernel
     if _mamba_part(config, path):  # mixer.zxdt_proj.kernel -> mixer.in_proj.weight, and so on
@@ -444,7 +444,7 @@ def path_to_hf_names(path: ParamPath, config: ModelArchConfig) -> list[str]:
     return [_renamed(name, config.architecture) for name in names]
 
 
-def _granite_linear(config: ModelArchConfig, path: ParamPath) -> str | None:
+def granite_linear(config: ModelArchConfig, path: ParamPath) -> str | None:
     """Granite 4.0-H's HF tensor of a param read whole from one (input_linear or output_linear): a MoE
     layer's stacked experts' gate_up_proj or down_proj, or its shared MLP's kernel of them; None otherwise."""
     if config.architecture != "granitemoehybrid":

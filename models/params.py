@@ -24,8 +24,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllm.models.config import ModelArchConfig
-from jaxllm.models.loader import (MAMBA_PARTS, ParamPath, checkpoint_params, hf_axes, hf_tensors, mamba_rows,
-                                  path_to_hf_names)
+from jaxllm.models.loader import (MAMBA_PARTS, ParamPath, checkpoint_params, granite_linear, hf_axes, hf_tensors,
+                                  mamba_rows, path_to_hf_names)
 from jaxllm.sharding import StageMeshes
 
 ENGINE, HF = "engine", "hf"
@@ -137,7 +137,9 @@ def _part_sharding(packing: str | tuple | None, axes: tuple[int, ...], sharding:
     packed = [None] * len(axes)  # the packed HF-layout tensor's split: the param is it transposed by axes
     for param_axis, packed_axis in enumerate(axes):
         packed[packed_axis] = spec[param_axis]
-    if packing == "gate_up_proj":  # gate and up stacked on axis 1
+    if packing == "stacked_gate_up":  # [..., I, 2, H] from [..., 2I, H]: a split of I splits the 2I rows
+        packed = packed[:-2] + packed[-1:]
+    elif packing == "gate_up_proj":  # gate and up stacked on axis 1
         packed = packed[:1] + packed[2:]
     elif packing == "experts.down_proj":  # the experts stacked on axis 0
         packed = packed[1:]
@@ -153,9 +155,13 @@ def _part_sharding(packing: str | tuple | None, axes: tuple[int, ...], sharding:
 
 def _packing(path: ParamPath, arch: ModelArchConfig) -> str | tuple | None:
     """How a param is packed from its HF tensors: "qkv_proj", "gate_up_proj", a MoE layer's stacked
-    "experts.gate_up_proj" or "experts.down_proj", a Mamba mixer's ("zxdt_proj", heads, head_dim, B and
+    "experts.gate_up_proj" or "experts.down_proj", Granite 4.0-H's "stacked_gate_up" (gate's rows then
+    up's in one input_linear, StackedGateUpSource's), a Mamba mixer's ("zxdt_proj", heads, head_dim, B and
     C's rows) or ("rows", start, stop) of its HF tensor (models/tensor_sources.py MambaHeadsSource,
     RowsSource), or None (it is one tensor)."""
+    granite = granite_linear(arch, path)
+    if granite:  # its output_linear is the param's tensor as it is
+        return "stacked_gate_up" if granite == "input_linear" else None
     if path[-2] == "experts":
         return f"experts.{path[-1]}"
     if arch.mamba is not None and path[-2] in MAMBA_PARTS:
@@ -185,6 +191,9 @@ def _packer(fused: str | tuple | None, axes: tuple[int, ...], num_kv_heads: int,
             x = jnp.concatenate(pieces, axis=1).reshape(-1, *q.shape[1:])
         elif fused == "gate_up_proj":
             x = jnp.stack(parts, axis=1)
+        elif fused == "stacked_gate_up":  # [..., 2I, H] -> [..., I, 2, H]
+            (w,) = parts
+            x = jnp.stack(jnp.split(w, 2, axis=-2), axis=-2)
         elif isinstance(fused, tuple) and fused[0] == "rows":
             x = parts[0][fused[1]:fused[2]]
         elif isinstance(fused, tuple):  # per head its z rows, its x rows, its dt row

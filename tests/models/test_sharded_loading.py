@@ -194,7 +194,7 @@ def test_repeated_heads_read_as_np_repeat_of_the_whole_tensor(rows):
 
 @pytest.mark.usefixtures("eight_devices")
 @pytest.mark.parametrize("model, tp", [("qwen2 with biases", 2), ("qwen2 with biases", 8), ("qwen2_moe", 2),
-                                       ("mamba2", 2)])
+                                       ("mamba2", 2), ("granite_hybrid", 2)])
 def test_hf_named_params_in_memory_are_placed_as_the_loader_places_them_each_part_split(checkpoint, model, tp,
                                                                                        monkeypatch):
     """models/params.py's placement of HF-named arrays (LLM(params=...), update_weights) gives the loader's
