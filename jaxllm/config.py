@@ -252,10 +252,9 @@ class EngineArgs:
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
                f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         _check(self.load_format in ("auto", "dummy"), f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        _check(not self.batch_invariant or (self.tensor_parallel_size == 1 and self.quantization is None),
-               "batch_invariant runs with tensor_parallel_size=1 and no quantization (its kernels are not "
-               f"sharded, and quantized GEMMs have their own), got tensor_parallel_size={self.tensor_parallel_size}, "
-               f"quantization={self.quantization!r}")
+        _check(not self.batch_invariant or self.quantization is None,
+               "batch_invariant runs without quantization (quantized GEMMs have no batch-invariant kernel), "
+               f"got quantization={self.quantization!r}")
         _check(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         _check(self.data_parallel_size >= 1, f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         _check(self.pipeline_parallel_size >= 1, f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")

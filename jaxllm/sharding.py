@@ -137,13 +137,15 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def per_device_linear(fn, mesh: Mesh | None, kernel_axes: tuple[str | None, ...], in_last: bool = False):
+def per_device_linear(fn, mesh: Mesh | None, kernel_axes: tuple[str | None, ...], in_last: bool = False,
+                      sum_in_order: bool = False):
     """fn(x [T, in], *weights) -> y [T, *out], run on each device's shards of x and the weights,
     for a kernel XLA cannot partition (a Pallas call would be gathered whole onto every device).
     kernel_axes: a Linear kernel's logical axes (in, *out); each weight's leading axis is the in
     axis (or a packing of it) and the rest the out axes, or with in_last its out axes (or blocks
     of them) then the in axis. A row-parallel Linear (in sharded) sums
-    its devices' partial products; a column-parallel one gives each device its columns."""
+    its devices' partial products (psum, or with sum_in_order gathered and added in device order:
+    sum_in_device_order); a column-parallel one gives each device its columns."""
     if mesh is None or mesh.shape["model"] == 1:
         return fn
     in_spec, *out_spec = logical_to_spec(kernel_axes)
@@ -151,9 +153,25 @@ def per_device_linear(fn, mesh: Mesh | None, kernel_axes: tuple[str | None, ...]
 
     def local(x, *weights):
         y = fn(x, *weights)
-        return y if in_spec is None else jax.lax.psum(y, in_spec)
+        if in_spec is None:
+            return y
+        if sum_in_order:
+            return sum_in_device_order(y, in_spec)
+        return jax.lax.psum(y, in_spec)
 
     def call(x, *weights):
         return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(None, in_spec), *[weight] * len(weights)),
                              out_specs=PartitionSpec(None, *out_spec), check_vma=False)(x, *weights)
     return call
+
+
+def sum_in_device_order(partial, axis_name: str = "model"):
+    """Inside a shard_map: the sum over `axis_name` of each device's `partial`, the same bits on every
+    device and for every shape: the partials are all-gathered (a copy, exact) and added in device order
+    in partial's dtype (float32 for a matmul's). An all-reduce (psum) would add them in the order of
+    the collective's algorithm, which NCCL may pick by the message's size."""
+    partials = jax.lax.all_gather(partial, axis_name)  # [devices, *partial.shape]
+    total = partials[0]
+    for i in range(1, partials.shape[0]):
+        total = total + partials[i]
+    return total

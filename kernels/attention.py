@@ -51,10 +51,12 @@ def get_attention_fn(name: str, mesh=None, batch_invariant: bool = False, latent
         fn = invariant.reference_attention if name == "reference" else invariant.pallas_attention
     if mesh is None or mesh.shape["model"] == 1:
         return fn
-    return _per_device_heads(fn, mesh, latent)
+    return per_device_heads(fn, mesh, latent)
 
 
-def _per_device_heads(fn, mesh, latent: bool = False):
+def per_device_heads(fn, mesh, latent: bool = False):
+    """fn (a backend's signature) run on each device's own q heads and KV cache heads (a latent
+    cache whole on every device)."""
     heads, cache, replicated = P(None, "model", None), P() if latent else P(None, None, "model", None), P()
 
     def attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs, *,

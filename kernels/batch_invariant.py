@@ -19,6 +19,14 @@ order whatever the batch:
 Both kernels have a custom VJP through plain jnp, so the forward a trainer differentiates can
 use them. The model's Linear and RMSNorm take these forms while `enabled()` (the runner traces
 its executables inside `tracing()`).
+
+Under tensor parallelism (`tracing(mesh=...)` with several devices on "model") a Pallas call is
+one custom call XLA cannot split, and a cross-device sum would run in the order of the
+collective's algorithm, which on a GPU (NCCL) may follow the message's size, i.e. the bucket. So
+each device runs the kernels on its own shards (jaxllm.sharding.per_device_linear), partial
+sums are gathered and added in device order (jaxllm.sharding.sum_in_device_order), never
+all-reduced, and a reduction over the vocabulary (log_softmax, the sampler's softmax) runs
+whole on each device (`on_every_device`) after its logits are gathered.
 """
 import contextlib
 import contextvars
@@ -29,11 +37,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jax.sharding import PartitionSpec
 
 from jaxllm.kernels import reference
 from jaxllm.kernels.tiling import divisor, pad_rows
 
 _ENABLED = contextvars.ContextVar("batch_invariant", default=False)
+_MESH = contextvars.ContextVar("batch_invariant_mesh", default=None)
 ROW_BLOCK = 16  # BR: rows per RMSNorm block and tokens per attention block
 
 
@@ -41,14 +51,49 @@ def enabled() -> bool:
     return _ENABLED.get()
 
 
+def tensor_parallel_mesh():
+    """The mesh `tracing` was given, while the batch-invariant ops are on and its "model" axis
+    spans several devices (else None: the ops run as on one device)."""
+    mesh = _MESH.get()
+    return mesh if enabled() and mesh is not None and mesh.shape["model"] > 1 else None
+
+
 @contextlib.contextmanager
-def tracing(on: bool = True):
-    """Trace the model with the batch-invariant ops (or, with on=False, without)."""
-    token = _ENABLED.set(on)
+def tracing(on: bool = True, mesh=None):
+    """Trace the model with the batch-invariant ops (or, with on=False, without); mesh: the
+    ("data", "model") mesh its params are sharded over, whose devices then run the ops per device."""
+    tokens = _ENABLED.set(on), _MESH.set(mesh)
     try:
         yield
     finally:
-        _ENABLED.reset(token)
+        _MESH.reset(tokens[1])
+        _ENABLED.reset(tokens[0])
+
+
+def on_every_device(fn):
+    """fn(*arrays) run whole on every device of the tensor-parallel mesh (its inputs gathered first,
+    an all-gather, exact): XLA cannot split its reductions across devices. Without one, fn."""
+    mesh = tensor_parallel_mesh()
+    if mesh is None:
+        return fn
+    return jax.shard_map(fn, mesh=mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec(), check_vma=False)
+
+
+def with_plain_gradient(fn, plain):
+    """fn(*args) in the forward, the gradient of plain(*args) (the same function in plain JAX, which
+    XLA partitions itself) in the backward."""
+    @jax.custom_vjp
+    def call(*args):
+        return fn(*args)
+
+    def forward(*args):
+        return fn(*args), args
+
+    def backward(args, g):
+        return jax.vjp(plain, *args)[1](g)
+
+    call.defvjp(forward, backward)
+    return call
 
 
 def _interpret() -> bool:
@@ -192,11 +237,18 @@ def _rms_bwd(eps, x, g):
 rms_normalize.defvjp(_rms_fwd, _rms_bwd)
 
 
-def log_softmax(x):
-    """jax.nn.log_softmax over the last axis of x [N, V], in blocks of ROW_BLOCK rows."""
+def _log_softmax_blocks(x):
     n = x.shape[0]
     blocks = pad_rows(x, ROW_BLOCK).reshape(-1, ROW_BLOCK, x.shape[-1])
     return jax.lax.map(lambda b: jax.nn.log_softmax(b, axis=-1), blocks).reshape(-1, x.shape[-1])[:n]
+
+
+def log_softmax(x):
+    """jax.nn.log_softmax over the last axis of x [N, V], in blocks of ROW_BLOCK rows; under tensor
+    parallelism whole on every device (logits split over the vocabulary are gathered first)."""
+    if tensor_parallel_mesh() is None:
+        return _log_softmax_blocks(x)
+    return with_plain_gradient(on_every_device(_log_softmax_blocks), lambda a: jax.nn.log_softmax(a, axis=-1))(x)
 
 
 # ---- attention ----

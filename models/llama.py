@@ -14,10 +14,13 @@ rules turn them into mesh placements. Params are in the model dtype; RMSNorm and
 RoPE compute in fp32 (as does softmax, inside every attention backend). Layers are unrolled (a Python loop, no lax.scan:
 scanning over stacked weights streamed them 2.5x slower at decode on the H200).
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxllm.kernels import batch_invariant
 from jaxllm.kernels.attention import AttentionMetadata, write_kv
@@ -25,17 +28,36 @@ from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.models.lora import LayerLoRA, LoRABatch
 from jaxllm.models.yarn import yarn_attention_factor, yarn_inv_freq
+from jaxllm.sharding import logical_to_spec, per_device_linear, sum_in_device_order
 
 INIT_STD = 0.02  # HF's initializer_range; keeps random-weight activations sane
 
 
-def dot(x, kernel, out_dtype=None):
+def dot(x, kernel, out_dtype=None, axes: tuple[str | None, ...] | None = None):
     """x [..., in] @ kernel [in, *out] -> [..., *out], batch-invariant when the runner asks
-    (kernels/batch_invariant.py)."""
+    (kernels/batch_invariant.py). axes: the kernel's logical axes (in, *out), by which the
+    invariant matmul runs per device under tensor parallelism (without them XLA would gather
+    the kernel whole onto every device: a Pallas call is one custom call it cannot split)."""
     if not batch_invariant.enabled():
         return jnp.tensordot(x, kernel, axes=1, preferred_element_type=out_dtype)
-    y = batch_invariant.matmul(x.reshape(-1, x.shape[-1]), kernel.reshape(kernel.shape[0], -1), out_dtype)
+    out_dtype = out_dtype or x.dtype
+    rows, mesh = x.reshape(-1, x.shape[-1]), batch_invariant.tensor_parallel_mesh()
+    if mesh is None or axes is None:
+        y = _invariant_matmul(rows, kernel, out_dtype)
+    else:
+        # Row-parallel (in split): each device's float32 partial, added in device order, then cast.
+        partial_dtype = jnp.float32 if logical_to_spec(axes)[0] is not None else out_dtype
+        per_device = per_device_linear(functools.partial(_invariant_matmul, out_dtype=partial_dtype), mesh, axes,
+                                       sum_in_order=True)
+        plain = lambda a, w: jnp.tensordot(a, w, axes=1, preferred_element_type=partial_dtype)
+        y = batch_invariant.with_plain_gradient(per_device, plain)(rows, kernel).astype(out_dtype)
     return y.reshape(*x.shape[:-1], *kernel.shape[1:])
+
+
+def _invariant_matmul(rows, kernel, out_dtype):
+    """rows [T, in] @ kernel [in, *out] -> [T, *out] by the batch-invariant matmul."""
+    y = batch_invariant.matmul(rows, kernel.reshape(kernel.shape[0], -1), out_dtype)
+    return y.reshape(rows.shape[0], *kernel.shape[1:])
 
 
 def rms_normalize(x32, eps: float):
@@ -63,7 +85,7 @@ class Linear(nnx.Module):
         self.bias = _param(rngs, out_shape, axes[1:], dtype) if bias else None
 
     def __call__(self, x):
-        y = dot(x, self.kernel[...])
+        y = dot(x, self.kernel[...], axes=self.kernel.get_metadata().get("out_sharding"))
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -202,7 +224,26 @@ class Embed(nnx.Module):
         self.embedding = _param(rngs, (vocab_size, hidden_size), ("vocab", "embed"), dtype)
 
     def __call__(self, ids):
-        return jnp.take(self.embedding[...], ids, axis=0)
+        """ids [num_tokens] int32 -> [num_tokens, hidden_size]."""
+        table, mesh = self.embedding[...], batch_invariant.tensor_parallel_mesh()
+        take = lambda t, i: jnp.take(t, i, axis=0)
+        if mesh is None:
+            return take(table, ids)
+        # Batch-invariant under tensor parallelism: XLA's lookup in a table split over the vocabulary
+        # all-reduces each device's rows (zeros but the owner's); here they are gathered and added in
+        # device order, so that no float all-reduce is left in the step (tests/engine/test_jax_program.py).
+        table_spec = logical_to_spec(self.embedding.get_metadata()["out_sharding"])
+        lookup = jax.shard_map(_own_rows, mesh=mesh, in_specs=(table_spec, P()), out_specs=P(), check_vma=False)
+        return batch_invariant.with_plain_gradient(lookup, take)(table, ids)
+
+
+def _own_rows(table, ids):
+    """Inside a shard_map over "model": table [vocab / devices, hidden] this device's rows, ids
+    [num_tokens] int32 -> [num_tokens, hidden], each row from the device that holds it."""
+    local = ids - jax.lax.axis_index("model") * table.shape[0]
+    mine = (local >= 0) & (local < table.shape[0])
+    rows = jnp.where(mine[:, None], jnp.take(table, jnp.clip(local, 0, table.shape[0] - 1), axis=0), 0)
+    return sum_in_device_order(rows)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -269,4 +310,4 @@ class LlamaForCausalLM(nnx.Module):
             w = self.embed_tokens.embedding[...].T
         else:
             w = self.lm_head.kernel[...]
-        return dot(hidden, w, jnp.float32)
+        return dot(hidden, w, jnp.float32, axes=("embed", "vocab"))

@@ -12,10 +12,12 @@ host, which would stall the host until the device reached it, every step.
 """
 import dataclasses
 import enum
+import functools
 
 import jax
 import jax.numpy as jnp
 
+from jaxllm.kernels import batch_invariant
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -111,7 +113,13 @@ class ProcessorMetadata:
 
 def sample(logits: jax.Array, md: SamplingMetadata, mode: SampleMode = SampleMode.FILTERED) -> jax.Array:
     """logits [num_reqs, vocab] float32 -> token ids [num_reqs] int32. `mode` must be at
-    least the batch's (FILTERED samples any batch)."""
+    least the batch's (FILTERED samples any batch). In batch-invariant mode under tensor parallelism
+    it runs whole on each device (kernels/batch_invariant.py): the filters' sums over the vocabulary
+    add in one order, not in a cross-device all-reduce's."""
+    return batch_invariant.on_every_device(functools.partial(_sample, mode=mode))(logits, md)
+
+
+def _sample(logits: jax.Array, md: SamplingMetadata, mode: SampleMode) -> jax.Array:
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if mode == SampleMode.GREEDY:
         return greedy_tokens

@@ -115,7 +115,7 @@ class Pipeline:
         attn_fn = get_attention_fn(attention_backend, stage.mesh, invariant, latent=self.arch.mla is not None)
         fn = make_stage_fn(weights.graphdef, weights.treedef, attn_fn, self.layouts, num_sampled, stage,
                            kv.tensors, self.kv_cache.layout.num_tensors, self.num_experts, dbo)
-        fn = traced_invariant(fn) if invariant else fn
+        fn = traced_invariant(fn, stage.mesh) if invariant else fn
         rep = replicated(stage.mesh)
         routing = (rep, rep) if self.num_experts else ()
         out = (forward_out_shardings(stage.mesh, kv_shardings) + (routing,) if stage.last

@@ -3,13 +3,13 @@ __call__, no engine state (a KV scratch of its own, the plain-JAX reference atte
 pure function of the params that jax.grad can differentiate. In batch-invariant mode
 (kernels/batch_invariant.py) its logprobs are bitwise the engine's, whatever batch the
 engine ran the sequence in: its attention is then the engine's (on a GPU the Pallas kernel,
-differentiated as the reference)."""
+differentiated as the reference), and under tensor parallelism runs per device as the engine's does."""
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.kernels import batch_invariant, reference
-from jaxllm.kernels.attention import AttentionMetadata
+from jaxllm.kernels.attention import AttentionMetadata, per_device_heads
 from jaxllm.models.kv_layout import model_kv_specs
 from jaxllm.models.params import flatten
 from jaxllm.utils import cdiv
@@ -25,8 +25,10 @@ def make_logprobs_fn(runner):
     block_size = runner.block_size
     specs = model_kv_specs(runner.arch, block_size)
     dtypes = runner.config.cache.cache_dtype, runner.config.model.dtype
-    invariant = runner.config.batch_invariant
+    invariant, mesh = runner.config.batch_invariant, runner.mesh
     attention = _attention(invariant, runner.config.attention_backend)
+    if invariant and mesh.shape["model"] > 1:  # as the engine attends: each device its own heads
+        attention = per_device_heads(attention, mesh)
 
     def logprobs(params, token_ids):
         flat = flatten(params)
@@ -47,7 +49,7 @@ def make_logprobs_fn(runner):
             seq_lens=jnp.full((num_seqs,), n, jnp.int32), block_tables=jnp.tile(tables, (num_groups, 1, 1)),
             num_seqs=jnp.array([num_seqs], jnp.int32))
         positions = jnp.tile(jnp.arange(n, dtype=jnp.int32), num_seqs)
-        with batch_invariant.tracing(invariant):
+        with batch_invariant.tracing(invariant, mesh):
             hidden, _ = model(batch.reshape(-1), positions, caches, md, attention)
             hidden = hidden.reshape(num_seqs, n, -1)[:, :-1].reshape(num_seqs * (n - 1), -1)
             logits = model.compute_logits(hidden)

@@ -43,7 +43,7 @@ class StepFunctions:
         dbo: the layers run on each half of the tokens in turn (models/dual_batch.py)."""
         rep = replicated(mesh)
         self.processor_state_sharding = ProcessorState(*[named_sharding(mesh, (None, "vocab"))] * 4)
-        model_fn = traced_invariant if invariant else (lambda fn: fn)
+        model_fn = functools.partial(traced_invariant, mesh=mesh) if invariant else (lambda fn: fn)
         forward = model_fn(make_forward_fn(graphdef, params_treedef, attn_fn, layouts, num_sampled, aux_layers,
                                            drafter_block_size, num_experts, dbo))
         routing_shardings = (rep, rep) if num_experts else ()
@@ -51,12 +51,13 @@ class StepFunctions:
         drafter_outputs = (rep,) * ((drafter_block_size is not None) + bool(aux_layers))
         self.forward = jax.jit(forward, donate_argnums=(1,), static_argnums=(4, 5),
                                out_shardings=forward_shardings + drafter_outputs)
-        self.sample = jax.jit(functools.partial(sample_padded, num_sampled=num_sampled), static_argnums=(2,),
-                              out_shardings=rep)
+        # The samplers too: under tensor parallelism their softmax over the vocabulary runs whole on each device.
+        self.sample = jax.jit(model_fn(functools.partial(sample_padded, num_sampled=num_sampled)),
+                              static_argnums=(2,), out_shardings=rep)
         # Users' processors (EngineArgs.logits_processors): every step runs them, in the processed sampler.
-        self.sample_processed = jax.jit(
+        self.sample_processed = jax.jit(model_fn(
             functools.partial(sample_processed, num_sampled=num_sampled, user_processors=user_processors,
-                              num_speculative_tokens=num_speculative_tokens),
+                              num_speculative_tokens=num_speculative_tokens)),
             donate_argnums=(2,), static_argnums=(5,), out_shardings=(rep, self.processor_state_sharding))
         self.write_rows = jax.jit(processors.write_rows, donate_argnums=(0,),
                                   out_shardings=self.processor_state_sharding)
@@ -80,11 +81,12 @@ def sampled_rows(model, hidden, batch: batching.StepBatch, num_sampled: int) -> 
     return greedy, logits, batch.sampling, hidden
 
 
-def traced_invariant(fn):
-    """fn, its model traced with the batch-invariant ops."""
+def traced_invariant(fn, mesh=None):
+    """fn, its model traced with the batch-invariant ops; mesh: where its params live (under tensor
+    parallelism each device runs the ops on its own shards, kernels/batch_invariant.py)."""
     @functools.wraps(fn)
     def traced(*args, **kwargs):
-        with batch_invariant.tracing():
+        with batch_invariant.tracing(mesh=mesh):
             return fn(*args, **kwargs)
     return traced
 

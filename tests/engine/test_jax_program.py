@@ -492,7 +492,7 @@ def order_dependent_reductions(hlo: str) -> list[str]:
         if header:
             name = header.group(1)
         elif line.strip().startswith("ROOT ") and name is not None:  # "ROOT %add.2 = f32[] add(%a, %b)"
-            roots[name] = line.split("=", 1)[1].split("(")[0].split()[-1]
+            roots[name] = re.search(r"= .*? ([a-z][\w-]*)\(", line).group(1)
     found = []
     for line in hlo.splitlines():
         op = next((o for o in ("all-reduce", "all-reduce-start", "reduce-scatter") if f" {o}(" in line), None)

@@ -318,7 +318,7 @@ seen = []
 def pallas_spy(q, *args, **kwargs):
     seen.append(q.shape)
     return get_attention_fn("pallas")(q, *args, **kwargs)
-step = T.make_step(model, attention._per_device_heads(pallas_spy, mesh))
+step = T.make_step(model, attention.per_device_heads(pallas_spy, mesh))
 logits = T.run_prompt(step, config, golden["prompt_33"], [16, 16, 1], kv_cache_sharding(mesh))
 assert np.abs(logits - want).max() < bound
 assert seen and all(shape[1] == config.num_heads // 2 for shape in seen), seen
