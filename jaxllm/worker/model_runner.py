@@ -62,15 +62,14 @@ from jaxllm.worker.step_replay import StepReplay
 from jaxllm.worker.warm_up import executable_store, run_warm_up
 
 
-def single_token_bucket(mesh) -> bool:
-    """Whether the runner has a bucket of one token (batching.token_buckets): on a GPU, where a lone
-    request's decode attention then splits its context over every SM, not over the programs a bucket of
-    16 request slots plans for (pallas_attention.plan: a sixteenth of them working, at batch 1). It
-    costs two more executables (its forward and prompt logprobs). JAXLLM_SINGLE_TOKEN_BUCKET=1 or 0
-    turns it on or off anywhere (an A/B, a test); off on a CPU, where no kernel plans by the bucket. Never
-    for a model with Mamba layers (ModelRunner): every step of one token is its decodes-only forward's."""
-    chosen = os.environ.get("JAXLLM_SINGLE_TOKEN_BUCKET")
-    return mesh.devices.flat[0].platform == "gpu" if chosen is None else chosen == "1"
+def single_token_bucket() -> bool:
+    """Whether the runner has a bucket of one token (batching.token_buckets), for a lone request's
+    decode step: its attention then splits the context over every SM of a GPU, not over the programs a
+    bucket of 16 request slots plans for (pallas_attention.plan: a sixteenth of them working, at batch
+    1). It costs two more executables (its forward and prompt logprobs). Opt-in with
+    JAXLLM_SINGLE_TOKEN_BUCKET=1 until a GPU has measured it (scripts/gpu_run.sh's long part); never for
+    a model with Mamba layers (ModelRunner): every step of one token is its decodes-only forward's."""
+    return os.environ.get("JAXLLM_SINGLE_TOKEN_BUCKET") == "1"
 
 
 class _Step(NamedTuple):
@@ -118,7 +117,7 @@ class ModelRunner:
         self.kv_layout = model_kv_layout(self.arch)  # the KV cache groups: one block table each
         num_groups = len(self.kv_layout.groups)
         self.token_buckets = batching.token_buckets(sc.max_num_batched_tokens,
-                                                    single_token_bucket(self.mesh) and self.arch.mamba is None)
+                                                    single_token_bucket() and self.arch.mamba is None)
         num_spec = config.num_speculative_tokens
         eagle = config.speculative is not None and config.speculative.method in EAGLE_METHODS
         rows = [batching.logit_rows(t, sc.max_num_seqs, num_spec) for t in self.token_buckets]

@@ -1,6 +1,6 @@
-"""The one-token bucket (worker/model_runner.py single_token_bucket): on a GPU a lone request's decode
-steps run a forward of one token, whose attention splits the context over the whole device. It is off
-on a CPU; JAXLLM_SINGLE_TOKEN_BUCKET=1 turns it on here."""
+"""The one-token bucket (worker/model_runner.py single_token_bucket, JAXLLM_SINGLE_TOKEN_BUCKET=1): a lone
+request's decode steps run a forward of one token, whose attention on a GPU splits the context over
+the whole device."""
 import re
 
 import jax
