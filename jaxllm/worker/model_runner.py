@@ -121,8 +121,8 @@ class ModelRunner:
         num_spec = config.num_speculative_tokens
         eagle = config.speculative is not None and config.speculative.method in EAGLE_METHODS
         rows = [batching.logit_rows(t, sc.max_num_seqs, num_spec) for t in self.token_buckets]
-        if len(rows) > 1 and self.token_buckets[0] == 1:  # the one-token bucket samples with the next bucket's samplers
-            rows[0] = rows[1]
+        if len(rows) > 1 and self.token_buckets[0] == 1:
+            rows[0] = rows[1]  # the one-token bucket samples with the next bucket's samplers
         layouts = {t: batching.BatchLayout(t, batching.request_bucket(t, sc.max_num_seqs), self.max_blocks_per_seq,
                                            num_groups, num_rows, eagle, config.lora is not None)
                    for t, num_rows in zip(self.token_buckets, rows)}
