@@ -213,6 +213,25 @@ def test_pallas_split_k_matches_reference(num_splits, window):
     assert_matches(out, ref, batch, jnp.float32)
 
 
+@pytest.mark.parametrize("ctx", [0, 700, 3000])
+@pytest.mark.parametrize("window", [None, 256])
+def test_a_lone_decode_splits_its_context_over_every_program_past_the_holes_left_of_its_window(ctx, window):
+    """The one-token bucket's shape (one token, one request slot): plan splits the context as far as
+    it goes (64 pieces), pieces of a few tokens or none at short contexts. With a sliding window the
+    blocks wholly left of it hold an out-of-range id, as once freed: holes the output must not depend on."""
+    rng = np.random.default_rng(500 + ctx)
+    batch = make_batch(rng, ctx_lens=[ctx], q_lens=[1], num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=16)
+    [launch] = pallas_attention.plan(1, 1, 8, 2, 32, 4)
+    assert launch.num_splits == 64
+    if window is not None:
+        tables = np.array(batch.args[5])
+        tables[0, :max(0, ctx + 1 - window) // 16] = tables.max() + 1000
+        batch.args = (*batch.args[:5], jnp.asarray(tables), *batch.args[6:])
+    out = run_pallas(batch, scale=0.2, sliding_window=window)
+    ref = reference.ragged_paged_attention(*batch.args, scale=0.2, sliding_window=window)
+    assert_matches(out, ref, batch, jnp.float32)
+
+
 def test_pallas_decode_bucket_picks_split_k_and_matches_reference():
     rng = np.random.default_rng(400)
     batch = make_batch(rng, ctx_lens=[200, 1, 64], q_lens=[1, 1, 1], num_q_heads=4,
