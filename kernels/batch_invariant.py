@@ -290,23 +290,7 @@ def with_reference_gradient(attention):
     """`attention` (pallas_attention) in the forward and reference_attention's gradient (every block
     walked) in the backward: a forward a trainer differentiates whose numbers are bitwise the engine's
     kernel's, as the matmul and the RMSNorm above are."""
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-    def attend(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs, options):
-        return attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs, **dict(options))
-
-    def forward(q, k_cache, v_cache, *metadata_and_options):
-        *metadata, options = metadata_and_options
-        return attend(q, k_cache, v_cache, *metadata, options), (q, k_cache, v_cache, *metadata)
-
-    def backward(options, residuals, g):
-        q, k_cache, v_cache, *metadata = residuals
-        _, vjp = jax.vjp(lambda *qkv: reference_attention(*qkv, *metadata, every_block=True, **dict(options)),
-                         q, k_cache, v_cache)
-        return (*vjp(g), None, None, None, None)
-
-    attend.defvjp(forward, backward)
-
-    def call(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs, **options):
-        return attend(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_seqs,
-                      tuple(sorted(options.items())))
+    def call(*args, **options):
+        plain = functools.partial(reference_attention, every_block=True, **options)
+        return with_plain_gradient(functools.partial(attention, **options), plain)(*args)
     return call

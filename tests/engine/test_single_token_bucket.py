@@ -10,6 +10,7 @@ import pytest
 from jaxllm import LLM, SamplingParams, compilation
 from jaxllm.worker.executables import FORWARD
 from tests.conftest import engines_warmed_up, tiny_model
+from tests.engine.test_batch_invariance import tokens_and_logprobs as outputs
 
 ENGINE = dict(skip_tokenizer_init=True, max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64,
               num_gpu_blocks_override=64, show_progress=False, enable_multiprocessing=False)
@@ -20,11 +21,6 @@ OTHERS = [{"prompt_token_ids": list(range(20 + i, 40 + 3 * i))} for i in range(5
 
 def runner_of(llm):
     return llm.llm_engine.engine_core.core.executor.runner
-
-
-def outputs(out):
-    c = out.outputs[0]
-    return c.token_ids, [sorted((t, lp.logprob) for t, lp in d.items()) for d in c.logprobs]
 
 
 def forwards_taken(llm, prompts) -> tuple[list, list[str]]:
