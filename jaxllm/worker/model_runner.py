@@ -62,14 +62,17 @@ from jaxllm.worker.step_replay import StepReplay
 from jaxllm.worker.warm_up import executable_store, run_warm_up
 
 
-def single_token_bucket() -> bool:
+def single_token_bucket(platform: str) -> bool:
     """Whether the runner has a bucket of one token (batching.token_buckets), for a lone request's
     decode step: its attention then splits the context over every SM of a GPU, not over the programs a
     bucket of 16 request slots plans for (pallas_attention.plan: a sixteenth of them working, at batch
-    1). It costs two more executables (its forward and prompt logprobs). Opt-in with
-    JAXLLM_SINGLE_TOKEN_BUCKET=1 until a GPU has measured it (scripts/gpu_run.sh's long part); never for
-    a model with Mamba layers (ModelRunner): every step of one token is its decodes-only forward's."""
-    return os.environ.get("JAXLLM_SINGLE_TOKEN_BUCKET") == "1"
+    1). On an H100 it took the 8B shape's batch-1 step from 20.2 to 10.2 ms at 100k context and from 10.6
+    to 7.2 ms at 32k (docs/benchmarks.md), for two more executables (its forward and prompt logprobs).
+    On by default on a GPU, where the split is planned; JAXLLM_SINGLE_TOKEN_BUCKET=0 / 1 turns it off /
+    on anywhere. Never for a model with Mamba layers (ModelRunner): every step of one token is its
+    decodes-only forward's."""
+    chosen = os.environ.get("JAXLLM_SINGLE_TOKEN_BUCKET")
+    return platform == "gpu" if chosen is None else chosen == "1"
 
 
 class _Step(NamedTuple):
@@ -117,7 +120,8 @@ class ModelRunner:
         self.kv_layout = model_kv_layout(self.arch)  # the KV cache groups: one block table each
         num_groups = len(self.kv_layout.groups)
         self.token_buckets = batching.token_buckets(sc.max_num_batched_tokens,
-                                                    single_token_bucket() and self.arch.mamba is None)
+                                                    single_token_bucket(self.mesh.devices.flat[0].platform)
+                                                    and self.arch.mamba is None)
         num_spec = config.num_speculative_tokens
         eagle = config.speculative is not None and config.speculative.method in EAGLE_METHODS
         rows = [batching.logit_rows(t, sc.max_num_seqs, num_spec) for t in self.token_buckets]

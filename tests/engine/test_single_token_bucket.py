@@ -1,6 +1,6 @@
-"""The one-token bucket (worker/model_runner.py single_token_bucket, JAXLLM_SINGLE_TOKEN_BUCKET=1): a lone
-request's decode steps run a forward of one token, whose attention on a GPU splits the context over
-the whole device."""
+"""The one-token bucket (worker/model_runner.py single_token_bucket; on a GPU by default, here with
+JAXLLM_SINGLE_TOKEN_BUCKET=1): a lone request's decode steps run a forward of one token, whose
+attention on a GPU splits the context over the whole device."""
 import re
 
 import jax
@@ -9,6 +9,7 @@ import pytest
 
 from jaxllm import LLM, SamplingParams, compilation
 from jaxllm.worker.executables import FORWARD
+from jaxllm.worker.model_runner import single_token_bucket
 from tests.conftest import engines_warmed_up, tiny_model
 from tests.engine.test_batch_invariance import tokens_and_logprobs as outputs
 
@@ -42,6 +43,15 @@ def without():
 @pytest.fixture
 def single_token(monkeypatch):
     monkeypatch.setenv("JAXLLM_SINGLE_TOKEN_BUCKET", "1")
+
+
+def test_the_one_token_bucket_is_on_by_default_on_a_gpu_alone(monkeypatch):
+    monkeypatch.delenv("JAXLLM_SINGLE_TOKEN_BUCKET", raising=False)
+    assert single_token_bucket("gpu") and not single_token_bucket("cpu")
+    monkeypatch.setenv("JAXLLM_SINGLE_TOKEN_BUCKET", "0")
+    assert not single_token_bucket("gpu")
+    monkeypatch.setenv("JAXLLM_SINGLE_TOKEN_BUCKET", "1")
+    assert single_token_bucket("cpu")
 
 
 def test_a_lone_requests_decode_steps_take_the_one_token_forward(single_token, without):
