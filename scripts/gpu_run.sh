@@ -45,7 +45,7 @@
 #   kernels     the gpu-marked kernel tests, then bench attention (ATTENTION_ARGS adds flags:
 #               "--tune", "--skip-check --sections prefill")
 #   long        bench step on the 8B shape at batch 1 and contexts LONG_LENS (default "1000 32000 100000"),
-#               without and with the one-token bucket (JAXLLM_SINGLE_TOKEN_BUCKET=0 / 1)
+#               without and with the one-token bucket (JAXLLM_SINGLE_TOKEN_BUCKET=0 / 1; LONG_BUCKETS="1": with it only)
 #   check       the gpu-marked kernel tests alone (CHECK=WORD: those whose name has it)
 #   hybrid      the gpu-marked check of the hybrid KV cache and prefix hits through each backend
 #   weights     bench weights on the 8B shape at half the device's memory (the trainer's half
@@ -240,7 +240,7 @@ part_long() {
   local lens=${LONG_LENS:-1000 32000 100000} len single
   [ $TINY = 1 ] && lens="64 400"
   for len in $lens; do
-    for single in 0 1; do
+    for single in ${LONG_BUCKETS:-0 1}; do
       step 75 "bench step, batch 1, context $len, one-token bucket $single" env JAXLLM_SINGLE_TOKEN_BUCKET=$single \
         "${JAXLLM[@]}" bench step "${M8[@]}" "${NUMERICS[@]}" --max-model-len $(( len + 1024 )) --max-num-seqs 16 \
         --max-num-batched-tokens 8192 --batch-sizes 1 --input-len "$len" --output-len 64 \
