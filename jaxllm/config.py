@@ -18,6 +18,7 @@ from jaxllm.typecheck import check_field_types
 logger = logging.getLogger(__name__)
 
 RUNNERS = ("auto", "generate", "pooling")
+CAPACITY_POLICIES = ("max_utilization", "guaranteed_no_evict")  # core/scheduler.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,7 @@ class SchedulerConfig:
     async_scheduling: bool  # schedule step N+1 while step N runs on the device
     # Steps in flight, one per pipeline stage: a request waits for its sampled token before its next step
     pipeline_parallel_size: int = 1
+    capacity_scheduler_policy: str = "max_utilization"  # EngineArgs'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +228,11 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Which waiting requests the scheduler admits while KV blocks are free (core/scheduler.py), named as
+    # TensorRT-LLM's: "max_utilization" (vLLM's: any that fits now; a running request is preempted when
+    # blocks run out) or "guaranteed_no_evict" (one only if the blocks every running request and it
+    # need to reach max_tokens are free: no preemption, and as many requests as the cache holds whole)
+    capacity_scheduler_policy: str = "max_utilization"
     # vLLM's dual-batch overlap: every layer on one half of a step's tokens, then the other, so one half's
     # collectives (all-reduces, all-to-alls) may overlap the other's compute (models/dual_batch.py)
     enable_dbo: bool = False
@@ -251,6 +258,8 @@ class EngineArgs:
                f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
                f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        _check(self.capacity_scheduler_policy in CAPACITY_POLICIES,
+               f"capacity_scheduler_policy must be one of {CAPACITY_POLICIES}, got {self.capacity_scheduler_policy!r}")
         _check(self.load_format in ("auto", "dummy"), f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         _check(not self.batch_invariant or self.quantization is None,
                "batch_invariant runs without quantization (quantized GEMMs have no batch-invariant kernel), "
@@ -343,7 +352,7 @@ class EngineArgs:
                               KV_CACHE_DTYPES[self.kv_cache_dtype] or dtype, prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, batched, max_len,
                                       self.async_scheduling is not False,
-                                      self.pipeline_parallel_size),
+                                      self.pipeline_parallel_size, self.capacity_scheduler_policy),
             parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.pipeline_parallel_size,
                                     partition, self.num_hosts, self.host_rank, self.coordinator_address),
             attention_backend=backend,

@@ -24,7 +24,8 @@
 #   step        bench step on the 8B shape at batch 1 and 256, context ~1k, profiled
 #   tput tput1000 tput2048
 #               bench throughput, 1000 prompts at 128/128, 1000/1000 and 2048/128, MAX_SEQS
-#               sequences (default 1024) and 16384 batched tokens
+#               sequences (default 1024) and 16384 batched tokens (CAPACITY=guaranteed_no_evict: the
+#               admission that never preempts)
 #   qwen        bench throughput on the Qwen3-0.6B shape, in and out uniform in about 100-1024, profiled
 #   startup     bench startup twice against a fresh compilation cache: cold, then warm, whose
 #               outputs must be the cold start's
@@ -253,7 +254,8 @@ part_long() {
 throughput() {
   local est=$1 in=$2 out=$3 max_len=$4 seqs=${MAX_SEQS:-1024} prompts=1000 batched=16384
   [ $TINY = 1 ] && seqs=64 prompts=64 batched=1024 max_len=512 in=$(( in > 256 ? 256 : in )) out=$(( out > 40 ? 40 : out ))
-  step "$est" "throughput $2/$3" "${JAXLLM[@]}" bench throughput "${M8[@]}" "${NUMERICS[@]}" --max-model-len "$max_len" \
+  step "$est" "throughput $2/$3" "${JAXLLM[@]}" bench throughput "${M8[@]}" "${NUMERICS[@]}" \
+    ${CAPACITY:+--capacity-scheduler-policy "$CAPACITY"} --max-model-len "$max_len" \
     --max-num-seqs "$seqs" --max-num-batched-tokens "$batched" --input-len "$in" --output-len "$out" \
     --num-prompts "$prompts" --output-json "$D/throughput.json" 2>&1 | quiet 6
 }

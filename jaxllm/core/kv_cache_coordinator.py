@@ -33,6 +33,10 @@ class NoPrefixCacheCoordinator:
         """Free blocks of the pool an allocation takes (infinitely many when a state slot it needs is not free)."""
         return sum(m.num_blocks_needed(request_id, num_tokens, c) for m, c in zip(self.managers, computed))
 
+    def num_blocks_to_reach(self, request_id: str, num_tokens: int, computed: list[Blocks]) -> int | float:
+        """Free blocks of the pool the request takes, at most, until it holds num_tokens tokens."""
+        return sum(m.num_blocks_to_reach(request_id, num_tokens, c) for m, c in zip(self.managers, computed))
+
     def allocate(self, request_id: str, num_tokens: int, computed: list[Blocks]) -> list[Blocks]:
         return [m.allocate(request_id, num_tokens, c) for m, c in zip(self.managers, computed)]
 

@@ -85,6 +85,14 @@ class KVCacheManager:
         self._num_full_blocks[request_id] = max(num_full_blocks, self._num_full_blocks.get(request_id, 0))
         return [[0 if b is None else b.block_id for b in blocks] for blocks in added]
 
+    def num_blocks_to_reach(self, request: Request, num_tokens: int, computed_blocks: list[Blocks] | None = None
+                            ) -> int | float:
+        """Free blocks `request` takes, at most, from now until it holds `num_tokens` tokens (after the
+        prefix hit `computed_blocks` of a request being admitted): what the guaranteed-no-evict
+        admission (core/scheduler.py) keeps for it."""
+        return self.coordinator.num_blocks_to_reach(request.request_id, num_tokens,
+                                                    computed_blocks or self.coordinator.no_hit)
+
     def free(self, request: Request) -> None:
         self.coordinator.free(request.request_id)
         self._num_slots.pop(request.request_id, None)

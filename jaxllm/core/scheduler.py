@@ -13,6 +13,14 @@ LoRA (max_loras > 0): the running requests use at most max_loras distinct adapte
 step's adapters fit the runner's device slots. A waiting request whose adapter would be one
 too many stays waiting, in its place, and those behind it may be admitted.
 
+Capacity (`capacity_scheduler_policy`, TensorRT-LLM's names): under "max_utilization" (the
+default, vLLM's) a waiting request is admitted when its next tokens' blocks are free, and a
+running one is preempted when the blocks run out. Under "guaranteed_no_evict" it is admitted
+only if the free blocks cover what every running request and it may still take until their
+max_tokens (within the model length): none is preempted, and the batch is as large as the
+cache holds to the end (the best batch for long outputs, where preemption recomputes). With
+nothing running, a request is admitted as under "max_utilization", so none waits forever.
+
 Asynchronous scheduling: step N+1 is scheduled while step N runs, so a token that
 step N samples is not known yet. It counts as a placeholder
 (`num_output_placeholders`): its KV slot can be scheduled (the runner feeds it
@@ -72,6 +80,7 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens
         self.max_loras = max_loras
         self.num_lookahead_tokens = proposer.num_lookahead_tokens if proposer else 0
+        self._no_evict = config.capacity_scheduler_policy == "guaranteed_no_evict"
         # Under pipeline parallelism a request's next token is scheduled only once its last one has landed:
         # the first stage never waits for the last (the steps in flight are other requests').
         self._one_step_in_flight = config.pipeline_parallel_size > 1
@@ -136,6 +145,9 @@ class Scheduler:
                 i += 1
 
         # Admit waiting requests only in a step that preempted nothing: blocks are short.
+        # Under guaranteed_no_evict, the free blocks the running requests may yet take are kept for them
+        # (summed once a waiting request asks).
+        reserved = None
         skipped: list[Request] = []  # waiting requests whose adapter would be one too many, in order
         running_loras = {r.lora_int_id for r in self.running} - {0} if self.max_loras else set()
         while (self.waiting and budget > 0 and not preempted and not self.paused
@@ -148,6 +160,11 @@ class Scheduler:
                     skipped.append(self.waiting.popleft())
                     continue
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            if self._no_evict and self.running:
+                if reserved is None:
+                    reserved = sum(self._blocks_to_finish(r) for r in self.running)
+                if reserved + self._blocks_to_finish(request, computed_blocks) > self.kv.pool.num_free_blocks:
+                    break
             num_new = min(self._num_pending_tokens(request) - num_cached, budget)
             new_blocks = self._allocate(request, num_new, num_cached, computed_blocks)
             if new_blocks is None:
@@ -170,6 +187,8 @@ class Scheduler:
             out.append(self._schedule(request, num_new, new_blocks))
             requests.append(request)
             budget -= num_new
+            if reserved is not None:
+                reserved += self._blocks_to_finish(request)
         self.waiting.extendleft(reversed(skipped))
 
         self.num_preemptions += preempted
@@ -181,6 +200,14 @@ class Scheduler:
         preempted_ids, self._preempted_req_ids = self._preempted_req_ids, []
         return SchedulerOutput(out, self.config.max_num_batched_tokens - budget, new_requests, finished,
                                preempted_ids, preempted, self._num_steps)
+
+    def _blocks_to_finish(self, request: Request, computed_blocks=None) -> int | float:
+        """The free blocks `request` may yet take before it ends by length: its prompt and max_tokens
+        within the model length, its drafts' slots and the proposer's lookahead after them."""
+        max_tokens = request.max_tokens if request.max_tokens is not None else self.config.max_model_len
+        final = (min(len(request.prompt_token_ids) + max_tokens, self.config.max_model_len)
+                 + self.num_speculative_tokens + self.num_lookahead_tokens)
+        return self.kv.num_blocks_to_reach(request, final, computed_blocks)
 
     def _allocate(self, request: Request, num_new: int, num_cached: int = 0, computed_blocks=None):
         """KVCacheManager.allocate_slots, with the proposer's lookahead slots within the model length."""

@@ -41,6 +41,11 @@ class FullAttentionManager:
         revived = sum(1 for b in computed if b is not None and b.ref_cnt == 0)
         return max(cdiv(num_tokens, self.block_size) - held, 0) + revived
 
+    def num_blocks_to_reach(self, request_id: str, num_tokens: int, computed: Blocks) -> int | float:
+        """Free blocks the request takes, at most, from now until it holds `num_tokens` tokens (after the
+        prefix hit `computed` of a request being admitted)."""
+        return self.num_blocks_needed(request_id, num_tokens, computed)
+
     def allocate(self, request_id: str, num_tokens: int, computed: Blocks) -> Blocks:
         """Take the prefix hit's blocks `computed`, then new blocks up to `num_tokens` tokens.
         Returns the entries this adds to the request's list."""
@@ -96,6 +101,14 @@ class SlidingWindowManager(FullAttentionManager):
             if run == self._window_blocks:
                 return [None] * i + hit[i:i + run]
         return hit[:run]
+
+    def num_blocks_to_reach(self, request_id: str, num_tokens: int, computed: Blocks) -> int:
+        """As the full attention's, but a request holds at most the window's blocks at once, the one the
+        window starts in, and one for the drafts a step in flight may reject."""
+        held = sum(b is not None for b in self.req_to_blocks.get(request_id, ())) + sum(b is not None for b in computed)
+        revived = sum(1 for b in computed if b is not None and b.ref_cnt == 0)
+        most = min(cdiv(num_tokens, self.block_size), cdiv(self.sliding_window, self.block_size) + 2)
+        return max(most - held, 0) + revived
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Give back the blocks wholly before the window of the next token (at num_computed_tokens)."""

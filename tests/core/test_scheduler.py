@@ -11,10 +11,12 @@ from jaxllm.request import Request, RequestStatus
 from jaxllm.sampling_params import SamplingParams
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=64, enable_caching=False):
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=64, enable_caching=False,
+                   policy="max_utilization", layout=None):
     """Without the prefix cache unless asked: these prompts share their prefixes."""
-    kv = KVCacheManager(num_blocks, block_size, enable_caching=enable_caching)
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, async_scheduling=False), kv)
+    kv = KVCacheManager(num_blocks, block_size, layout, enable_caching=enable_caching)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, async_scheduling=False,
+                                     capacity_scheduler_policy=policy), kv)
 
 
 def make_request(i, prompt_len, max_tokens=4):
@@ -255,3 +257,65 @@ def test_running_requests_use_at_most_max_loras_adapters_and_the_others_wait_in_
         assert len({r.lora_int_id for r in s.running} - {0}) <= 2
         out, _ = run_step(s)
     assert requests[0].is_finished and requests[4].is_finished  # adapter 3 waited for adapter 1's last request
+
+
+@pytest.mark.parametrize("policy, preempts", [("max_utilization", True), ("guaranteed_no_evict", False)])
+def test_guaranteed_no_evict_admits_only_what_the_cache_holds_to_max_tokens(policy, preempts):
+    # 16 blocks of 4; each request reaches 8 + 8 tokens: 4 blocks, so 4 of them fit to the end.
+    s = make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=64, policy=policy)
+    requests = [make_request(i, 8, max_tokens=8) for i in range(8)]
+    for r in requests:
+        s.add_request(r)
+    most = 0
+    while s.has_unfinished_requests():
+        run_step(s)
+        most = max(most, len(s.running))
+    assert (s.num_preemptions > 0) == preempts
+    if not preempts:
+        assert most == 4
+    assert all(len(r.output_token_ids) == 8 and r.status == RequestStatus.FINISHED_LENGTH for r in requests)
+    assert s.kv.pool.num_free_blocks == 16 and not held_blocks(s)
+
+
+def test_guaranteed_no_evict_keeps_what_the_running_requests_may_take_and_counts_prefix_hits_as_held():
+    s = make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=64, policy="guaranteed_no_evict",
+                       enable_caching=True)
+    s.add_request(make_request(0, 8, max_tokens=8))
+    run_step(s)  # 0 holds its 8 prompt tokens' 2 blocks, and may take 2 more (16 tokens in all)
+    assert s._blocks_to_finish(s.running[0]) == 2
+    # Another such prompt finds 0's first block cached (a hit stops short of its last token) and held by
+    # 0: it takes no free block, so the newcomer may take 3, not 4.
+    newcomer = make_request(1, 8, max_tokens=8)
+    hit, num_cached = s.kv.get_computed_blocks(newcomer)
+    assert num_cached == 4 and s._blocks_to_finish(newcomer, hit) == 3 and s._blocks_to_finish(newcomer) == 4
+    for i in range(1, 8):
+        s.add_request(make_request(i, 8, max_tokens=8))
+    while s.has_unfinished_requests():
+        run_step(s)
+        assert sum(s._blocks_to_finish(r) for r in s.running) <= s.kv.pool.num_free_blocks
+    assert s.num_preemptions == 0 and not held_blocks(s)
+
+
+def test_guaranteed_no_evict_runs_a_request_longer_than_the_cache_alone():
+    # max_tokens=None: to the model length, 64 tokens, more than the 8 blocks of 4 hold; with nothing
+    # running it is admitted anyway (and preempted as under max_utilization), and the next waits for it.
+    s = make_scheduler(num_blocks=8, block_size=4, budget=64, policy="guaranteed_no_evict")
+    s.add_request(make_request(0, 4, max_tokens=None))
+    s.add_request(make_request(1, 4, max_tokens=4))
+    run_step(s)
+    assert [r.request_id for r in s.running] == ["0"] and s.waiting[0].request_id == "1"
+
+
+def test_guaranteed_no_evict_reserves_a_sliding_window_groups_window_alone():
+    from jaxllm.models.kv_layout import KVCacheGroup, KVCacheLayout
+    layout = KVCacheLayout((KVCacheGroup(8, (0,)),), 1)  # a window of 8 tokens: at most 4 blocks of 4 at once
+    s = make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=64, max_model_len=128,
+                       policy="guaranteed_no_evict", layout=layout)
+    requests = [make_request(i, 4, max_tokens=60) for i in range(8)]
+    for r in requests:
+        s.add_request(r)
+    run_step(s)
+    assert len(s.running) == 4  # 16 blocks, 4 a request: a full-attention reservation (16 each) would take one
+    while s.has_unfinished_requests():
+        run_step(s)
+    assert s.num_preemptions == 0 and s.kv.pool.num_free_blocks == 16

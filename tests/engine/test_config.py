@@ -52,6 +52,7 @@ def test_unsupported_architecture_raises(tmp_path):
     ({"dtype": "int8"}, "dtype"),
     ({"load_format": "pt"}, "load_format"),
     ({"attention_backend": "flash"}, "attention_backend"),
+    ({"capacity_scheduler_policy": "GUARANTEED_NO_EVICT"}, "capacity_scheduler_policy must be one of"),
 ])
 def test_invalid_engine_args_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -99,6 +100,17 @@ def test_a_pipeline_parallel_size_below_1_is_an_error():
 def test_a_data_parallel_size_below_1_is_an_error():
     with pytest.raises(ValueError, match=re.escape("data_parallel_size must be >= 1, got 0")):
         EngineArgs(model=tiny_model("llama"), data_parallel_size=0).create_config()
+
+
+def test_the_capacity_policy_reaches_the_scheduler_and_the_cli():
+    import argparse
+
+    from jaxllm.cli import add_engine_args, engine_args_from
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    ns = parser.parse_args(["--model", tiny_model("llama"), "--capacity-scheduler-policy", "guaranteed_no_evict"])
+    config = engine_args_from(ns).create_config()
+    assert config.scheduler.capacity_scheduler_policy == "guaranteed_no_evict"
 
 
 def test_the_parallel_config_carries_every_size():

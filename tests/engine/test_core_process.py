@@ -328,3 +328,12 @@ def test_speculative_decoding_gives_the_same_outputs(char_llama, expected):
     # against its max_tokens, and the random model's text seldom repeats).
     assert stats["spec_decode_num_accepted_tokens"] > 20, stats
     assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]  # and some were wrong
+
+
+def test_guaranteed_no_evict_gives_the_same_outputs_without_preempting(char_llama, expected):
+    """The admission that keeps every running request's blocks to its max_tokens: the workload that
+    preempts under the default gives the same outputs, aborts included, and preempts nothing."""
+    args = engine_args(char_llama, capacity_scheduler_policy="guaranteed_no_evict", enable_multiprocessing=False)
+    got, stats = run_client("inproc", args, expected[0])
+    check_against(expected, got)
+    assert stats["num_free_blocks"] == stats["num_blocks"] and stats["num_preemptions"] == 0
