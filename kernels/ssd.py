@@ -3,15 +3,21 @@ scan (state-space duality) for prefill chunks, the one-step update for decodes.
 
 Per head h of a request, with a_t = dt_t * A_h (A < 0) and a state S_t [head_dim, state_size]:
     S_t = exp(a_t) S_{t-1} + dt_t x_t B_t^T,      y_t = S_t C_t
-from the request's state S_0 (zeros on its first chunk; the skip D x_t is the caller's).
+from the request's state S_0 (zeros on its first step; the skip D x_t is the caller's).
 
-The scan splits each request's tokens into chunks of Q from its first token (a chunk never holds
-two requests). With cum the running sum of a within a chunk, each chunk gives
-    within:   y_i  = sum_{j <= i} (C_i . B_j) exp(cum_i - cum_j) dt_j x_j      a masked quadratic form
-    its own:  U_c  = sum_j exp(cum_last - cum_j) dt_j x_j B_j^T                 what it adds to the state
-    between:  S_c  = exp(cum_last) S_{c-1} + U_c,   y_i += exp(cum_i) S_{c-1} C_i
-the chunk-to-chunk recurrence an associative scan, restarted from S_0 at each request's first
-chunk. A request of one token (a decode, or a one-token prefill chunk) takes the update instead.
+The scan cuts the step's token axis into W = cdiv(T, Q) windows of Q, whatever the requests: a
+window may hold the end of one request, whole ones and the start of the next, so one program serves
+every mix of a bucket (no branch on the device, whose index a GPU reads on the host). With cum the
+running sum of a within a window, and tokens of two requests never meeting, each window gives
+    within:   y_i  = sum_{j <= i, same request} (C_i . B_j) exp(cum_i - cum_j) dt_j x_j
+    its own:  U_w  = sum_{j of its last token's request} exp(cum_last - cum_j) dt_j x_j B_j^T
+    between:  S_w  = exp(cum_last) S_{w-1} + U_w,   y_i += exp(cum_i) S_{w-1} C_i  (i's request
+              begun before window w)
+the window-to-window recurrence an associative scan, restarted where the last token's request
+begins in the window (from its S_0). Per request, two [Q] gathers: its first window's tokens, which
+read S_0 (decayed from the request's start), and its last window's, whose sum with S_{w-1} (or S_0)
+is its final state, taken at its last token, mid-window or not. A request of one token (a decode,
+or a one-token prefill chunk) takes the update instead; its tokens add nothing to the windows.
 
 The batch is the attention kernels' (kernels/reference.py): tokens flattened, request i's being
 [query_start_loc[i], query_start_loc[i + 1]), the first num_seqs requests real.
@@ -27,59 +33,38 @@ from jaxllm.kernels.reference import scatter_index
 from jaxllm.utils import cdiv
 
 
-class ChunkLayout(NamedTuple):
-    """Where each chunk of the prefill requests lies on the token axis."""
-    tokens: jax.Array    # [num_chunks, Q] int32: the chunk's token indices
-    mask: jax.Array      # [num_chunks, Q] bool: a real token of the chunk (its request's, in order)
-    request: jax.Array   # [num_chunks] int32: the chunk's request
-    first: jax.Array     # [num_chunks] bool: the first chunk of its request
-    last: jax.Array      # [num_reqs] int32: each request's last chunk (of a prefill request)
+class Windows(NamedTuple):
+    """The step's tokens in W = cdiv(T, Q) windows of Q on the token axis (the last one padded): a
+    window may hold the end of one request, whole requests and the start of another."""
+    request: jax.Array   # [W * Q] int32: each token's request (a padding token: the last request)
+    prefill: jax.Array   # [W * Q] bool: a token of a request of two tokens or more (the scan's)
+    segment: jax.Array   # [W, Q] int32: the token's request where prefill, else -1
+    starts: jax.Array    # [R] int32: each request's first token
 
 
-FEW_PARTIAL_CHUNKS = 2  # usual_chunks: the prefill requests' partial chunks it takes
-
-
-def max_chunks(num_tokens: int, num_reqs: int, chunk_size: int) -> int:
-    """The most chunks a batch holds: each prefill request (two tokens or more) adds at most one
-    partial chunk to the full ones."""
-    return cdiv(num_tokens, chunk_size) + min(num_reqs, num_tokens // 2)
-
-
-def usual_chunks(num_tokens: int, num_reqs: int, chunk_size: int) -> int:
-    """The chunk slots of a step of a few prefill requests (the usual mix): the full chunks and a few
-    partial ones. Also the most chunks whose terms ragged_ssd makes at once (its memory)."""
-    return min(max_chunks(num_tokens, num_reqs, chunk_size), cdiv(num_tokens, chunk_size) + FEW_PARTIAL_CHUNKS)
+def windows(query_start_loc, query_lens, num_tokens: int, chunk_size: int) -> Windows:
+    """Where the requests of query_lens [R] int32 (0 for padding) lie in windows of chunk_size."""
+    num_reqs, padded = query_lens.shape[0], cdiv(num_tokens, chunk_size) * chunk_size
+    token = jnp.arange(padded, dtype=jnp.int32)
+    # query_start_loc [0, 3, 3, 5] -> tokens [0, 1, 2, 3, 4] are requests [0, 0, 0, 2, 2]
+    request = jnp.minimum(jnp.searchsorted(query_start_loc[1:], token, side="right", method="compare_all"),
+                          num_reqs - 1).astype(jnp.int32)
+    starts = query_start_loc[:-1]
+    prefill = (token < starts[request] + query_lens[request]) & (query_lens[request] >= 2)
+    return Windows(request, prefill, jnp.where(prefill, request, -1).reshape(-1, chunk_size), starts)
 
 
 def scan_bytes(num_tokens: int, num_reqs: int, chunk_size: int, num_heads: int, head_dim: int,
                state_size: int) -> int:
     """A bound on ragged_ssd's transient memory at a bucket of num_tokens tokens and num_reqs requests
-    (fp32): a few [usual, Q, Q, H] products of the chunks whose terms it makes at once, over all its
-    chunks a few [Q, H, P] outputs and [H, P, N] states, and a few [T, H, P] outputs. Within 1.06-1.41x
-    of what XLA's memory analysis reports, from tiny shapes to Mamba2-2.7B's at 8192 tokens."""
+    (fp32): a few [R, Q, H, P] gathers of each request's first and last window's tokens and [R, H, P, N]
+    states, the windows' [W, Q, Q, H] products and [W, H, P, N] states, a few [T, H, P] outputs. Within
+    1.06-1.33x of what XLA's memory analysis reports, from tiny shapes to Mamba2-2.7B's at 8192 tokens."""
     q = min(chunk_size, num_tokens)
-    chunks, usual = max_chunks(num_tokens, num_reqs, q), usual_chunks(num_tokens, num_reqs, q)
-    return 4 * (4 * usual * q * q * num_heads + 3 * chunks * num_heads * head_dim * (q + state_size)
-                + 4 * num_tokens * num_heads * head_dim)
-
-
-def chunk_layout(query_lens, query_start_loc, num_tokens: int, chunk_size: int,
-                 num_chunks: int | None = None) -> ChunkLayout:
-    """The chunks of the requests of query_lens [R] int32 (0 for padding) tokens two or more, in
-    num_chunks slots (default max_chunks; fewer only where the requests need no more)."""
-    num_reqs = query_lens.shape[0]
-    num_chunks = num_chunks or max_chunks(num_tokens, num_reqs, chunk_size)
-    per_request = jnp.where(query_lens >= 2, (query_lens + chunk_size - 1) // chunk_size, 0)
-    ends = jnp.cumsum(per_request)
-    # per_request [2, 0, 1] -> ends [2, 2, 3]: chunks [0, 1, 2] are requests [0, 0, 2]
-    chunk = jnp.arange(num_chunks, dtype=jnp.int32)
-    request = jnp.minimum(jnp.searchsorted(ends, chunk, side="right", method="compare_all"), num_reqs - 1)
-    index = chunk - (ends - per_request)[request]  # the chunk's place in its request
-    start = query_start_loc[request] + index * chunk_size
-    length = jnp.where(chunk < ends[-1], jnp.minimum(query_lens[request] - index * chunk_size, chunk_size), 0)
-    offsets = jnp.arange(chunk_size, dtype=jnp.int32)
-    return ChunkLayout(tokens=start[:, None] + offsets, mask=offsets < length[:, None],
-                       request=request.astype(jnp.int32), first=index == 0, last=(ends - 1).astype(jnp.int32))
+    padded = cdiv(num_tokens, q) * q
+    return 4 * (3 * num_reqs * q * num_heads * head_dim + 2 * num_reqs * num_heads * head_dim * state_size
+                + padded * q * num_heads + 3 * padded // q * num_heads * head_dim * state_size
+                + 4 * padded * num_heads * head_dim)
 
 
 def _per_head(bc, num_heads: int):
@@ -87,77 +72,103 @@ def _per_head(bc, num_heads: int):
     return jnp.repeat(bc, num_heads // bc.shape[-2], axis=-2)
 
 
-def chunk_terms(xc, dtc, cum, bc, cc):
-    """The two terms each chunk makes alone, in plain JAX: xc [c, Q, H, P], dtc and cum [c, Q, H], bc
-    and cc [c, Q, G, N] (per group), float32 -> (y within the chunk [c, Q, H, P], its own state term
-    U_c [c, H, P, N]). kernels/pallas_ssd.py computes the same in one Pallas kernel."""
+def _by_group(a, groups: int, axis: int):
+    """a's heads axis [H] split into [groups, H / groups] (head h in group h // (H / groups)): an einsum
+    then reads B or C [..., groups, N] per group, with no [..., H, N] copy of them."""
+    return a.reshape(*a.shape[:axis], groups, -1, *a.shape[axis + 1:])
+
+
+def chunk_terms(xc, dtc, cum, bc, cc, segment):
+    """The two terms each window makes alone, in plain JAX: xc [c, Q, H, P], dtc and cum [c, Q, H], bc
+    and cc [c, Q, G, N] (per group), float32, segment [c, Q] int32 (each token's request: tokens of
+    two requests never meet) -> (y within the window [c, Q, H, P], U_c [c, H, P, N]: what the
+    window's last token's request adds to its state in the window). kernels/pallas_ssd.py computes the
+    same in one Pallas kernel."""
     num_heads = dtc.shape[2]
     bc, cc = _per_head(bc, num_heads), _per_head(cc, num_heads)     # [c, Q, H, N]
     q = xc.shape[1]
-    causal = (jnp.arange(q)[:, None] >= jnp.arange(q)[None, :])[None, :, :, None]
-    decay = jnp.exp(jnp.where(causal, cum[:, :, None, :] - cum[:, None, :, :], -jnp.inf))  # [c, i, j, H]
+    causal = jnp.arange(q)[:, None] >= jnp.arange(q)[None, :]
+    same = (causal & (segment[:, :, None] == segment[:, None, :]))[..., None]  # [c, i, j, 1]
+    decay = jnp.exp(jnp.where(same, cum[:, :, None, :] - cum[:, None, :, :], -jnp.inf))  # [c, i, j, H]
     scores = jnp.einsum("cihn,cjhn->cijh", cc, bc) * decay
     y = jnp.einsum("cijh,cjh,cjhp->cihp", scores, dtc, xc)
-    to_end = jnp.exp(cum[:, -1:] - cum) * dtc                        # [c, Q, H]
+    to_end = jnp.where((segment == segment[:, -1:])[..., None], jnp.exp(cum[:, -1:] - cum) * dtc, 0.0)  # [c, Q, H]
     return y, jnp.einsum("cjh,cjhn,cjhp->chpn", to_end, bc, xc)
 
 
-def _in_groups(f, group: int, *chunked):
-    """f over the chunk axis of `chunked` (arrays [c, ...]) `group` chunks at a time, in a loop: the
-    transient memory of f's [c, Q, Q, H] products stays that of one group's. Padding chunks (zeros) are
-    dropped from f's results."""
-    num_chunks = chunked[0].shape[0]
-    if num_chunks <= group:
-        return f(*chunked)
-    n = cdiv(num_chunks, group)
-    grouped = [jnp.pad(a, [(0, n * group - num_chunks)] + [(0, 0)] * (a.ndim - 1)).reshape(n, group, *a.shape[1:])
-               for a in chunked]
-    out = jax.lax.map(lambda a: f(*a), grouped)
-    return jax.tree.map(lambda a: a.reshape(n * group, *a.shape[2:])[:num_chunks], out)
-
-
-def ssd_chunk_scan(x, dt, A, B, C, initial_states, layout: ChunkLayout, terms=chunk_terms, group: int | None = None):
-    """The prefill requests' outputs and final states, chunk by chunk (the module's docstring).
+def ssd_chunk_scan(x, dt, A, B, C, initial_states, query_start_loc, query_lens, chunk_size: int,
+                   terms=chunk_terms):
+    """The outputs and final states of the requests of two tokens or more (the module's docstring).
 
     x [T, H, P], dt [T, H] (after softplus), A [H], B, C [T, G, N], initial_states [R, H, P, N]: all
-    float32; terms: chunk_terms or its Pallas kernel; group: the most chunks whose terms are made at
-    once (None: all). Returns (y [T, H, P]: zeros outside the chunks, final states [R, H, P, N]: of
-    each request's last chunk, for prefill requests)."""
+    float32; query_start_loc [R + 1], query_lens [R] int32 (0 for padding); chunk_size: Q, at most T;
+    terms: chunk_terms or its Pallas kernel. Returns (y [T, H, P]: zeros outside those requests,
+    final states [R, H, P, N]: those requests', the others' not meaningful)."""
     num_tokens, num_heads = dt.shape
-    tokens = jnp.where(layout.mask, layout.tokens, 0)
+    groups, q = B.shape[1], chunk_size
+    lay = windows(query_start_loc, query_lens, num_tokens, q)
+    num_windows, padded = lay.segment.shape[0], lay.segment.size
+    prefill = lay.prefill[:num_tokens, None]
+    pad = lambda a: jnp.pad(a, [(0, padded - num_tokens)] + [(0, 0)] * (a.ndim - 1))  # noqa: E731
+    dt, x, B, C = pad(jnp.where(prefill, dt, 0.0)), pad(jnp.where(prefill[..., None], x, 0.0)), pad(B), pad(C)
+    in_windows = lambda a: a.reshape(num_windows, q, *a.shape[1:])  # noqa: E731
+    cum = jnp.cumsum(in_windows(dt) * A, axis=1)                      # [W, Q, H]: other tokens add 0
+    y, own = terms(in_windows(x), in_windows(dt), cum, in_windows(B), in_windows(C), lay.segment)
+    cum = cum.reshape(padded, num_heads)
+    window_start = lambda t: t - t % q  # noqa: E731
 
-    def decay(tokens, mask):
-        dtc = jnp.where(mask[..., None], dt[tokens], 0.0)            # [c, Q, H]: masked tokens change nothing
-        return dtc, jnp.cumsum(dtc * A, axis=1)                      # cum [c, Q, H], decreasing
+    def since(start, t):
+        """The decay [..., H] from token `start` of a request (before it) to token t, in t's window."""
+        before = jnp.where((start % q == 0)[..., None], 0.0, cum[jnp.maximum(start - 1, 0)])
+        return cum[t] - jnp.where((start < window_start(t))[..., None], 0.0, before)
 
-    def own_terms(tokens, mask):
-        dtc, cum = decay(tokens, mask)
-        xc = jnp.where(mask[..., None, None], x[tokens], 0.0)        # [c, Q, H, P]
-        y, own = terms(xc, dtc, cum, B[tokens], C[tokens])
-        return y, own, cum[:, -1]
-
-    y, own, cum_last = _in_groups(own_terms, group or tokens.shape[0], tokens, layout.mask)
-    chunk_decay = jnp.exp(cum_last)[..., None, None]                 # [c, H, 1, 1]
-    start = initial_states[layout.request]
-    first = layout.first[:, None, None, None]
-    # S_c = g_c S_{c-1} + b_c, restarted at a request's first chunk (g = 0, S_0 folded into b).
-    gates = jnp.where(first, 0.0, chunk_decay)
-    adds = own + jnp.where(first, chunk_decay * start, 0.0)
+    # S_w, the state of window w's last token's request at the window's end (what a request that goes
+    # on into the next window starts it from): S_w = g_w S_{w-1} + b_w, restarted (g = 0) where that
+    # request begins in window w, its initial state folded into b.
+    last = jnp.arange(num_windows) * q + q - 1
+    last_req = lay.request[last]
+    continues = lay.starts[last_req] < last - (q - 1)
+    gates = jnp.where(continues[:, None], jnp.exp(cum[last]), 0.0)[..., None, None]
+    begins = jnp.where((continues | ~lay.prefill[last])[:, None], 0.0, jnp.exp(since(lay.starts[last_req], last)))
+    adds = own + begins[..., None, None] * initial_states[last_req]
 
     def combine(earlier, later):
         return earlier[0] * later[0], later[0] * earlier[1] + later[1]
 
-    _, states = jax.lax.associative_scan(combine, (gates, adds))
-    before = jnp.where(first, start, jnp.concatenate([start[:1], states[:-1]]))  # S_{c-1}
+    _, states = jax.lax.associative_scan(combine, (gates, adds))     # [W, H, P, N]
+    before = jnp.concatenate([jnp.zeros_like(states[:1]), states[:-1]])  # S_{w-1}
 
-    def from_before(y, before, tokens, mask):
-        cum = decay(tokens, mask)[1]
-        return y + jnp.einsum("cihn,chpn->cihp", _per_head(C[tokens], num_heads), before) * jnp.exp(cum)[..., None]
+    # A token whose request began in an earlier window reads S_{w-1}; one in its request's first
+    # window reads the request's initial state (below).
+    token = jnp.arange(padded)
+    carried = lay.prefill & (lay.starts[lay.request] < window_start(token))
+    from_before = jnp.einsum("wign,wgepn->wigep", in_windows(C), _by_group(before, groups, 1))
+    y = y.reshape(padded, num_heads, -1) + jnp.where(carried[:, None, None], jnp.exp(cum)[..., None], 0.0) \
+        * from_before.reshape(padded, num_heads, -1)
 
-    y = _in_groups(from_before, group or tokens.shape[0], y, before, tokens, layout.mask)
-    place = scatter_index(layout.tokens.reshape(-1), layout.mask.reshape(-1), num_tokens)
-    out = jnp.zeros(x.shape, jnp.float32).at[place].set(y.reshape(-1, *x.shape[1:]), mode="drop", unique_indices=True)
-    return out, states[layout.last]
+    # Per request, its first window's tokens (from its first) and its last window's (back from its
+    # last): [R, Q] each, tokens of other windows or requests masked.
+    lens = jnp.where(query_lens >= 2, query_lens, 0)
+    ends = lay.starts + lens - 1
+    k = jnp.arange(q)
+    first = lay.starts[:, None] + k                                   # [R, Q]
+    in_first = (k < jnp.minimum(lens, q - lay.starts % q)[:, None])
+    first = jnp.where(in_first, first, 0)
+    y_start = jnp.einsum("rkgn,rgepn->rkgep", C[first], _by_group(initial_states, groups, 1)).reshape(
+        *first.shape, num_heads, -1) * jnp.exp(since(lay.starts[:, None], first))[..., None]
+    place = scatter_index(jnp.where(in_first, first, 0).reshape(-1), in_first.reshape(-1), padded)
+    y = y.at[place].add(y_start.reshape(-1, *y.shape[1:]), mode="drop", unique_indices=True)
+
+    tail = ends[:, None] - k                                          # [R, Q]
+    in_tail = tail >= jnp.maximum(lay.starts, window_start(ends))[:, None]
+    tail = jnp.where(in_tail, tail, 0)
+    to_end = jnp.where(in_tail[..., None], jnp.exp(cum[ends][:, None] - cum[tail]) * dt[tail], 0.0)  # [R, Q, H]
+    own_tail = jnp.einsum("rkge,rkgn,rkgep->rgepn", _by_group(to_end, groups, 2), B[tail],
+                          _by_group(x[tail], groups, 2)).reshape(initial_states.shape)
+    continued = lay.starts < window_start(ends)
+    entry = jnp.where(continued[:, None, None, None], before[ends // q], initial_states)
+    final = jnp.exp(since(lay.starts, ends))[..., None, None] * entry + own_tail
+    return y[:num_tokens], jnp.where((lens > 0)[:, None, None, None], final, 0.0)
 
 
 def ssd_update(x, dt, A, B, C, states):
@@ -226,14 +237,13 @@ def ragged_ssd_in_slots(x, dt, A, B, C, states, slots, has_state, write_slots, q
     """ragged_ssd over a cache of states [S, H, P, N] (any float dtype; math in float32): request i
     starts from states[slots[i]] (zeros where not has_state[i]) and ends in states[write_slots[i]]
     (out of range: dropped). Returns (y [T, H, P] float32, the cache with the step's states written).
-    decodes_only: the caller knows every request has at most one token: the update alone runs, with
-    no conditional around the chunk scan (on a GPU, XLA's conditional waits on the host for its
-    branch index: a device-to-host round trip per layer and step). update: with decodes_only, the
+    decodes_only: the caller knows every request has at most one token: the update alone runs, not the
+    chunk scan over the bucket's windows. update: with decodes_only, the
     in-place state update that takes the plain one's place (state_update_fn).
 
     Only the step's requests' slots are read and written: one gather of their rows feeds the update
-    (ssd_update, its new states scattered into their slots) and the chunk scan's branch (which a
-    decode step does not run). At Mamba2-2.7B's 256 requests a layer's
+    (ssd_update, its new states scattered into their slots) and the chunk scan (which a decodes-only
+    step does not run). At Mamba2-2.7B's 256 requests a layer's
     states are 0.33 GB in bfloat16, so each extra pass over them costs about 0.13 ms per layer at
     an H100's 2.5 TB/s, 8.5 ms a step over its 64 layers."""
     num_tokens, num_reqs, num_slots = x.shape[0], slots.shape[0], states.shape[0]
@@ -252,33 +262,12 @@ def ragged_ssd_in_slots(x, dt, A, B, C, states, slots, has_state, write_slots, q
     # outputs and the writes, XLA copies the whole cache so that a write cannot come first.
     start = jnp.where(has_state[:, None, None, None], states[slots].astype(jnp.float32), 0.0)
 
-    # The chunk scan runs over as many chunk slots as it needs, of a few sizes: none without a prefill
-    # request (a decode step), the bucket's full chunks and a few partial ones (a step of a few prefill
-    # requests: the usual mix), or the bucket's most (every request a short prefill). Its work grows
-    # with its slots: the bucket's most cost a decode step many times the update's. Its memory does
-    # not: the terms are made a usual step's chunks at a time.
-    usual, most = usual_chunks(num_tokens, num_reqs, chunk), max_chunks(num_tokens, num_reqs, chunk)
-    sizes = sorted({usual, most})
-    needed = jnp.sum(jnp.where(query_lens >= 2, (query_lens + chunk - 1) // chunk, 0))
-
-    def scan(num_chunks: int):
-        layout = functools.partial(chunk_layout, query_lens, query_start_loc, num_tokens, chunk, num_chunks)
-
-        def run():
-            y, final = ssd_chunk_scan(x, dt, A, B, C, start, layout(), terms, usual)
-            return y, final.astype(states.dtype)
-        return run
+    y_one, new_states = ssd_update(x[first], dt[first], A, B[first], C[first], start)
     if decodes_only:
         y = jnp.zeros(x.shape, jnp.float32)
     else:
-        none = (jnp.zeros(x.shape, jnp.float32), jnp.zeros((num_reqs, *states.shape[1:]), states.dtype))
-        which = jnp.where(needed == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes, jnp.int32), needed))
-        y, prefill_states = jax.lax.switch(which, [lambda: none] + [scan(n) for n in sizes])  # (one branch runs)
-    y_one, one_states = ssd_update(x[first], dt[first], A, B[first], C[first], start)
+        y, prefill_states = ssd_chunk_scan(x, dt, A, B, C, start, query_start_loc, query_lens, chunk, terms)
+        new_states = jnp.where(one[:, None, None, None], new_states, prefill_states)
     y = y.at[scatter_index(first, one, num_tokens)].set(y_one, mode="drop", unique_indices=True)
-    states = states.at[scatter_index(write_slots, one, num_slots)].set(one_states.astype(states.dtype), mode="drop",
-                                                                      unique_indices=True)
-    if not decodes_only:
-        states = states.at[scatter_index(write_slots, query_lens >= 2, num_slots)].set(
-            prefill_states, mode="drop", unique_indices=True)
-    return y, states
+    return y, states.at[scatter_index(write_slots, query_lens >= 1, num_slots)].set(
+        new_states.astype(states.dtype), mode="drop", unique_indices=True)

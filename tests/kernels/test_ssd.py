@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jaxllm.kernels import pallas_ssd
-from jaxllm.kernels.ssd import (chunk_layout, chunk_terms, chunk_terms_fn, max_chunks, ragged_ssd, ragged_ssd_in_slots,
-                                scan_bytes, ssd_update, state_update_fn)
+from jaxllm.kernels.ssd import (chunk_terms, chunk_terms_fn, ragged_ssd, ragged_ssd_in_slots, scan_bytes, ssd_update,
+                                state_update_fn, windows)
 
 H, P, G, N = 4, 3, 2, 5  # heads, head_dim, groups, state_size
 
@@ -62,13 +62,16 @@ def run_ssd(x, dt, A, B, C, states, query_lens, chunk_size, terms=chunk_terms):
 
 @pytest.mark.parametrize("terms", [chunk_terms, PALLAS], ids=["reference", "pallas"])
 @pytest.mark.parametrize("query_lens, chunk_size", [
-    ([1], 4), ([1, 1, 1], 4),          # decodes alone: the chunk scan skipped
-    ([2] * 7 + [1], 8),                # more short prefills than the scan's usual size of chunks takes:
-    ([2] * 5 + [3], 16),               # the most slots, made in groups of the usual size (the last padded)
-    ([4], 4), ([5], 4), ([9], 4),      # a prefill at, past and across chunk boundaries
-    ([3, 1, 7, 1, 1, 6], 4),           # decodes between prefill chunks
+    ([1], 4), ([1, 1, 1], 4),          # decodes alone: no token in the chunk scan
+    ([2] * 7 + [1], 8),                # several requests inside one window, each ending mid-window
+    ([2] * 5 + [3], 16),
+    ([4], 4), ([5], 4), ([9], 4),      # a prefill at, past and across window boundaries
+    ([3, 1, 7, 1, 1, 6], 4),           # decodes between prefill chunks, beside them in a window
     ([17, 2, 1], 8),                   # a long chunk, a two-token one, a decode
-    ([13, 11], 64),                    # chunks longer than the batch: one chunk per request
+    ([13, 11], 64),                    # windows longer than the batch: one window
+    ([3, 10, 2, 9], 8),                # requests that start mid-window and go on into the next
+    ([6, 1, 5, 12, 2], 8),             # a one-token request between prefill chunks in one window
+    ([31], 8), ([7, 25], 8),           # up to the bucket's last token
 ])
 def test_ragged_ssd_matches_the_naive_recurrence(query_lens, chunk_size, terms):
     num_reqs = len(query_lens)
@@ -145,15 +148,12 @@ def test_the_budgets_scan_bound_holds_what_xla_keeps_for_the_scan(num_tokens, nu
     assert kept <= scan_bytes(num_tokens, num_reqs, chunk_size, heads, head_dim, state_size) <= 1.5 * kept
 
 
-def test_chunk_layout_covers_each_prefill_token_once_and_no_decode():
+def test_windows_mark_each_prefill_token_with_its_request_and_no_decode_or_padding():
     query_lens = jnp.array([5, 1, 2, 0], jnp.int32)
     qsl = jnp.array([0, 5, 6, 8, 8], jnp.int32)
-    layout = chunk_layout(query_lens, qsl, 8, 4)
-    assert layout.tokens.shape[0] == max_chunks(8, 4, 4) == 6
-    covered = np.asarray(layout.tokens)[np.asarray(layout.mask)]
-    assert sorted(covered.tolist()) == [0, 1, 2, 3, 4, 6, 7]
-    assert np.asarray(layout.request)[:3].tolist() == [0, 0, 2]
-    assert np.asarray(layout.first)[:3].tolist() == [True, False, True]
+    lay = windows(qsl, query_lens, 9, 4)  # 9 tokens: 3 windows, the last 3 tokens padding
+    assert np.asarray(lay.segment).tolist() == [[0, 0, 0, 0], [0, -1, 2, 2], [-1, -1, -1, -1]]
+    assert np.asarray(lay.request)[:8].tolist() == [0, 0, 0, 0, 0, 1, 2, 2]
 
 
 def test_the_pallas_chunk_terms_equal_the_plain_jax_ones_at_a_kernel_sized_shape():
@@ -164,7 +164,9 @@ def test_the_pallas_chunk_terms_equal_the_plain_jax_ones_at_a_kernel_sized_shape
     dtc = jax.nn.softplus(jax.random.normal(keys[1], (c, q, h)) - 1.0).at[-1, q // 2:].set(0.0)  # a padded tail
     cum = jnp.cumsum(dtc * -jnp.exp(jax.random.normal(keys[2], (h,))), axis=1)
     bc, cc = jax.random.normal(keys[3], (c, q, g, n)), jax.random.normal(keys[4], (c, q, g, n))
-    want, got = chunk_terms(xc, dtc, cum, bc, cc), PALLAS(xc, dtc, cum, bc, cc)
+    # a window of one request, one of three (the last going on), one of a request's end and padding
+    segment = jnp.array([[0] * q, [1] * 5 + [2] * 4 + [3] * (q - 9), [3] * 6 + [-1] * (q - 6)], jnp.int32)
+    want, got = chunk_terms(xc, dtc, cum, bc, cc, segment), PALLAS(xc, dtc, cum, bc, cc, segment)
     for w, o in zip(want, got):
         np.testing.assert_allclose(o, w, rtol=1e-5, atol=1e-5)
 
@@ -194,9 +196,10 @@ def test_the_compiled_pallas_chunk_terms_equal_the_plain_jax_ones_at_mamba2s_sha
     dtc = jax.nn.softplus(jax.random.normal(keys[1], (c, chunk, h)) - 2.0)
     cum = jnp.cumsum(dtc * -jnp.exp(jax.random.normal(keys[2], (h,))), axis=1)
     bc, cc = jax.random.normal(keys[3], (c, chunk, g, n)), jax.random.normal(keys[4], (c, chunk, g, n))
+    segment = jnp.repeat(jnp.arange(2 * c, dtype=jnp.int32).reshape(c, 2), chunk // 2, axis=1)  # two requests a window
     with jax.default_matmul_precision("highest"):
-        want = jax.jit(chunk_terms)(xc, dtc, cum, bc, cc)
-    got = pallas_ssd.chunk_terms(xc, dtc, cum, bc, cc)
+        want = jax.jit(chunk_terms)(xc, dtc, cum, bc, cc, segment)
+    got = pallas_ssd.chunk_terms(xc, dtc, cum, bc, cc, segment)
     for w, o in zip(want, got):
         np.testing.assert_allclose(o, w, rtol=2e-3, atol=2e-3)
 
