@@ -78,7 +78,7 @@ def enable_persistent_cache() -> None:
 
 # The environment variables that pick what a model traces (a kernel, latent attention's prefill form):
 # part of an executable's key, as its code is, so a stored executable of another choice is never loaded.
-TRACE_CHOICES = ("JAXLLM_MOE_KERNEL", "JAXLLM_SSD_KERNEL", "JAXLLM_SSD_UPDATE", "JAXLLM_MLA_PREFILL")
+TRACE_CHOICES = ("JAXLLM_MOE_KERNEL", "JAXLLM_SSD_KERNEL", "JAXLLM_SSD_UPDATE", "JAXLLM_MLA_PREFILL", "JAXLLM_FP8_FUSED")
 
 
 def trace_choices() -> dict[str, str | None]:

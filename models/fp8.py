@@ -17,21 +17,32 @@ token bucket) to prefill (docs/benchmarks.md); the relative error of one product
 about 0.04, against bf16's 0.002. A checkpoint's per-tensor or per-channel scales load into
 the same Fp8Linear (a per-tensor scale is the scale of each of its channels), with its static
 input scale if it has one; 128 x 128 block scales run as a BlockFp8Linear (kernels/fp8_block.py).
+
+With JAXLLM_FP8_FUSED=1 (off until a GPU has measured it) the layers hand an Fp8Linear its input
+already in e4m3 (QuantizedRows), quantized inside the kernel that makes it: the residual add and
+RMSNorm before qkv_proj and gate_up_proj, SwiGLU before down_proj (kernels/fp8_fused.py), where
+unfused the quantization runs as small kernels of its own around every GEMM.
 """
+import dataclasses
+import os
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import AxisType, PartitionSpec as P
 
-from jaxllm.kernels import fp8_block
-from jaxllm.sharding import per_device_linear
+from jaxllm.kernels import batch_invariant, fp8_block, fp8_fused
+from jaxllm.kernels.fp8_fused import E4M3_MAX, row_scale
+from jaxllm.sharding import logical_to_spec, per_device_linear
 
-E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+FUSED_ENV = "JAXLLM_FP8_FUSED"  # "1": the fused kernels; "0" (the default): quantize_rows in every Fp8Linear
 
 
 def quantize_kernel(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
     """kernel [in, *out] -> (e4m3 [*out, in], float32 scale [*out]), per output channel."""
     w = jnp.moveaxis(kernel.astype(jnp.float32), 0, -1)  # [*out, in]
-    scale = jnp.maximum(jnp.max(jnp.abs(w), axis=-1) / E4M3_MAX, jnp.finfo(jnp.float32).tiny)
+    scale = row_scale(jnp.max(jnp.abs(w), axis=-1))
     return (w / scale[..., None]).astype(jnp.float8_e4m3fn), scale
 
 
@@ -39,7 +50,7 @@ def quantize_experts(weight: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Stacked experts [E, in, *out] -> (e4m3 [E, in, *out], float32 scale [E, *out]), per expert and
     output channel, the layout kept (the grouped GEMM reads it as the model's dtype's)."""
     w = weight.astype(jnp.float32)
-    scale = jnp.maximum(jnp.max(jnp.abs(w), axis=1) / E4M3_MAX, jnp.finfo(jnp.float32).tiny)
+    scale = row_scale(jnp.max(jnp.abs(w), axis=1))
     return (w / jnp.expand_dims(scale, 1)).astype(jnp.float8_e4m3fn), scale
 
 
@@ -52,10 +63,84 @@ def quantize_rows(x: jax.Array, group_size: int | None = None, over: str | None 
     x32 = x.astype(jnp.float32)
     if group_size is not None:
         x32 = x32.reshape(x.shape[0], -1, group_size)
-    scale = jnp.maximum(jnp.max(jnp.abs(x32), axis=-1) / E4M3_MAX, jnp.finfo(jnp.float32).tiny)
+    scale = row_scale(jnp.max(jnp.abs(x32), axis=-1))
     if over is not None:
         scale = jax.lax.pmax(scale, over)
     return (x32 / scale[..., None]).astype(jnp.float8_e4m3fn).reshape(x.shape), scale
+
+
+def fused_enabled() -> bool:
+    """Whether JAXLLM_FP8_FUSED picks the fused kernels ("1") over quantize_rows in each Fp8Linear ("0", unset)."""
+    choice = os.environ.get(FUSED_ENV, "0")
+    if choice not in ("0", "1"):
+        raise ValueError(f"{FUSED_ENV} must be '0' or '1', got {choice!r}")
+    return choice == "1"
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedRows:
+    """An Fp8Linear's input already in e4m3, from a fused kernel: values [T, in] float8_e4m3fn, scale
+    [T] float32 (as quantize_rows gives them), dtype: the activations' (the product's)."""
+    values: jax.Array
+    scale: jax.Array
+    dtype: Any
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+
+def takes_rows(linear) -> bool:
+    """Whether `linear` takes QuantizedRows: an Fp8Linear that scales each token by its own max,
+    with JAXLLM_FP8_FUSED=1 (the batch-invariant ops refuse quantization; checked all the same)."""
+    return (isinstance(linear, Fp8Linear) and linear.input_scale is None and fused_enabled()
+            and not batch_invariant.enabled())
+
+
+def _tensor_parallel_mesh(x) -> jax.sharding.AbstractMesh | None:
+    """The mesh x is traced on where its "model" axis spans several devices and is not manual (inside
+    a shard_map): tensor parallelism, whose devices each run the kernels; else None."""
+    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+    if mesh is None or "model" not in mesh.axis_names:
+        return None
+    i = mesh.axis_names.index("model")
+    return None if mesh.axis_sizes[i] == 1 or mesh.axis_types[i] == AxisType.Manual else mesh
+
+
+def _interpret() -> bool:
+    return jax.default_backend() != "gpu"
+
+
+def add_norm_quantize(x, residual, weight, eps: float) -> tuple[jax.Array, QuantizedRows]:
+    """residual + x [T, D] (x alone where residual is None) and its RMSNorm (weight [D]) in e4m3 rows,
+    one kernel: (residual + x, QuantizedRows). The residual stream is replicated over "model": under
+    tensor parallelism each device runs the kernel on the whole rows."""
+    def run(x, residual, weight):
+        return fp8_fused.add_rms_norm_quantize(x, residual, weight, eps, interpret=_interpret())
+
+    mesh = _tensor_parallel_mesh(x)
+    if mesh is not None:
+        run = jax.shard_map(run, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    x, x8, scale = run(x, residual, weight)
+    return x, QuantizedRows(x8, scale, x.dtype)
+
+
+def swiglu_quantize(gate_up) -> QuantizedRows:
+    """silu(gate) * up of gate_up [T, 2, I] in e4m3 rows, one kernel. Under tensor parallelism I is
+    split over "model" (a row-parallel down_proj's input): each device's kernel finds its slice's max,
+    then quantizes it by the whole row's (quantize_rows's `over`), two launches."""
+    mesh = _tensor_parallel_mesh(gate_up)
+    if mesh is None:
+        return QuantizedRows(*fp8_fused.swiglu_quantize(gate_up, interpret=_interpret()), gate_up.dtype)
+    axis = logical_to_spec(("mlp",))[0]
+
+    def local(gate_up):  # [T, 2, I / devices]
+        scale = jax.lax.pmax(row_scale(fp8_fused.swiglu_amax(gate_up, interpret=_interpret())), axis)
+        return fp8_fused.swiglu_quantize(gate_up, scale, interpret=_interpret())
+
+    x8, scale = jax.shard_map(local, mesh=mesh, in_specs=P(None, None, axis), out_specs=(P(None, axis), P()),
+                              check_vma=False)(gate_up)
+    return QuantizedRows(x8, scale, gate_up.dtype)
 
 
 def _in_last_axes(ndim: int) -> tuple[int, ...]:
@@ -81,8 +166,10 @@ class Fp8Linear(nnx.Module):
         self.bias = bias
 
     def __call__(self, x):
-        """x [T, in] -> [T, *out] in x's dtype."""
-        if self.input_scale is None:
+        """x [T, in], or QuantizedRows (takes_rows) -> [T, *out] in x's dtype."""
+        if isinstance(x, QuantizedRows):
+            x8, x_scale = x.values, x.scale
+        elif self.input_scale is None:
             x8, x_scale = quantize_rows(x)
         else:  # static: values past the calibrated range saturate, as vLLM's
             x_scale = self.input_scale[...]

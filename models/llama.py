@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.kernels import batch_invariant
 from jaxllm.kernels.attention import AttentionMetadata, write_kv
+from jaxllm.models import fp8
 from jaxllm.models.config import ModelArchConfig
 from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.models.lora import LayerLoRA, LoRABatch
@@ -193,6 +194,8 @@ class MLP(nnx.Module):
     def __call__(self, x, lora: LayerLoRA | None = None):
         """x [num_tokens, hidden] -> [num_tokens, hidden]; lora: the step's adapters (models/lora.py)."""
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2, intermediate]
+        if lora is None and self.activation is jax.nn.silu and fp8.takes_rows(self.down_proj):
+            return self.down_proj(fp8.swiglu_quantize(gate_up))  # SwiGLU and e4m3 in one kernel
         gate, up = gate_up[:, 0], gate_up[:, 1]
         if lora is None:
             return self.down_proj(self.activation(gate) * up)
@@ -214,9 +217,22 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, cos, sin, kv_cache, md, attn_fn, lora: LayerLoRA | None = None):
         """lora: the step's adapters (only the Llama family's Attention and MLP take them)."""
         with_lora = {} if lora is None else {"lora": lora}
-        h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, md, attn_fn, **with_lora)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x), **with_lora), kv_cache
+        qkv_proj = self.self_attn.qkv_proj if lora is None and isinstance(self.self_attn, Attention) else None
+        gate_up_proj = self.mlp.gate_up_proj if lora is None and isinstance(self.mlp, MLP) else None
+        _, normed = norm_into(self.input_layernorm, qkv_proj, x)
+        h, kv_cache = self.self_attn(normed, cos, sin, kv_cache, md, attn_fn, **with_lora)
+        x, normed = norm_into(self.post_attention_layernorm, gate_up_proj, h, x)
+        return x + self.mlp(normed, **with_lora), kv_cache
+
+
+def norm_into(norm, linear, x, residual=None):
+    """(residual + x, its norm) as `linear` takes it (x alone where residual is None): in e4m3 rows from one
+    kernel (models/fp8.py add_norm_quantize) where linear takes them (JAXLLM_FP8_FUSED=1) and norm is an
+    RMSNorm, else norm's output."""
+    if type(norm) is RMSNorm and fp8.takes_rows(linear):
+        return fp8.add_norm_quantize(x, residual, norm.weight[...], norm.eps)
+    x = x if residual is None else residual + x
+    return x, norm(x)
 
 
 class Embed(nnx.Module):

@@ -30,6 +30,8 @@
 #   startup     bench startup twice against a fresh compilation cache: cold, then warm, whose
 #               outputs must be the cold start's
 #   fp8         bench fp8: FP8 matmul forms against bf16 (FP8_FORMS, FP8_BATCHES pick)
+#   fp8-fused   the fused FP8 kernels (JAXLLM_FP8_FUSED, kernels/fp8_fused.py): their gpu-marked tests, then
+#               the step part's bench step with FP8 weights and an e4m3 KV cache, the switch off, then on
 #   prefix      bench throughput, 1000 requests sharing a 1024-token prefix, the prefix cache off
 #               and on; bench report prefix
 #   prefill     bench step on 2048-token prompts in 2048-token steps, per attention backend
@@ -116,7 +118,7 @@ while [ $# -gt 0 ]; do
     *) PARTS+=("$1"); shift ;;
   esac
 done
-ALL_PARTS=" smoke step tput tput1000 tput2048 qwen startup fp8 prefix prefill serve sampling hf-compare kernels"
+ALL_PARTS=" smoke step tput tput1000 tput2048 qwen startup fp8 fp8-fused prefix prefill serve sampling hf-compare kernels"
 ALL_PARTS+=" long check hybrid weights invariant spec draft eagle moe-matmul ssd lora embed tools models kv-dtype quant sampler"
 ALL_PARTS+=" multi-gpu "
 [ ${#PARTS[@]} -gt 0 ] || { echo "name at least one part" >&2; usage 2 >&2; }
@@ -227,12 +229,24 @@ part_smoke() {
   done
 }
 
-part_step() {
-  local shape=(--batch-sizes 1,256 --input-len 1000 --output-len 96)
-  [ $TINY = 1 ] && shape=(--batch-sizes 1,16 --input-len 64 --output-len 40)
-  step 150 "bench step, context ~1k, profiled" "${JAXLLM[@]}" bench step "${M8[@]}" "${NUMERICS[@]}" --max-model-len 2048 \
-    --max-num-seqs 256 --max-num-batched-tokens 8192 "${shape[@]}" --profile-dir /tmp/profile \
-    --output-json "$D/step.json" 2>&1 | quiet 40
+# step_1k NAME [VAR=VALUE...] [FLAG...]: bench step on the 8B shape at batch 1 and 256, context ~1k, profiled
+# (into /tmp/profile and NAME less "step"), the variables set, into $D/NAME.json.
+step_1k() {
+  local name=$1 shape=(--batch-sizes 1,256 --input-len 1000 --output-len 96 --max-model-len 2048) envs=(); shift
+  while [[ "${1:-}" == *=* ]]; do envs+=("$1"); shift; done
+  [ $TINY = 1 ] && shape=(--batch-sizes 1,16 --input-len 64 --output-len 40 --max-model-len 512)
+  step 150 "bench step, context ~1k, profiled ($name)" env "${envs[@]}" "${JAXLLM[@]}" bench step "${M8[@]}" "$@" \
+    --max-num-seqs 256 --max-num-batched-tokens 8192 "${shape[@]}" \
+    --profile-dir "/tmp/profile${name#step}" --output-json "$D/$name.json" 2>&1 | quiet 40
+}
+part_step() { step_1k step "${NUMERICS[@]}"; }
+
+part_fp8-fused() {
+  local fused
+  step 60 "fused FP8 kernel tests" timeout 240 "$PY" -m pytest -q -m gpu tests/kernels/test_fp8_fused.py 2>&1 | quiet 25
+  for fused in 0 1; do
+    step_1k "step_fused$fused" JAXLLM_FP8_FUSED=$fused --quantization fp8 --kv-cache-dtype fp8
+  done
 }
 
 # A lone request's decode step at long contexts, with and without the one-token bucket (whose
