@@ -54,13 +54,25 @@ def windows(query_start_loc, query_lens, num_tokens: int, chunk_size: int) -> Wi
     return Windows(request, prefill, jnp.where(prefill, request, -1).reshape(-1, chunk_size), starts)
 
 
+MAX_WINDOW = 64  # window_size
+
+
+def window_size(chunk_size: int, num_tokens: int) -> int:
+    """The scan's window Q: the model's chunk size, at most MAX_WINDOW tokens and the bucket's. Any Q gives
+    the same outputs (up to rounding); the two per-request gathers cost R x Q x H x P x N each whatever the
+    step's mix, so Mamba2-2.7B's chunks of 256 at 256 requests would spend ~170 GFLOP a layer on them; at
+    64, a step of three prompts beside 253 decodes over 2,048 tokens ran in 5.4 s a layer on this CPU
+    against 17 s at 256 (3.6 s before the windows, with their branches)."""
+    return min(chunk_size, MAX_WINDOW, num_tokens)
+
+
 def scan_bytes(num_tokens: int, num_reqs: int, chunk_size: int, num_heads: int, head_dim: int,
                state_size: int) -> int:
     """A bound on ragged_ssd's transient memory at a bucket of num_tokens tokens and num_reqs requests
     (fp32): a few [R, Q, H, P] gathers of each request's first and last window's tokens and [R, H, P, N]
     states, the windows' [W, Q, Q, H] products and [W, H, P, N] states, a few [T, H, P] outputs. Within
     1.06-1.33x of what XLA's memory analysis reports, from tiny shapes to Mamba2-2.7B's at 8192 tokens."""
-    q = min(chunk_size, num_tokens)
+    q = window_size(chunk_size, num_tokens)
     padded = cdiv(num_tokens, q) * q
     return 4 * (3 * num_reqs * q * num_heads * head_dim + 2 * num_reqs * num_heads * head_dim * state_size
                 + padded * q * num_heads + 3 * padded // q * num_heads * head_dim * state_size
@@ -222,6 +234,7 @@ def ragged_ssd(x, dt, A, B, C, initial_states, query_start_loc, num_seqs, chunk_
 
     x [T, H, P], dt [T, H] (after softplus), A [H], B, C [T, G, N], initial_states [R, H, P, N]
     (zeros for a request without a state yet): float32; query_start_loc [R + 1], num_seqs [1] int32;
+    chunk_size: the model's, the scan's windows window_size(chunk_size, T);
     terms: the chunk terms' implementation (chunk_terms_fn).
     Returns (y [T, H, P] float32, without the D skip; the requests' states after their tokens [R, H,
     P, N], a padding request's its initial state)."""
@@ -256,7 +269,7 @@ def ragged_ssd_in_slots(x, dt, A, B, C, states, slots, has_state, write_slots, q
                                jnp.where(one, write_slots, num_slots))
         return jnp.zeros(x.shape, jnp.float32).at[scatter_index(first, one, num_tokens)].set(
             y_one, mode="drop", unique_indices=True), states
-    chunk = min(chunk_size, num_tokens)
+    chunk = window_size(chunk_size, num_tokens)
 
     # The cache is read once, its requests' slots, before it is written: where two reads feed the
     # outputs and the writes, XLA copies the whole cache so that a write cannot come first.

@@ -32,7 +32,8 @@ ATTENTION_SCALE = 128 ** -0.5  # the attention layer's head dim's
 
 def add_cli_args(parser) -> None:
     parser.add_argument("--lengths", type=positive_ints, default="1024,4096,16384", help="prompt lengths L")
-    parser.add_argument("--chunk-sizes", type=positive_ints, default="128,256", help="the scan's chunk sizes")
+    parser.add_argument("--chunk-sizes", type=positive_ints, default="32,64",
+                        help="the scan's windows (kernels/ssd.py window_size: at most MAX_WINDOW)")
     parser.add_argument("--num-heads", type=positive_int, default=80, help="SSM heads (default: Mamba2-2.7B's 80)")
     parser.add_argument("--head-dim", type=positive_int, default=64)
     parser.add_argument("--state-size", type=positive_int, default=128)

@@ -185,6 +185,8 @@ ENGINE_INVALID = {
     "kv_cache_dtype": st.one_of(st.text(max_size=8).filter(lambda s: s not in config_module.KV_CACHE_DTYPES),
                                 not_of(str)),
     "async_scheduling": not_of(bool, type(None)),
+    "capacity_scheduler_policy": st.one_of(
+        st.text(max_size=20).filter(lambda s: s not in config_module.CAPACITY_POLICIES), not_of(str)),
     "speculative_config": st.one_of(
         st.fixed_dictionaries({"method": st.text(max_size=6).filter(lambda s: s != "ngram"),
                                "num_speculative_tokens": st.just(2)}),
