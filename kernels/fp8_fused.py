@@ -12,7 +12,9 @@ Unfused, XLA runs each as several small kernels (the norm's reduction, the max's
 ops between); at batch 1 each is a launch of a few microseconds (docs/benchmarks.md). Grid: one
 program per row. A program walks its row in chunks of `block` columns (a power of two, as Triton's
 tensors must be; masked past the row's end), once for each reduction and once to write: the row is
-read two or three times, from L1/L2 after the first.
+read two or three times, from L1/L2 after the first. Untuned: at batch 1 one program (one SM) walks
+the whole row, the 8B's SwiGLU row of 14,336 in four chunks; should a GPU show that slower than
+XLA's kernels spread over the SMs, split the row over programs (its max then a second launch).
 
 Both compute in float32 from the loaded rows to the e4m3 values, rounding to the model's dtype only
 the residual they store (XLA, by its excess precision, skips some roundings between fused ops too;
@@ -122,7 +124,7 @@ def _by_rows(kernel, inputs, in_specs, outputs, out_specs, block: int, name: str
     """kernel over a grid of one program a row (inputs[0]'s)."""
     return pl.pallas_call(
         kernel, out_shape=outputs, grid=(inputs[0].shape[0],), in_specs=in_specs, out_specs=out_specs,
-        compiler_params=plgpu.CompilerParams(num_warps=_num_warps(block), num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=_num_warps(block)),
         interpret=interpret, name=name,
     )(*inputs)
 
@@ -182,15 +184,15 @@ def add_rms_norm_quantize(x, residual, weight, eps: float, *, interpret: bool = 
     return (x, *out) if residual is None else tuple(out)
 
 
-def _swiglu_kernel(gu_ref, *refs, block: int, phase: str):
-    # gu_ref [2, I] the row's gate and up (model dtype); phase "amax": out a_ref [] float32;
+def _swiglu_kernel(gate_ref, up_ref, *refs, block: int, phase: str):
+    # gate_ref, up_ref [I] the row's (model dtype); phase "amax": out a_ref [] float32;
     # "quantize": out q_ref [I] e4m3, s_ref [] float32; "given": in s_in_ref [], out q_ref [I] e4m3
-    num, at = _chunks(gu_ref.shape[1], block)
+    num, at = _chunks(gate_ref.shape[0], block)
 
     def h32(c):
         cols, mask = at(c)
-        gate = plgpu.load(gu_ref.at[0, cols], mask=mask, other=0).astype(jnp.float32)
-        up = plgpu.load(gu_ref.at[1, cols], mask=mask, other=0).astype(jnp.float32)
+        gate = plgpu.load(gate_ref.at[cols], mask=mask, other=0).astype(jnp.float32)
+        up = plgpu.load(up_ref.at[cols], mask=mask, other=0).astype(jnp.float32)
         return cols, mask, jax.nn.silu(gate) * up  # 0 past the row's end
 
     if phase == "given":
@@ -209,15 +211,16 @@ def _swiglu_kernel(gu_ref, *refs, block: int, phase: str):
 
 def _swiglu_call(gate_up, phase: str, scale=None, *, interpret: bool):
     t, _, i = gate_up.shape
-    block = min(_block(i), 2048)  # gate and up: two chunks' worth held
+    block = _block(i)
     scalar = pl.BlockSpec((None,), lambda r: (r,))
     rows = pl.BlockSpec((None, i), lambda r: (r, 0))
     out_scale = jax.ShapeDtypeStruct((t,), jnp.float32)
     outputs = {"amax": ([out_scale], [scalar]),
                "quantize": ([jax.ShapeDtypeStruct((t, i), jnp.float8_e4m3fn), out_scale], [rows, scalar]),
                "given": ([jax.ShapeDtypeStruct((t, i), jnp.float8_e4m3fn)], [rows])}[phase]
-    inputs = (gate_up,) if scale is None else (gate_up, scale)
-    in_specs = [pl.BlockSpec((None, 2, i), lambda r: (r, 0, 0)), scalar][:len(inputs)]
+    inputs = (gate_up, gate_up) if scale is None else (gate_up, gate_up, scale)  # read as gate and as up
+    in_specs = [pl.BlockSpec((None, None, i), lambda r: (r, 0, 0)), pl.BlockSpec((None, None, i), lambda r: (r, 1, 0)),
+                scalar][:len(inputs)]
     return _by_rows(functools.partial(_swiglu_kernel, block=block, phase=phase), inputs, in_specs, *outputs, block,
                     f"swiglu_{phase}", interpret)
 

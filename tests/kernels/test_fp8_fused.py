@@ -67,7 +67,7 @@ def test_add_rms_norm_quantize_matches_its_reference(num_rows, columns, dtype, w
 @pytest.mark.parametrize("num_rows", ROWS)
 def test_swiglu_quantize_matches_its_reference(num_rows, columns, dtype):
     if columns == 5000 and num_rows > 16:
-        pytest.skip("the three-chunk row (2048 a chunk): 1 and 16 rows suffice")
+        pytest.skip("the two-chunk row: 1 and 16 rows suffice")
     gate_up = rows(3, (num_rows, 2, columns), dtype)
     got = fp8_fused.swiglu_quantize(gate_up, interpret=True)
     assert_quantized_close(got, jax.jit(fp8_fused.reference_swiglu_quantize)(gate_up))
@@ -125,11 +125,33 @@ def test_the_switch_takes_0_or_1(monkeypatch):
     assert fp8.FUSED_ENV in compilation.TRACE_CHOICES  # another executable, not a stored one of the other choice
 
 
+@pytest.mark.parametrize("kernel", ["add", "no_add", "swiglu", "given", "amax"])
+def test_the_kernels_lower_to_triton_for_a_hopper_gpu(kernel, monkeypatch):
+    """Without a GPU: Pallas's Triton lowering of each kernel at the 8B's shapes for compute capability
+    9.0, as jax.export lowers for "cuda" (Triton's power-of-two tensors, its e4m3 casts, the ops it
+    has); PTX is made on a GPU alone (test_gpu_kernels_match_their_references_at_the_8b_shape)."""
+    registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
+    info = registration.gpu_info_lib  # (JAX's own; the lowering asks it for the device's capability)
+    monkeypatch.setattr(info, "get_gpu_info", lambda: info.GpuInfo(gpu_version=None, arch_name="9.0",
+                                                                   compute_capability=90))
+    x, weight = jax.ShapeDtypeStruct((16, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((4096,), jnp.bfloat16)
+    gate_up, scale = jax.ShapeDtypeStruct((16, 2, 14336), jnp.bfloat16), jax.ShapeDtypeStruct((16,), jnp.float32)
+    fn, args = {"add": (lambda x, r, w: fp8_fused.add_rms_norm_quantize(x, r, w, EPS), (x, x, weight)),
+                "no_add": (lambda x, w: fp8_fused.add_rms_norm_quantize(x, None, w, EPS), (x, weight)),
+                "swiglu": (fp8_fused.swiglu_quantize, (gate_up,)),
+                "given": (fp8_fused.swiglu_quantize, (gate_up, scale)),
+                "amax": (fp8_fused.swiglu_amax, (gate_up,))}[kernel]
+    triton = "__gpu$xla.gpu.triton"
+    exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
+                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(*args)
+    assert exported.mlir_module().count(f"@{triton}") == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 @pytest.mark.parametrize("num_rows", [1, 16, 256])
 def test_gpu_kernels_match_their_references_at_the_8b_shape(num_rows):
-    """Compiled by Triton: hidden 4096 (one chunk), intermediate 14336 (seven), bf16."""
+    """Compiled by Triton: hidden 4096 (one chunk), intermediate 14336 (four, the last masked), bf16."""
     x, residual = rows(0, (num_rows, 4096), jnp.bfloat16), rows(1, (num_rows, 4096), jnp.bfloat16)
     weight = (1.0 + 0.1 * jax.random.normal(jax.random.key(2), (4096,))).astype(jnp.bfloat16)
     got = jax.jit(fp8_fused.add_rms_norm_quantize, static_argnums=3)(x, residual, weight, EPS)
