@@ -232,11 +232,11 @@ part_smoke() {
 # step_1k NAME [VAR=VALUE...] [FLAG...]: bench step on the 8B shape at batch 1 and 256, context ~1k, profiled
 # (into /tmp/profile and NAME less "step"), the variables set, into $D/NAME.json.
 step_1k() {
-  local name=$1 shape=(--batch-sizes 1,256 --input-len 1000 --output-len 96 --max-model-len 2048) envs=(); shift
+  local name=$1 len=2048 shape=(--batch-sizes 1,256 --input-len 1000 --output-len 96) envs=(); shift
   while [[ "${1:-}" == *=* ]]; do envs+=("$1"); shift; done
-  [ $TINY = 1 ] && shape=(--batch-sizes 1,16 --input-len 64 --output-len 40 --max-model-len 512)
+  [ $TINY = 1 ] && len=512 shape=(--batch-sizes 1,16 --input-len 64 --output-len 40)
   step 150 "bench step, context ~1k, profiled ($name)" env "${envs[@]}" "${JAXLLM[@]}" bench step "${M8[@]}" "$@" \
-    --max-num-seqs 256 --max-num-batched-tokens 8192 "${shape[@]}" \
+    --max-model-len $len --max-num-seqs 256 --max-num-batched-tokens 8192 "${shape[@]}" \
     --profile-dir "/tmp/profile${name#step}" --output-json "$D/$name.json" 2>&1 | quiet 40
 }
 part_step() { step_1k step "${NUMERICS[@]}"; }
