@@ -97,6 +97,7 @@ def engine_settings(engine) -> dict:
             "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
             "block_size": config.cache.block_size, "tensor_parallel_size": config.parallel.tensor_parallel_size,
             "attention_backend": config.attention_backend, "async_scheduling": config.scheduler.async_scheduling,
+            "capacity_scheduler_policy": config.scheduler.capacity_scheduler_policy,
             "batch_invariant": config.batch_invariant,
             "kv_cache": engine.engine_core.description}
 

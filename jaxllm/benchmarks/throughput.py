@@ -86,7 +86,7 @@ def run_throughput_bench(engine_args, num_prompts: int, input_len: int, output_l
         params = None if pooling else [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n)
                                        for n in output_lens]
 
-        compiles_before = engine.get_stats()["num_compilations"]
+        stats_before = engine.get_stats()
         cache_before = _prefix_cache_stats(engine)
         if profile_dir:
             llm.start_profile(profile_dir)
@@ -97,7 +97,11 @@ def run_throughput_bench(engine_args, num_prompts: int, input_len: int, output_l
         finally:
             if profile_dir:  # writing the trace out is left off the clock
                 llm.stop_profile()
-        compiles = engine.get_stats()["num_compilations"] - compiles_before
+        stats_after = engine.get_stats()
+        compiles = stats_after["num_compilations"] - stats_before["num_compilations"]
+        # Requests sent back to waiting when the KV blocks ran out (recomputed later); None where not counted.
+        preemptions = (stats_after["num_preemptions"] - stats_before["num_preemptions"]
+                       if "num_preemptions" in stats_after else None)
         cache_after = _prefix_cache_stats(engine)
         settings = engine_settings(engine)
     finally:
@@ -131,6 +135,7 @@ def run_throughput_bench(engine_args, num_prompts: int, input_len: int, output_l
         "output_lens": output_lens,
         "all_lengths_ok": lengths_ok,
         "compiles_after_warm_up": compiles,
+        "num_preemptions": preemptions,
         "startup_s": round(startup_s, 1),
         "engine": settings,
     }
@@ -159,6 +164,8 @@ def main(ns, engine_args) -> int:
         print(f"Device idle share: n/a ({result['profile_error']})")
     print(f"Total num prompt tokens:  {result['total_prompt_tokens']}")
     print(f"Total num output tokens:  {result['total_output_tokens']}")
+    if result["num_preemptions"] is not None:
+        print(f"Preemptions: {result['num_preemptions']}")
     if result["prefix_cache_hit_rate"] is None:
         print("Prefix cache hit rate: n/a (this engine does not count prefix-cache hits)")
     else:

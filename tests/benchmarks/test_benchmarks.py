@@ -85,6 +85,15 @@ def test_throughput_compiles_nothing_in_the_timed_run(throughput):
     assert throughput["compiles_after_warm_up"] == 0
 
 
+@pytest.mark.parametrize("policy", ["max_utilization", "guaranteed_no_evict"])
+def test_throughput_counts_the_preemptions_each_capacity_policy_makes(tmp_path, policy):
+    # 16 blocks of 16 tokens for 16 requests of 16 + 32: about a third of them fit to the end.
+    r = run_bench(tmp_path, "throughput", "--num-prompts", "16", "--input-len", "16", "--output-len", "32",
+                  "--num-gpu-blocks-override", "16", "--block-size", "16", "--capacity-scheduler-policy", policy)
+    assert r["engine"]["capacity_scheduler_policy"] == policy and r["all_lengths_ok"]
+    assert (r["num_preemptions"] > 0) == (policy == "max_utilization")
+
+
 def test_random_range_ratio_spreads_lengths_within_vllms_bounds(throughput):
     # 16 and 8 with r=0.5: prompts in [8, 24], outputs in [4, 12], both ends included.
     prompt_lens, output_lens = throughput["prompt_lens"], throughput["output_lens"]
