@@ -18,7 +18,7 @@ import jax
 from jax.profiler import TraceAnnotation
 
 from jaxllm import compilation
-from jaxllm.config import EAGLE_METHODS, Config
+from jaxllm.config import Config
 from jaxllm.contracts.engine_core import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from jaxllm.contracts.step import SchedulerOutput
 from jaxllm.core.kv_cache_manager import KVCacheManager
@@ -28,6 +28,7 @@ from jaxllm.executor import make_executor
 from jaxllm.lora.request import LoRARequest
 from jaxllm.request import Request, RequestStatus, check_token_ids
 from jaxllm.spec_decode import make_proposer
+from jaxllm.spec_decode.config import EAGLE_METHODS
 from jaxllm.worker.step_output import StepOutput
 
 logger = logging.getLogger(__name__)

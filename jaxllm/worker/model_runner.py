@@ -37,13 +37,14 @@ import numpy as np
 from jax.profiler import TraceAnnotation
 
 from jaxllm import compilation
-from jaxllm.config import EAGLE_METHODS, Config
+from jaxllm.config import Config
 from jaxllm.contracts.step import SchedulerOutput, TokenMasks
 from jaxllm.kernels.attention import get_attention_fn
 from jaxllm.lora.slots import LoRASlots
 from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.sample.sampler import SampleMode
 from jaxllm.sharding import make_mesh, make_stage_meshes, replicated
+from jaxllm.spec_decode.config import EAGLE_METHODS
 from jaxllm.utils import cdiv
 from jaxllm.worker import input_batch as batching, kv_heads, model_loader
 from jaxllm.worker.draft_model import DraftModel

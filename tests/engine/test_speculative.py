@@ -5,7 +5,8 @@ import pytest
 from scipy import stats
 
 from jaxllm import LLM, SamplingParams, compilation
-from jaxllm.config import EngineArgs, SpeculativeConfig
+from jaxllm.config import EngineArgs
+from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.spec_decode.ngram import NgramProposer, propose_ngram
 from tests.conftest import tiny_model
 
