@@ -13,7 +13,7 @@ from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.models.quant_config import INT4, QUANTIZATIONS, QuantConfig, resolve_model_quantization
 from jaxllm.pooling_params import PoolerConfig
 from jaxllm.sharding import layer_partition
-from jaxllm.spec_decode.config import EAGLE_METHODS, SpeculativeConfig
+from jaxllm.speculative_config import EAGLE_METHODS, SpeculativeConfig
 from jaxllm.typecheck import check_field_types
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ LAYERS = [
               "jaxllm.kernels", "jaxllm.models", "jaxllm.sampling_params", "jaxllm.pooling_params",
               "jaxllm.structured_output", "jaxllm.outputs", "jaxllm.sample.logits_processor", "jaxllm.lora"]},
     {"config": ["jaxllm.config", "jaxllm.model_source", "jaxllm.dtypes", "jaxllm.device_facts", "jaxllm.model_hub",
-                "jaxllm.tokenizer", "jaxllm.profiling"]},
+                "jaxllm.tokenizer", "jaxllm.profiling", "jaxllm.speculative_config"]},
     {"contracts": ["jaxllm.contracts"]},
     {"sample": ["jaxllm.sample"]},
     {"core": ["jaxllm.core", "jaxllm.request", "jaxllm.spec_decode"], "worker": ["jaxllm.worker", "jaxllm.lora.slots"]},

@@ -28,7 +28,7 @@ from jaxllm.executor import make_executor
 from jaxllm.lora.request import LoRARequest
 from jaxllm.request import Request, RequestStatus, check_token_ids
 from jaxllm.spec_decode import make_proposer
-from jaxllm.spec_decode.config import EAGLE_METHODS
+from jaxllm.speculative_config import EAGLE_METHODS
 from jaxllm.worker.step_output import StepOutput
 
 logger = logging.getLogger(__name__)

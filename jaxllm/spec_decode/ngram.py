@@ -5,8 +5,8 @@ comparison over the request's tokens per step; each request's tokens are kept in
 numpy array that grows with its output, so a step copies only its new tokens."""
 import numpy as np
 
-from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.request import Request
+from jaxllm.speculative_config import SpeculativeConfig
 
 
 class NgramProposer:

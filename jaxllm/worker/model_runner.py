@@ -44,7 +44,7 @@ from jaxllm.lora.slots import LoRASlots
 from jaxllm.models.kv_layout import model_kv_layout
 from jaxllm.sample.sampler import SampleMode
 from jaxllm.sharding import make_mesh, make_stage_meshes, replicated
-from jaxllm.spec_decode.config import EAGLE_METHODS
+from jaxllm.speculative_config import EAGLE_METHODS
 from jaxllm.utils import cdiv
 from jaxllm.worker import input_batch as batching, kv_heads, model_loader
 from jaxllm.worker.draft_model import DraftModel

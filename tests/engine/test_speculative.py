@@ -6,8 +6,8 @@ from scipy import stats
 
 from jaxllm import LLM, SamplingParams, compilation
 from jaxllm.config import EngineArgs
-from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.spec_decode.ngram import NgramProposer, propose_ngram
+from jaxllm.speculative_config import SpeculativeConfig
 from tests.conftest import tiny_model
 
 pytestmark = pytest.mark.usefixtures("warm_up_every_engine")

@@ -1,5 +1,5 @@
 """SpeculativeConfig: EngineArgs.speculative_config (vLLM's keys) parsed and checked; the draft model or
-EAGLE head it names is resolved beside the target by EngineArgs.create_config (jaxllm/config.py)."""
+EAGLE head it names is resolved beside the target by EngineArgs.create_config (config.py)."""
 from __future__ import annotations
 
 import dataclasses
